@@ -1,0 +1,49 @@
+"""
+The harness the distributed tests share: launch real processes with torchrun on the CPU
+(gloo), exactly as a user would, and fail instead of hanging.
+
+    result = torchrun("parallel.py", ["--tp", "2"], nproc=2)
+    assert result.returncode == 0, result.output
+
+`sys.executable -m torch.distributed.run` rather than a `torchrun` on PATH, so the
+processes use this interpreter and its packages. GLOO_SOCKET_IFNAME=lo: in a sandbox gloo
+may fail to pick a network interface on its own.
+"""
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str          # stdout and stderr together, in order
+
+
+def run_python(script, args=(), timeout=120, env=None, cwd=ROOT):
+    """`python script args...` as a user would type it."""
+    return _run([sys.executable, script, *map(str, args)], timeout, env, cwd)
+
+
+def torchrun(script, args=(), nproc=2, timeout=180, env=None, cwd=ROOT, extra=()):
+    """`torchrun --standalone --nproc_per_node=nproc script args...` on the CPU.
+    extra: more torchrun flags (e.g. --max-restarts=1)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", *extra, script, *map(str, args)]
+    return _run(cmd, timeout, env, cwd)
+
+
+def _run(cmd, timeout, env, cwd):
+    full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.setdefault("PYTHONPATH", ROOT)
+    try:
+        p = subprocess.run(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{out}") from None
+    return Result(p.returncode, p.stdout)
