@@ -46,6 +46,8 @@ import numpy as np
 import tiktoken
 import torch
 
+from plumbing import UserError
+
 DEFAULT_VOCAB_SIZE = 4096     # = enc.n_vocab: 256 bytes + 3839 merges + <|endoftext|>
 EOT = "<|endoftext|>"         # the one special token: separates documents
 VAL_FRACTION = 0.05           # val = the last 5% of the token stream (see load_corpus)
@@ -239,23 +241,23 @@ def read_documents(data_path: str | None = None) -> tuple[str, list[str]]:
         name = f"python{sysconfig.get_python_version()}-stdlib"
     else:
         if not os.path.isfile(data_path):
-            raise FileNotFoundError(f"data file not found: {data_path}")
+            raise UserError(f"data file not found: {data_path}")
         with open(data_path, "rb") as fh:
             raw = fh.read()
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{data_path} is not UTF-8 text (bad byte at offset {e.start})") from None
+            raise UserError(f"{data_path} is not UTF-8 text (bad byte at offset {e.start})") from None
         docs = [d for d in text.split(EOT) if d]
         name = os.path.splitext(os.path.basename(data_path))[0]
     if not any(d.strip() for d in docs):
-        raise ValueError(f"corpus {data_path or name} is empty (no text to train on)")
+        raise UserError(f"corpus {data_path or name} is empty (no text to train on)")
     return name, docs
 
 
 def _check_vocab_size(vocab_size: int) -> None:
     if not 258 <= vocab_size <= MAX_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be in [258, {MAX_VOCAB_SIZE}] (256 bytes + >=1 merge"
+        raise UserError(f"vocab_size must be in [258, {MAX_VOCAB_SIZE}] (256 bytes + >=1 merge"
                          f" + <|endoftext|>; ids are stored as uint16), got {vocab_size}")
 
 
@@ -328,7 +330,7 @@ def load_corpus(data_path: str | None = None, vocab_size: int = DEFAULT_VOCAB_SI
         ids = np.array(ids[:-1], dtype=np.uint16)
         n_val = int(len(ids) * VAL_FRACTION)
         if n_val < 2 or len(ids) - n_val < 2:
-            raise ValueError(f"corpus {data_path or name} is too small: {len(ids)} tokens leave "
+            raise UserError(f"corpus {data_path or name} is too small: {len(ids)} tokens leave "
                              f"{n_val} for val ({VAL_FRACTION:.0%}); each split needs >= 2")
         for path, part in zip(paths, (ids[: len(ids) - n_val], ids[len(ids) - n_val:])):
             _atomic_write(path, lambda f, part=part: f.write(part.tobytes()))
@@ -345,7 +347,7 @@ def load_corpus(data_path: str | None = None, vocab_size: int = DEFAULT_VOCAB_SI
 def get_batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int,
               rank: int = 0, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     if len(tokens) < seq_len + 1:
-        raise ValueError(f"need at least seq_len + 1 = {seq_len + 1} tokens, the split has {len(tokens)}")
+        raise UserError(f"need at least seq_len + 1 = {seq_len + 1} tokens, the split has {len(tokens)}")
     rng = np.random.default_rng([seed, step, rank])
     starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
     rows = np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int64)
@@ -388,7 +390,7 @@ def make_problems(n: int, seed: int, digits: int = 2, ops: str = "+-", split: st
     """n problems of the split, operands with up to `digits` digits, drawn with
     replacement. For "-" the larger operand comes first, so answers are never negative."""
     if not ops or set(ops) - set("+-*") or digits < 1 or split not in ("train", "test"):
-        raise ValueError(f"need ops from '+-*', digits >= 1, split train|test; got {ops!r}, {digits}, {split!r}")
+        raise UserError(f"need ops from '+-*', digits >= 1, split train|test; got {ops!r}, {digits}, {split!r}")
     rng, out = random.Random(seed), []
     for _ in range(1000 * (n + 10)):  # rejection sampling: keep the split's problems
         if len(out) == n:
@@ -400,7 +402,7 @@ def make_problems(n: int, seed: int, digits: int = 2, ops: str = "+-", split: st
         if problem_split(prompt) == split:
             out.append(Problem(prompt, str(a + b if op == "+" else a - b if op == "-" else a * b)))
     if len(out) < n:
-        raise ValueError(f"too few {split} problems with digits={digits}, ops={ops!r}")
+        raise UserError(f"too few {split} problems with digits={digits}, ops={ops!r}")
     return out
 
 
@@ -444,7 +446,7 @@ def main() -> None:
             return
         t0 = time.perf_counter()
         c = load_corpus(args.data, args.vocab_size)
-    except (ValueError, FileNotFoundError) as e:
+    except UserError as e:
         raise SystemExit(f"error: {e}")
     print(f"corpus     {c.name}: {c.n_docs} documents, {c.n_bytes / 1e6:.2f} MB  (loaded in {time.perf_counter() - t0:.1f} s)")
     print(f"tokenizer  n_vocab {c.enc.n_vocab}, trained in {c.tokenizer_seconds:.1f} s (cached in {cache_dir()})")

@@ -226,7 +226,7 @@ def test_bad_corpus_errors(tmp_path, monkeypatch, content, match):
 
 
 def test_missing_file_and_bad_vocab(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not found: .*nope.txt"):
+    with pytest.raises(ValueError, match="not found: .*nope.txt"):
         data.load_corpus(str(tmp_path / "nope.txt"))
     for v in (257, 65536, 0):
         with pytest.raises(ValueError, match="vocab_size must be in"):

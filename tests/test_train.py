@@ -1,0 +1,209 @@
+import glob
+import os
+import sysconfig
+
+import pytest
+import torch
+
+import train
+from harness import run_python
+from model import GPT, get_config
+from plumbing import ActivationMeter, model_state_bytes
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory):
+    """~150 KB of real text (a few standard-library sources): enough to train `tiny` on in
+    seconds; its tokenizer is trained once and cached."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    text, i = "", 0
+    while len(text) < 150_000:
+        text += open(files[i], encoding="utf-8").read()
+        i += 1
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def tiny_args(text_file, *extra):
+    return ["--preset", "tiny", "--data", text_file, "--batch-size", "4", "--seq-len", "32",
+            "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "2",
+            "--sample-tokens", "0", "--warmup-steps", "2", *extra]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_resume_reproduces_the_uninterrupted_run(text_file, tmp_path, precision):
+    common = tiny_args(text_file, "--steps", "8", "--precision", precision,
+                       "--save-interval", "100")
+    straight = train.main(common + ["--ckpt", str(tmp_path / "a.pt")])
+    half = train.main(common + ["--ckpt", str(tmp_path / "b.pt"), "--stop-after", "4"])
+    assert len(half["loss"]) == 4
+    resumed = train.main(common + ["--ckpt", str(tmp_path / "b.pt"), "--resume"])
+    assert len(straight["loss"]) == 8
+    assert resumed["loss"] == straight["loss"]          # exactly, not approximately
+    assert resumed["val"] == straight["val"]
+
+
+def make_setup(precision="fp32", **overrides):
+    cfg = get_config("tiny", **overrides)
+    args = train.parse_args(["--preset", "tiny", "--precision", precision, "--grad-clip", "0",
+                             "--lr", "1e-3"])
+    model = GPT(cfg, seed=0)
+    master = None
+    if precision in train.LOW_PRECISION:
+        master = train.MasterWeights(model, train.LOW_PRECISION[precision])
+    params = master.params if master else list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    scaler = train.LossScaler(2.0 ** 10, 1000, enabled=precision == "fp16")
+    return cfg, args, model, opt, scaler, master
+
+
+def batch(cfg, b, t=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, cfg.vocab_size, (b, t + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    cfg, args, big, opt_big, _, _ = make_setup()
+    _, _, acc, opt_acc, _, _ = make_setup()
+    x, y = batch(cfg, 8)
+    loss_big, _, _ = train.train_step(big, opt_big, [(x, y)], args, "cpu")
+    grads_big = [p.grad.clone() for p in big.parameters()]
+    micro = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)]
+    loss_acc, _, _ = train.train_step(acc, opt_acc, micro, args, "cpu")
+    assert abs(loss_big - loss_acc) < 1e-6
+    for gb, pa in zip(grads_big, acc.parameters()):
+        torch.testing.assert_close(pa.grad, gb, rtol=1e-5, atol=1e-7)
+    # after one AdamW step (update ≈ lr·g/|g|, lr = 1e-3): equal to 1% of the step size
+    for pb, pa in zip(big.parameters(), acc.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["math", "sdpa"])
+def test_activation_checkpointing_same_grads_fewer_bytes(attn):
+    x, y = batch(get_config("tiny"), 4, 64)
+    grads, act = {}, {}
+    for mode in ("none", "selective", "full"):
+        model = GPT(get_config("tiny", attn=attn), seed=0)
+        train.apply_activation_checkpointing(model, mode)
+        with ActivationMeter(model) as meter:
+            _, loss = model(x, y)
+        act[mode] = meter.bytes
+        loss.backward()
+        grads[mode] = [p.grad for p in model.parameters()]
+    for mode in ("selective", "full"):
+        for g, ref in zip(grads[mode], grads["none"]):
+            torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
+    assert act["full"] < act["selective"] < act["none"]
+    if attn == "math":        # the T×T scores are the big saving
+        assert act["selective"] < 0.8 * act["none"]
+
+
+def test_checkpointing_replays_autocast():
+    model = GPT(get_config("tiny"), seed=0)
+    ref = GPT(get_config("tiny"), seed=0)
+    train.apply_activation_checkpointing(model, "full")
+    x, y = batch(model.config, 2)
+    for m in (model, ref):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(x, y)[1].backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-5)
+
+
+def test_inf_gradient_skips_step_and_halves_scale():
+    cfg, args, model, opt, scaler, master = make_setup("fp16")
+    x, y = batch(cfg, 2)
+    train.train_step(model, opt, [(x, y)], args, "cpu", scaler, master)   # one clean step
+    model.zero_grad(set_to_none=True)
+    before_model = [p.detach().clone() for p in model.parameters()]
+    before_master = [p.detach().clone() for p in master.params]
+    before_opt = [s["exp_avg"].clone() for s in opt.state.values()]
+    scale = scaler.scale
+    victim = model.layers[0].attention.wq.weight
+    handle = victim.register_hook(lambda g: torch.full_like(g, float("inf")))
+    _, _, skipped = train.train_step(model, opt, [(x, y)], args, "cpu", scaler, master)
+    handle.remove()
+    assert skipped and scaler.scale == scale / 2 and scaler.skipped == 1
+    for a, b in zip(model.parameters(), before_model):
+        assert torch.equal(a, b)
+    for a, b in zip(master.params, before_master):
+        assert torch.equal(a, b)
+    for s, b in zip(opt.state.values(), before_opt):
+        assert torch.equal(s["exp_avg"], b)
+    model.zero_grad(set_to_none=True)
+    _, _, skipped = train.train_step(model, opt, [(x, y)], args, "cpu", scaler, master)
+    wq_index = [n for n, _ in model.named_parameters()].index("layers.0.attention.wq.weight")
+    assert not skipped and not torch.equal(victim, before_model[wq_index])
+
+
+def test_loss_scale_grows_after_clean_steps():
+    s = train.LossScaler(8.0, growth_interval=3)
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 16.0
+    s.update(True)
+    assert s.scale == 8.0 and s.clean_steps == 0
+
+
+@pytest.mark.parametrize("precision,per_param", [
+    ("fp32", {"params": 4, "grads": 4, "master": 0, "optimizer": 8}),
+    ("bf16", {"params": 2, "grads": 2, "master": 4, "optimizer": 8}),
+    ("fp16", {"params": 2, "grads": 2, "master": 4, "optimizer": 8})])
+def test_model_state_bytes_equal_the_formula(precision, per_param):
+    cfg, args, model, opt, scaler, master = make_setup(precision)
+    x, y = batch(cfg, 2)
+    train.train_step(model, opt, [(x, y)], args, "cpu", scaler, master)
+    state = model_state_bytes(model, opt, master.params if master else ())
+    n = model.num_params()
+    for key, per in per_param.items():
+        assert state[key] == per * n, (key, state[key], per * n)
+    assert state["total"] - state["opt_scalars"] == 16 * n   # mixed precision saves nothing
+
+
+def test_training_learns_below_the_unigram_baseline(text_file, tmp_path):
+    hist = train.main(tiny_args(text_file, "--steps", "150", "--eval-interval", "150",
+                                "--eval-iters", "8", "--batch-size", "16", "--seq-len", "64",
+                                "--log-interval", "50", "--ckpt", str(tmp_path / "c.pt")))
+    assert hist["val"][-1][1] < hist["unigram"] - 0.3
+
+
+def test_estimate_prints_the_formulas(capsys):
+    train.main(["--estimate", "7B"])
+    out = capsys.readouterr().out
+    assert "112.0 GB" in out and "140.0 GB" in out
+
+
+def test_bench_rows(text_file, capsys):
+    rows = train.main(["bench", "--preset", "tiny", "--data", text_file, "--batch-size", "4",
+                       "--seq-len", "64", "--bench-steps", "2"])
+    by = {label: (state, act) for label, state, act, _ in rows}
+    assert by["full checkpointing"][1] < by["selective checkpointing"][1] < by["baseline fp32"][1]
+    assert by["grad accumulation ×4"][1] < 0.4 * by["baseline fp32"][1]
+    assert by["bf16 + fp32 master"][0] == by["baseline fp32"][0]     # 16 B/param either way
+    assert "technique" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--preset", "huge"], "unknown preset"),
+    (["--preset", "tiny", "--n-head", "4", "--n-kv-head", "3"], "not divisible by n_kv_head"),
+    (["--preset", "tiny", "--seq-len", "1000"], "longer than the model's context"),
+    (["--resume", "--ckpt", "/nonexistent/x.pt"], "not found"),
+    (["--estimate", "lots"], "cannot read a parameter count"),
+])
+def test_bad_input_gets_one_clear_message(argv, message, capsys, text_file):
+    with pytest.raises(SystemExit) as e:
+        train.run_cli(train.main, argv + ["--data", text_file])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_input_from_the_command_line(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    result = run_python("train.py", ["--preset", "tiny", "--data", str(empty)], timeout=60)
+    assert result.returncode == 2
+    assert "error:" in result.output and "empty" in result.output
+    assert "Traceback" not in result.output

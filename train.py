@@ -1,0 +1,565 @@
+"""
+train.py -- training the shared GPT, and where the memory of a training step goes.
+
+Run:  python train.py                       # the demo: `small` on the built-in corpus
+      python train.py --preset tiny --steps 50 --precision fp16 --checkpointing full
+      python train.py --resume              # continue from out/ckpt.pt
+      python train.py --estimate 7B         # the memory formulas for any size
+      python train.py bench                 # the trade-off rows: what each technique costs
+
+What a training step holds in memory, per parameter (Ψ = parameter count):
+  fp32:             params 4 + grads 4 + Adam m, v 4 + 4                 = 16 B/param
+  mixed precision:  bf16/fp16 params 2 + grads 2 + fp32 master weights 4
+                    + Adam m, v 4 + 4                                    = 16 B/param
+  So mixed precision alone saves NO model-state memory (it even keeps a second copy of
+  the weights). What it buys: 2-byte activations and, on GPUs, 2-16× faster matmuls. The
+  model state is only reduced by sharding it (ZeRO, issue 3 / parallel.py).
+  Activations per layer (Korthikanti et al. 2022, 16-bit, no recompute):
+      s·b·h·(34 + 5·a·s/h) bytes     (s seq, b batch, h hidden, a heads)
+  -- linear in the batch, quadratic in the sequence through the attention scores.
+
+Techniques here and their price:
+  - mixed precision: bf16 autocast (fp32 weights, bf16 matmuls), or the classic recipe
+    written by hand: weights in bf16/fp16 + fp32 master copy; fp16 also needs dynamic loss
+    scaling (Micikevicius et al. 2018) because small gradients underflow fp16. Costs: an
+    extra fp32 copy (4 B/param), rounding error, skipped steps on overflow.
+  - activation checkpointing (Chen et al. 2016): keep only each block's input and recompute
+    the block in backward (full: ≈ +1 forward, ~+33% step time, activations ÷ ~L·const),
+    or recompute only the cheap-but-big parts -- attention scores and the SwiGLU product --
+    (selective, Korthikanti et al. 2022: removes the 5·a·s/h term for a few % of time).
+  - gradient accumulation: k micro-batches of b instead of one of k·b: activations ÷ k,
+    same update (tested), but k sequential forward/backward passes.
+"""
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+
+import data
+from model import GPT, get_config, load_model, PRESETS, GPTConfig
+from plumbing import (ActivationMeter, StepTimer, UserError, fmt_bytes, fmt_count, gpu_peak_flops,
+                      model_state_bytes, print0, rng_state, run_cli, seed_everything,
+                      set_rng_state, setup_runtime)
+
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ----------------------------------------------------------------------------------------
+# Activation checkpointing, by hand
+
+class Checkpoint(torch.autograd.Function):
+    """Run fn without recording the graph; keep only its tensor inputs. In backward, run fn
+    again with the graph on and backpropagate through that fresh graph. Memory: the inputs
+    instead of every intermediate. Time: one extra forward of fn. (This is torch's
+    "reentrant" checkpoint; parameters inside fn receive their gradients from the inner
+    backward call.)"""
+
+    @staticmethod
+    def forward(ctx, fn, *args):
+        ctx.fn = fn
+        ctx.is_tensor = [torch.is_tensor(a) for a in args]
+        ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
+        ctx.save_for_backward(*[a for a, t in zip(args, ctx.is_tensor) if t])
+        device = next((a.device.type for a in args if torch.is_tensor(a)), "cpu")
+        # the recomputation must see the same autocast setting as the first computation
+        ctx.autocast = (device, torch.is_autocast_enabled(device),
+                        torch.get_autocast_dtype(device))
+        with torch.no_grad():
+            return fn(*args)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = iter(ctx.saved_tensors)
+        args = [next(saved).detach().requires_grad_(True) if t else a
+                for a, t in zip(ctx.others, ctx.is_tensor)]
+        device, enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            out = ctx.fn(*args)
+        torch.autograd.backward(out, grad_out)
+        return (None,) + tuple(a.grad if t else None for a, t in zip(args, ctx.is_tensor))
+
+
+def checkpointed(fn):
+    return lambda *args: Checkpoint.apply(fn, *args)
+
+
+def apply_activation_checkpointing(model, mode):
+    """full: each block keeps only its input. selective: keep the matmul outputs, recompute
+    the attention core (scores, softmax, weighted sum) and the SwiGLU product."""
+    for block in model.layers:
+        if mode == "full":
+            block.forward = checkpointed(block.forward)   # instance attribute wins
+        elif mode == "selective":
+            block.attention.attn_fn = checkpointed(block.attention.attn_fn)
+            ffns = getattr(block.feed_forward, "experts", [block.feed_forward])
+            for ffn in ffns:
+                ffn.act_fn = checkpointed(ffn.act_fn)
+        elif mode != "none":
+            raise UserError(f"unknown checkpointing mode {mode!r}: none, selective or full")
+
+
+# ----------------------------------------------------------------------------------------
+# Mixed precision with master weights and dynamic loss scaling, by hand
+
+class LossScaler:
+    """fp16 has 5 exponent bits: gradients below ~6e-8 become 0. Multiply the loss by S
+    (so every gradient is S× larger), divide the gradients by S before the update.
+    Dynamic: if any gradient is inf/NaN the scale was too big -> skip the step, halve S;
+    after `growth_interval` clean steps, try S·2. (Micikevicius et al. 2018)"""
+
+    def __init__(self, init_scale=2.0 ** 16, growth_interval=1000, enabled=True):
+        self.scale, self.growth_interval, self.enabled = init_scale, growth_interval, enabled
+        self.clean_steps, self.skipped = 0, 0
+
+    def update(self, found_inf):
+        if found_inf:
+            self.scale /= 2
+            self.clean_steps = 0
+            self.skipped += 1
+        else:
+            self.clean_steps += 1
+            if self.clean_steps % self.growth_interval == 0:
+                self.scale *= 2
+
+    def state_dict(self):
+        return dict(scale=self.scale, clean_steps=self.clean_steps, skipped=self.skipped)
+
+    def load_state_dict(self, s):
+        self.scale, self.clean_steps, self.skipped = s["scale"], s["clean_steps"], s["skipped"]
+
+
+class MasterWeights:
+    """The model holds bf16/fp16 weights (forward/backward run in low precision); the
+    optimizer steps fp32 copies of them, because an update of size lr·g ≪ w vanishes when
+    rounded to 8 (bf16) or 11 (fp16) significant bits."""
+
+    def __init__(self, model, dtype):
+        self.model_params = [p for p in model.parameters() if p.requires_grad]
+        # the master copy is taken BEFORE rounding the model's weights (a resumed run must
+        # continue from the saved fp32 values, not from their fp16 rounding)
+        self.params = [p.detach().float().clone().requires_grad_(True)
+                       for p in self.model_params]
+        for p in self.model_params:       # weights only: the RoPE tables stay fp32
+            p.data = p.data.to(dtype)
+
+    def grads_to_master(self, inv_scale):
+        """fp32 copies of the gradients, unscaled; returns True if any is inf/NaN."""
+        found_inf = False
+        for mp, p in zip(self.params, self.model_params):
+            g = p.grad.float() * inv_scale
+            found_inf |= not bool(torch.isfinite(g).all())
+            mp.grad = g
+        return found_inf
+
+    @torch.no_grad()
+    def master_to_model(self):
+        for mp, p in zip(self.params, self.model_params):
+            p.copy_(mp)
+            mp.grad = None      # the fp32 gradient copy lives only during the step
+
+
+# ----------------------------------------------------------------------------------------
+# The schedule, the step, the evaluation
+
+def learning_rate(step, args):
+    """Linear warmup then cosine decay to min_lr (GPT-3 / Chinchilla recipe)."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def autocast_ctx(args, device):
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16,
+                          enabled=args.precision == "autocast-bf16")
+
+
+def train_step(model, optimizer, batches, args, device, scaler=None, master=None):
+    """One optimizer step over len(batches) micro-batches (gradient accumulation: the loss
+    of each is divided by their number, so the summed gradient is that of the mean loss).
+    Returns (mean loss, activation bytes of one micro-batch, step skipped?)."""
+    total, act_bytes = 0.0, 0
+    scale = scaler.scale if scaler is not None and scaler.enabled else 1.0
+    for x, y in batches:
+        with ActivationMeter(model) as meter, autocast_ctx(args, device):
+            _, loss = model(x, y)
+        act_bytes = max(act_bytes, meter.bytes)
+        (loss * (scale / len(batches))).backward()
+        total += loss.item() / len(batches)
+    found_inf = False
+    if master is not None:
+        found_inf = master.grads_to_master(1.0 / scale)
+        params = master.params
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+    if scaler is not None and scaler.enabled:
+        scaler.update(found_inf)
+    if not found_inf:
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        optimizer.step()
+        if master is not None:
+            master.master_to_model()
+    elif master is not None:
+        for p in master.params:
+            p.grad = None
+    return total, act_bytes, found_inf
+
+
+@torch.no_grad()
+def evaluate(model, corpus, args, device):
+    """Mean loss over eval_iters fixed validation batches (the same batches every time)."""
+    model.eval()
+    losses = []
+    for i in range(args.eval_iters):
+        x, y = data.get_batch(corpus.val, args.batch_size, args.seq_len, args.seed + 1, i,
+                              device=device)
+        with autocast_ctx(args, device):
+            losses.append(model(x, y)[1].item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def micro_batches(corpus, args, step, device, rank=0):
+    """A batch is a pure function of (seed, step, micro-step, rank): resuming at step k
+    sees exactly the data the uninterrupted run saw."""
+    return [data.get_batch(corpus.train, args.batch_size, args.seq_len, args.seed,
+                           step * args.grad_accum + m, rank=rank, device=device)
+            for m in range(args.grad_accum)]
+
+
+# ----------------------------------------------------------------------------------------
+# Checkpoints
+
+def save_checkpoint(path, model, optimizer, scaler, master, step, args, corpus, history):
+    """One file: the config and tokenizer (so any script can rebuild the model alone), fp32
+    weights, optimizer and loss-scale state, the step (= data position: batches are a
+    function of the step), every RNG state, and the losses so far."""
+    weights = model.state_dict()
+    if master is not None:   # the fp32 master copy is the real weights
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        weights = {**weights, **{n: p.detach() for n, p in zip(names, master.params)}}
+    weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+    ckpt = dict(config=asdict(model.config), model=weights, optimizer=optimizer.state_dict(),
+                scaler=scaler.state_dict(), step=step, args=vars(args), rng=rng_state(),
+                tokenizer=data.encoding_to_state(corpus.enc), corpus=corpus.name,
+                history=history)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)      # atomic: a crash mid-save never leaves half a checkpoint
+
+
+# ----------------------------------------------------------------------------------------
+# The memory story, measured and next to the formulas
+
+def model_state_report(state, n_params, precision):
+    """Measured bytes per rank vs the textbook formula for this run's dtypes."""
+    if precision in LOW_PRECISION:
+        formula = {"params": 2, "grads": 2, "master": 4, "optimizer": 8}
+        label = f"{precision} params 2 + grads 2 + fp32 master 4 + Adam 8"
+    else:
+        formula = {"params": 4, "grads": 4, "master": 0, "optimizer": 8}
+        label = "fp32 params 4 + grads 4 + Adam 8"
+    lines = [f"model state, Ψ = {n_params:,} parameters ({label} = 16 B/param):"]
+    for key, per in formula.items():
+        ok = "==" if state[key] == per * n_params else "!="
+        lines.append(f"  {key:<10} measured {state[key]:>12,} B  {ok} formula {per:>2}Ψ = "
+                     f"{per * n_params:>12,} B")
+    lines.append(f"  total      measured {fmt_bytes(state['total'] - state['opt_scalars'])}"
+                 f" = {(state['total'] - state['opt_scalars']) / n_params:.2f} B/param"
+                 f" (+{state['opt_scalars']} B of per-tensor Adam step counters)")
+    return "\n".join(lines)
+
+
+def activation_formula(seq, batch, hidden, heads, layers, bytes_per_value=2):
+    """Korthikanti et al. 2022, eq. 2: s·b·h·(34 + 5·a·s/h) bytes per layer in 16-bit (a
+    GPT-3 block with dropout and a 4h MLP). Scaled by bytes_per_value/2 for fp32."""
+    per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden)
+    return per_layer * layers * bytes_per_value / 2
+
+
+def estimate(args):
+    n = parse_count(args.estimate)
+    L, h, a, s, b = (int(v) for v in args.est_shape.split(","))
+    rows = [("fp32: params 4 + grads 4 + Adam 8", 16),
+            ("mixed: bf16 params 2 + grads 2 + fp32 master 4 + Adam 8", 16),
+            ("mixed, fp32 gradient accumulation buffer (+4)", 20),
+            ("inference only, bf16 weights", 2)]
+    print(f"model state for Ψ = {fmt_count(n)} parameters (decimal units):")
+    for label, per in rows:
+        print(f"  {label:<58} {per:>2} B/param  {fmt_bytes(per * n):>10}")
+    act = activation_formula(s, b, h, a, L)
+    print(f"activations (Korthikanti et al. 2022, 16-bit), L={L} h={h} heads={a} seq={s} "
+          f"batch={b}:")
+    print(f"  no recompute   s·b·h·(34 + 5·a·s/h)·L        {fmt_bytes(act):>10}")
+    print(f"  selective      s·b·h·34·L (scores recomputed)  "
+          f"{fmt_bytes(s * b * h * 34 * L):>10}")
+    print(f"  full recompute 2·s·b·h·L (block inputs only)   {fmt_bytes(2 * s * b * h * L):>10}")
+
+
+def parse_count(text):
+    units = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+    try:
+        t = text.strip().upper()
+        return int(float(t[:-1]) * units[t[-1]]) if t[-1] in units else int(float(t))
+    except (ValueError, IndexError, KeyError):
+        raise UserError(f"cannot read a parameter count from {text!r} (try 7B, 124M, 1.5e9)")
+
+
+# ----------------------------------------------------------------------------------------
+# Building and the loop
+
+def build(args, rt):
+    """-> model, optimizer, scaler, master weights, corpus, starting step, history."""
+    resume = None
+    if args.resume:
+        if not os.path.exists(args.ckpt):
+            raise UserError(f"--resume: checkpoint {args.ckpt!r} not found")
+        resume = torch.load(args.ckpt, map_location="cpu", weights_only=False)
+        cfg = GPTConfig(**resume["config"]).validate()
+    else:
+        cfg = get_config(args.preset, n_layer=args.n_layer, n_embd=args.n_embd,
+                         n_head=args.n_head, n_kv_head=args.n_kv_head,
+                         block_size=args.block_size, attn=args.attn, n_expert=args.n_expert)
+    corpus = data.load_corpus(args.data, vocab_size=args.vocab_size or cfg.vocab_size)
+    if corpus.enc.n_vocab != cfg.vocab_size:
+        if resume:
+            raise UserError("the checkpoint's vocabulary does not match this corpus's tokenizer")
+        cfg = get_config(args.preset, **{**asdict(cfg), "vocab_size": corpus.enc.n_vocab})
+    args.seq_len = args.seq_len or cfg.block_size
+    if args.seq_len > cfg.block_size:
+        raise UserError(f"--seq-len {args.seq_len} is longer than the model's context "
+                        f"(block_size={cfg.block_size})")
+    model = GPT(cfg, seed=args.seed).to(rt.device)
+    if resume:
+        model.load_state_dict(resume["model"])
+    master = None
+    if args.precision in LOW_PRECISION:
+        master = MasterWeights(model, LOW_PRECISION[args.precision])
+    apply_activation_checkpointing(model, args.checkpointing)
+    params = master.params if master else list(model.parameters())
+    # The usual split: no weight decay on norms (1-D gains), decay on matrices.
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=args.lr, betas=(args.beta1, args.beta2), eps=1e-8)
+    scaler = LossScaler(args.loss_scale, args.scale_window, enabled=args.precision == "fp16")
+    step, history = 0, {"loss": [], "val": []}
+    if resume:
+        optimizer.load_state_dict(resume["optimizer"])
+        scaler.load_state_dict(resume["scaler"])
+        step, history = resume["step"], resume["history"]
+        set_rng_state(resume["rng"])
+    return model, optimizer, scaler, master, corpus, step, history
+
+
+def train(args, rt):
+    seed_everything(args.seed)
+    model, optimizer, scaler, master, corpus, step, history = build(args, rt)
+    cfg, n_params = model.config, model.num_params()
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
+    peak = gpu_peak_flops(rt.device)
+    print0(f"model {args.preset}: {n_params:,} params ({cfg.n_layer} layers, d={cfg.n_embd}, "
+           f"{cfg.n_head} heads / {cfg.n_kv_head} kv, vocab {cfg.vocab_size}) | corpus "
+           f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, "
+           f"{corpus.bytes_per_token:.2f} bytes/token | {tokens_per_step:,} tokens/step | "
+           f"{args.precision}, checkpointing {args.checkpointing}, device {rt.device}")
+    if step == 0:
+        baseline = data.unigram_baseline_loss(corpus.train, corpus.val, cfg.vocab_size)
+        history["unigram"] = baseline
+        print0(f"unigram baseline val loss {baseline:.3f} (uniform: {math.log(cfg.vocab_size):.3f})")
+    state, act_bytes, t_start, first_step = None, 0, time.time(), step
+    while step < args.steps and step - first_step < (args.stop_after or args.steps):
+        lr = learning_rate(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batches = micro_batches(corpus, args, step, rt.device, rt.rank)
+        with StepTimer(rt.device) as timer:
+            loss, act_bytes, skipped = train_step(model, optimizer, batches, args, rt.device,
+                                                  scaler, master)
+        state = model_state_bytes(model, optimizer, master.params if master else ())
+        model.zero_grad(set_to_none=True)
+        history["loss"].append(loss)
+        step += 1
+        if step % args.log_interval == 0 or step == args.steps:
+            line = (f"step {step:4d} | loss {loss:.4f} | lr {lr:.2e} | "
+                    f"{fmt_count(tokens_per_step / timer.seconds)} tok/s | "
+                    f"{timer.seconds * 1000:.0f} ms | state {fmt_bytes(state['total'])} | "
+                    f"act {fmt_bytes(act_bytes)}")
+            if peak:
+                mfu = model.flops_per_token(args.seq_len) * tokens_per_step / timer.seconds / peak
+                line += f" | mfu {100 * mfu:.1f}%"
+            if args.precision == "fp16":
+                line += f" | scale {scaler.scale:g}" + (" SKIPPED" if skipped else "")
+            print0(line)
+        if step % args.eval_interval == 0 or step == args.steps:
+            val = evaluate(model, corpus, args, rt.device)
+            history["val"].append((step, val))
+            print0(f"step {step:4d} | val loss {val:.4f}")
+        stopping = step == args.steps or step - first_step == args.stop_after
+        if args.save_interval and (step % args.save_interval == 0 or stopping):
+            save_checkpoint(args.ckpt, model, optimizer, scaler, master, step, args, corpus,
+                            history)
+    elapsed = time.time() - t_start
+    if state is not None:
+        print0(model_state_report(state, n_params, args.precision))
+        a = activation_formula(args.seq_len, args.batch_size, cfg.n_embd, cfg.n_head,
+                               cfg.n_layer, 4 if args.precision == "fp32" else 2)
+        print0(f"activations of one micro-batch: measured {fmt_bytes(act_bytes)} vs "
+               f"Korthikanti's GPT-3-block formula {fmt_bytes(a)} (ours: no dropout, SwiGLU, "
+               f"GQA, checkpointing={args.checkpointing})")
+    print0(f"trained {step} steps in {elapsed:.1f} s")
+    if args.sample_tokens and step > 0:
+        sample(model, corpus.enc, args, rt.device)
+    history["elapsed"] = elapsed
+    return history
+
+
+def sample(model, enc, args, device):
+    model.eval()
+    prompt = enc.encode_ordinary(args.prompt)
+    n = min(args.sample_tokens, model.config.block_size - len(prompt))
+    with autocast_ctx(args, device):
+        out = model.generate(prompt, n, temperature=args.temperature, top_k=args.top_k,
+                             seed=args.seed, eos_id=enc.eot_token)
+    print0("---- sample ----\n" + enc.decode(prompt + out) + "\n----------------")
+
+
+# ----------------------------------------------------------------------------------------
+# bench: the trade-off rows, each technique against the fp32 baseline in the same run
+
+def bench(args, rt):
+    """Same model, same tokens per step; what each technique does to model state,
+    activations and step time. On CPU, bf16/fp16 matmuls are emulated and slow: read their
+    memory columns, not their time."""
+    rows = [("baseline fp32", {}),
+            ("selective checkpointing", {"checkpointing": "selective"}),
+            ("full checkpointing", {"checkpointing": "full"}),
+            (f"grad accumulation ×4", {"grad_accum": 4, "batch_size": args.batch_size // 4}),
+            ("autocast bf16", {"precision": "autocast-bf16"}),
+            ("bf16 + fp32 master", {"precision": "bf16"}),
+            ("fp16 + master + loss scaling", {"precision": "fp16"})]
+    if args.batch_size % 4:
+        raise UserError("bench needs --batch-size divisible by 4 (for the accumulation row)")
+    results = []
+    for label, changes in rows:
+        run = argparse.Namespace(**{**vars(args), **changes, "steps": args.bench_steps,
+                                    "log_interval": 10 ** 9, "eval_interval": 10 ** 9,
+                                    "save_interval": 0, "sample_tokens": 0, "resume": False})
+        seed_everything(run.seed)
+        model, optimizer, scaler, master, corpus, _, _ = build(run, rt)
+        times, act = [], 0
+        for step in range(run.steps):
+            batches = micro_batches(corpus, run, step, rt.device)
+            with StepTimer(rt.device) as timer:
+                _, act, _ = train_step(model, optimizer, batches, run, rt.device, scaler, master)
+            state = model_state_bytes(model, optimizer, master.params if master else ())
+            model.zero_grad(set_to_none=True)
+            times.append(timer.seconds)
+        t = min(times[1:] or times)          # the first step pays one-time costs
+        results.append((label, state["total"] - state["opt_scalars"], act, t))
+    base = results[0]
+    print0(f"bench: preset {args.preset}, attention {args.attn}, {args.batch_size}×"
+           f"{args.seq_len} tokens/step, best of {args.bench_steps} steps, device {rt.device}")
+    print0(f"{'technique':<30} {'model state':>12} {'activations':>12} {'act ×':>6} "
+           f"{'step ms':>8} {'time ×':>7}")
+    for label, st, act, t in results:
+        print0(f"{label:<30} {fmt_bytes(st):>12} {fmt_bytes(act):>12} {act / base[2]:6.2f} "
+               f"{t * 1000:8.0f} {t / base[3]:7.2f}")
+    return results
+
+
+# ----------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Train the shared GPT (single process; distributed modes: see README).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("mode", nargs="?", default="train", choices=["train", "bench"],
+                   help="train, or bench: measure each technique's cost against fp32")
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)}")
+    g.add_argument("--n-layer", type=int, help="override the preset's layer count")
+    g.add_argument("--n-embd", type=int, help="override the preset's width")
+    g.add_argument("--n-head", type=int, help="override the preset's attention heads")
+    g.add_argument("--n-kv-head", type=int, help="override the preset's key/value heads")
+    g.add_argument("--n-expert", type=int, help="override the preset's experts (0 = dense)")
+    g.add_argument("--block-size", type=int, help="override the preset's context length")
+    g.add_argument("--attn", default=None, choices=["sdpa", "math"],
+                   help="attention kernel (default: the preset's, sdpa; bench uses math)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None, help="a UTF-8 text file (default: the built-in "
+                   "corpus, the Python standard library's top-level sources)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="tokenizer vocabulary (default: the preset's)")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence "
+                   "(default: the model's block size)")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=600, help="optimizer steps")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=3e-4, help="final learning rate")
+    g.add_argument("--warmup-steps", type=int, default=30)
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--beta1", type=float, default=0.9)
+    g.add_argument("--beta2", type=float, default=0.95)
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0 = off)")
+    g = p.add_argument_group("memory techniques")
+    g.add_argument("--precision", default="fp32",
+                   choices=["fp32", "autocast-bf16", "bf16", "fp16"],
+                   help="fp32; bf16 autocast over fp32 weights; bf16 or fp16 weights with "
+                        "fp32 master weights (fp16 adds dynamic loss scaling)")
+    g.add_argument("--loss-scale", type=float, default=2.0 ** 16, help="initial fp16 scale")
+    g.add_argument("--scale-window", type=int, default=200,
+                   help="clean steps before the fp16 loss scale doubles")
+    g.add_argument("--checkpointing", default="none", choices=["none", "selective", "full"])
+    g = p.add_argument_group("run")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=100)
+    g.add_argument("--eval-iters", type=int, default=20)
+    g.add_argument("--ckpt", default="out/ckpt.pt", help="checkpoint path")
+    g.add_argument("--save-interval", type=int, default=100, help="0 = never save")
+    g.add_argument("--resume", action="store_true", help="continue from --ckpt")
+    g.add_argument("--stop-after", type=int, default=0, help="stop (and save) after this many "
+                   "steps of this invocation; the schedule still runs to --steps (0 = off)")
+    g.add_argument("--sample-tokens", type=int, default=200, help="tokens sampled at the end")
+    g.add_argument("--prompt", default="def ", help="prompt of the final sample")
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--estimate", metavar="N", help="print the memory formulas for N "
+                   "parameters (e.g. 7B) and exit")
+    g.add_argument("--est-shape", default="32,4096,32,4096,1",
+                   help="layers,hidden,heads,seq,batch for --estimate's activation rows")
+    g.add_argument("--bench-steps", type=int, default=3, help="steps per bench row")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "grad_accum", "log_interval", "eval_interval",
+                 "eval_iters", "warmup_steps"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.mode == "bench" and args.attn is None:
+        args.attn = "math"     # so the s² attention scores show up in the activation column
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.estimate:
+        return estimate(args)
+    rt = setup_runtime(args.device)
+    if rt.world_size > 1:
+        raise UserError("train.py trains in one process; data-parallel modes (--dp) come with "
+                        "the distributed training issue -- run it with python, not torchrun")
+    return bench(args, rt) if args.mode == "bench" else train(args, rt)
+
+
+if __name__ == "__main__":
+    run_cli(main)
