@@ -96,7 +96,7 @@ PRESETS = {
     "tiny": dict(block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, vocab_size=512),
     # the default demo: trains to readable samples on 2 CPU cores in minutes
     "small": dict(block_size=256, n_layer=6, n_head=6, n_kv_head=2, n_embd=192),
-    # the speculative-decoding drafter: same tokenizer, ~1/8 of small's non-embedding size
+    # the speculative-decoding drafter: same tokenizer, ~1/3 of small's non-embedding size
     "draft": dict(block_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=128),
     # small with a mixture of 8 experts (top-2) in every block
     "moe": dict(block_size=256, n_layer=4, n_head=6, n_kv_head=2, n_embd=192, n_expert=8,

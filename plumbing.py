@@ -212,13 +212,13 @@ class CommMeter:
     def all_gather_into_tensor(self, output, input, group=None, async_op=False):
         n = self._group_size(group)
         self._record("all_gather", group, _nbytes(input), (n - 1) * _nbytes(input))
-        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+        return _all_gather(output, input, group=group, async_op=async_op)
 
     def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, group=None,
                               async_op=False):
         n = self._group_size(group)
         self._record("reduce_scatter", group, _nbytes(input), (n - 1) / n * _nbytes(input))
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
 
     def broadcast(self, tensor, src, group=None, async_op=False):
         sent = _nbytes(tensor) if dist.get_rank() == src else 0
@@ -254,7 +254,18 @@ class CommMeter:
         return dist.batch_isend_irecv(p2p_ops)
 
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have the old names.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def _local(t):
+    """A DTensor's (FSDP2, DTensor TP) shard on this rank; any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _nbytes(t):
+    t = _local(t)
     return t.numel() * t.element_size()
 
 
@@ -312,14 +323,17 @@ class ActivationMeter:
     def __init__(self, model=None):
         self.param_ptrs = set()
         if model is not None:
-            self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            self.param_ptrs = {_local(p).untyped_storage().data_ptr()
+                               for p in model.parameters()}
         self.storages = {}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t):
-        storage = t.untyped_storage()
+        storage = _local(t).untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in self.param_ptrs and ptr != 0:
+        # A parameter is model state, even when its storage changed since the meter began
+        # (ZeRO-3 gathers a block's weights into a fresh buffer just before its forward).
+        if not isinstance(t, torch.nn.Parameter) and ptr not in self.param_ptrs and ptr != 0:
             self.storages[ptr] = storage.nbytes()
         return t
 

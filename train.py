@@ -4,7 +4,8 @@ train.py -- training the shared GPT, and where the memory of a training step goe
 Run:  python train.py                       # the demo: `small` on the built-in corpus
       python train.py --preset tiny --steps 50 --precision fp16 --checkpointing full
       python train.py --resume              # continue from out/ckpt.pt
-      python train.py --estimate 7B         # the memory formulas for any size
+      python train.py --estimate --params 7B --gpus 64   # the memory formulas, any size
+      torchrun --standalone --nproc_per_node=4 train.py --dp zero2   # data parallel
       python train.py bench                 # the trade-off rows: what each technique costs
 
 What a training step holds in memory, per parameter (Ψ = parameter count):
@@ -33,16 +34,19 @@ Techniques here and their price:
 import argparse
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import data
+import data_parallel
 from model import GPT, get_config, load_model, PRESETS, GPTConfig
-from plumbing import (ActivationMeter, StepTimer, UserError, fmt_bytes, fmt_count, gpu_peak_flops,
+from plumbing import (ActivationMeter, StepTimer, UserError, comm, fmt_bytes, fmt_count, gpu_peak_flops,
                       model_state_bytes, print0, rng_state, run_cli, seed_everything,
                       set_rng_state, setup_runtime)
 
@@ -179,32 +183,41 @@ def autocast_ctx(args, device):
                           enabled=args.precision == "autocast-bf16")
 
 
-def train_step(model, optimizer, batches, args, device, scaler=None, master=None):
+def train_step(model, optimizer, batches, args, device, scaler=None, master=None, dp=None):
     """One optimizer step over len(batches) micro-batches (gradient accumulation: the loss
     of each is divided by their number, so the summed gradient is that of the mean loss).
+    dp: a data_parallel wrapper; it communicates the gradients (during backward and in
+    finish_grads) and, for ZeRO-1/2, the updated parameters (after_step).
     Returns (mean loss, activation bytes of one micro-batch, step skipped?)."""
     total, act_bytes = 0.0, 0
     scale = scaler.scale if scaler is not None and scaler.enabled else 1.0
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
+        if dp is not None:
+            dp.set_sync(i == len(batches) - 1)    # communicate on the last micro-step only
         with ActivationMeter(model) as meter, autocast_ctx(args, device):
             _, loss = model(x, y)
         act_bytes = max(act_bytes, meter.bytes)
         (loss * (scale / len(batches))).backward()
         total += loss.item() / len(batches)
     found_inf = False
-    if master is not None:
+    if dp is not None:
+        dp.finish_grads()
+    elif master is not None:
         found_inf = master.grads_to_master(1.0 / scale)
-        params = master.params
-    else:
-        params = [p for p in model.parameters() if p.requires_grad]
     if scaler is not None and scaler.enabled:
         scaler.update(found_inf)
     if not found_inf:
-        if args.grad_clip > 0:
+        if args.grad_clip > 0 and dp is not None:
+            data_parallel.clip_grad_norm(dp, args.grad_clip)
+        elif args.grad_clip > 0:
+            params = master.params if master is not None else \
+                [p for p in model.parameters() if p.requires_grad]
             torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         optimizer.step()
         if master is not None:
             master.master_to_model()
+        if dp is not None:
+            dp.after_step()
     elif master is not None:
         for p in master.params:
             p.grad = None
@@ -285,7 +298,9 @@ def activation_formula(seq, batch, hidden, heads, layers, bytes_per_value=2):
 
 
 def estimate(args):
-    n = parse_count(args.estimate)
+    n, N = parse_count(args.params), args.gpus
+    if N < 1:
+        raise UserError("--gpus must be at least 1")
     L, h, a, s, b = (int(v) for v in args.est_shape.split(","))
     rows = [("fp32: params 4 + grads 4 + Adam 8", 16),
             ("mixed: bf16 params 2 + grads 2 + fp32 master 4 + Adam 8", 16),
@@ -294,6 +309,12 @@ def estimate(args):
     print(f"model state for Ψ = {fmt_count(n)} parameters (decimal units):")
     for label, per in rows:
         print(f"  {label:<58} {per:>2} B/param  {fmt_bytes(per * n):>10}")
+    print(f"per rank with N = {N} data-parallel ranks, mixed precision (K = 12: master + Adam):")
+    for label, per in [("DDP        (2+2+K)Ψ", 16), ("ZeRO-1     2Ψ+2Ψ+KΨ/N", 4 + 12 / N),
+                       ("ZeRO-2     2Ψ+(2+K)Ψ/N", 2 + 14 / N), ("ZeRO-3     (2+2+K)Ψ/N", 16 / N)]:
+        print(f"  {label:<58} {per:5.2f} B/param  {fmt_bytes(per * n):>10}")
+    print(f"  sent per step and rank: DDP/ZeRO-1/ZeRO-2 2Ψ = {fmt_bytes(2 * 2 * n)}, "
+          f"ZeRO-3 3Ψ = {fmt_bytes(3 * 2 * n)} (bf16 values)")
     act = activation_formula(s, b, h, a, L)
     print(f"activations (Korthikanti et al. 2022, 16-bit), L={L} h={h} heads={a} seq={s} "
           f"batch={b}:")
@@ -315,13 +336,35 @@ def parse_count(text):
 # ----------------------------------------------------------------------------------------
 # Building and the loop
 
+def shards_dir(args):
+    """--dp runs save sharded checkpoints here, one folder per saved step."""
+    return os.path.splitext(args.ckpt)[0] + "_shards"
+
+
+def latest_shards(args):
+    pointer = os.path.join(shards_dir(args), "latest")
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as f:
+        return os.path.join(shards_dir(args), f.read().strip())
+
+
 def build(args, rt):
-    """-> model, optimizer, scaler, master weights, corpus, starting step, history."""
+    """-> model, optimizer, scaler, master weights, corpus, starting step, history, dp."""
     resume = None
-    if args.resume:
+    if args.resume and args.dp:
+        if latest_shards(args) is None:
+            raise UserError(f"--resume --dp: no sharded checkpoint in {shards_dir(args)!r} "
+                            "(written by a --dp run with --save-interval)")
+        resume = torch.load(os.path.join(latest_shards(args), "meta.pt"), weights_only=False)
+    elif args.resume:
         if not os.path.exists(args.ckpt):
             raise UserError(f"--resume: checkpoint {args.ckpt!r} not found")
         resume = torch.load(args.ckpt, map_location="cpu", weights_only=False)
+        if "optimizer" not in resume:
+            raise UserError(f"{args.ckpt} is a model export of a --dp run; resume it with "
+                            "--dp (from its sharded checkpoint)")
+    if resume:
         cfg = GPTConfig(**resume["config"]).validate()
     else:
         cfg = get_config(args.preset, n_layer=args.n_layer, n_embd=args.n_embd,
@@ -337,64 +380,120 @@ def build(args, rt):
         raise UserError(f"--seq-len {args.seq_len} is longer than the model's context "
                         f"(block_size={cfg.block_size})")
     model = GPT(cfg, seed=args.seed).to(rt.device)
-    if resume:
+    if resume and not args.dp:
         model.load_state_dict(resume["model"])
     master = None
     if args.precision in LOW_PRECISION:
+        if args.dp:
+            raise UserError(f"--precision {args.precision} (master weights) is single-process "
+                            "only; with --dp use fp32 or autocast-bf16")
         master = MasterWeights(model, LOW_PRECISION[args.precision])
     apply_activation_checkpointing(model, args.checkpointing)
-    params = master.params if master else list(model.parameters())
-    # The usual split: no weight decay on norms (1-D gains), decay on matrices.
-    optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=args.lr, betas=(args.beta1, args.beta2), eps=1e-8)
+    dp = data_parallel.wrap(model, args.dp, rt, args.bucket_mb) if args.dp else None
+    if dp is not None:
+        groups = dp.optimizer_groups(args.weight_decay)
+    else:
+        # The usual split: no weight decay on norms (1-D gains), decay on matrices.
+        params = master.params if master else list(model.parameters())
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=1e-8)
     scaler = LossScaler(args.loss_scale, args.scale_window, enabled=args.precision == "fp16")
     step, history = 0, {"loss": [], "val": []}
     if resume:
-        optimizer.load_state_dict(resume["optimizer"])
+        if dp is not None:
+            data_parallel.load_shards(latest_shards(args), dp, optimizer, rt.rank)
+        else:
+            optimizer.load_state_dict(resume["optimizer"])
         scaler.load_state_dict(resume["scaler"])
         step, history = resume["step"], resume["history"]
         set_rng_state(resume["rng"])
-    return model, optimizer, scaler, master, corpus, step, history
+    return model, optimizer, scaler, master, corpus, step, history, dp
+
+
+def save(args, rt, model, optimizer, scaler, master, dp, step, corpus, history):
+    if dp is None:
+        return save_checkpoint(args.ckpt, model, optimizer, scaler, master, step, args, corpus,
+                               history)
+    # Sharded: every rank writes its ranges into step_K/, then rank 0 points `latest` at
+    # it. A crash mid-save leaves `latest` on the previous complete checkpoint.
+    folder = os.path.join(shards_dir(args), f"step_{step}")
+    meta = dict(config=asdict(model.config), scaler=scaler.state_dict(), step=step,
+                args=vars(args), rng=rng_state(), tokenizer=data.encoding_to_state(corpus.enc),
+                corpus=corpus.name, history=history, world_size=rt.world_size, mode=args.dp)
+    data_parallel.save_shards(folder, dp, optimizer, rt.rank, meta if rt.is_main else None)
+    weights = data_parallel.full_state_dict(model, dp)   # collective for zero3 / fsdp
+    if rt.distributed:
+        dist.barrier()
+    if rt.is_main:
+        previous = latest_shards(args)
+        with open(os.path.join(shards_dir(args), "latest.tmp"), "w") as f:
+            f.write(f"step_{step}")
+        os.replace(os.path.join(shards_dir(args), "latest.tmp"),
+                   os.path.join(shards_dir(args), "latest"))
+        if previous and os.path.abspath(previous) != os.path.abspath(folder):
+            shutil.rmtree(previous, ignore_errors=True)
+        # a plain single-file export (weights, config, tokenizer) for the other scripts
+        export = {k: v for k, v in meta.items() if k not in ("rng", "scaler")}
+        torch.save({**export, "model": weights, "exported_from": args.dp}, args.ckpt + ".tmp")
+        os.replace(args.ckpt + ".tmp", args.ckpt)
+    if rt.distributed:
+        dist.barrier()
 
 
 def train(args, rt):
     seed_everything(args.seed)
-    model, optimizer, scaler, master, corpus, step, history = build(args, rt)
-    cfg, n_params = model.config, model.num_params()
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
+    model, optimizer, scaler, master, corpus, step, history, dp = build(args, rt)
+    cfg = model.config
+    with torch.device("meta"):      # count from the config: ZeRO-3/FSDP hold only shards
+        n_params = GPT(cfg, seed=None).num_params()
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * rt.world_size
     peak = gpu_peak_flops(rt.device)
     print0(f"model {args.preset}: {n_params:,} params ({cfg.n_layer} layers, d={cfg.n_embd}, "
            f"{cfg.n_head} heads / {cfg.n_kv_head} kv, vocab {cfg.vocab_size}) | corpus "
            f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, "
            f"{corpus.bytes_per_token:.2f} bytes/token | {tokens_per_step:,} tokens/step | "
-           f"{args.precision}, checkpointing {args.checkpointing}, device {rt.device}")
+           f"{args.precision}, checkpointing {args.checkpointing}, device {rt.device}"
+           + (f" | --dp {args.dp} on {rt.world_size} ranks" if dp is not None else ""))
     if step == 0:
         baseline = data.unigram_baseline_loss(corpus.train, corpus.val, cfg.vocab_size)
         history["unigram"] = baseline
         print0(f"unigram baseline val loss {baseline:.3f} (uniform: {math.log(cfg.vocab_size):.3f})")
-    state, act_bytes, t_start, first_step = None, 0, time.time(), step
+    state, act_bytes, t_start, first_step, sent = None, 0, time.time(), step, 0
     while step < args.steps and step - first_step < (args.stop_after or args.steps):
+        if args.crash_at_step == step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" \
+                and rt.rank == rt.world_size - 1:
+            print(f"rank {rt.rank}: crashing on purpose at step {step} (--crash-at-step)",
+                  flush=True)
+            os._exit(1)            # abrupt: no cleanup, no checkpoint, like a lost node
         lr = learning_rate(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
         batches = micro_batches(corpus, args, step, rt.device, rt.rank)
+        wire_before = comm.total_wire
         with StepTimer(rt.device) as timer:
             loss, act_bytes, skipped = train_step(model, optimizer, batches, args, rt.device,
-                                                  scaler, master)
-        state = model_state_bytes(model, optimizer, master.params if master else ())
-        model.zero_grad(set_to_none=True)
+                                                  scaler, master, dp)
+        sent += comm.total_wire - wire_before
+        if dp is not None:
+            state = dp.state_bytes(optimizer)
+            state["total"], state["opt_scalars"] = sum(state.values()), 0
+            loss = global_mean(loss, rt)
+        else:
+            state = model_state_bytes(model, optimizer, master.params if master else ())
+        (dp.zero_grad if dp is not None else model.zero_grad)()
         history["loss"].append(loss)
         step += 1
         if step % args.log_interval == 0 or step == args.steps:
             line = (f"step {step:4d} | loss {loss:.4f} | lr {lr:.2e} | "
                     f"{fmt_count(tokens_per_step / timer.seconds)} tok/s | "
-                    f"{timer.seconds * 1000:.0f} ms | state {fmt_bytes(state['total'])} | "
-                    f"act {fmt_bytes(act_bytes)}")
+                    f"{timer.seconds * 1000:.0f} ms | state {fmt_bytes(state['total'])}"
+                    f"{'/rank' if dp is not None else ''} | act {fmt_bytes(act_bytes)}")
+            if dp is not None:
+                line += f" | sent {fmt_bytes(sent / (step - first_step))}/step"
             if peak:
                 mfu = model.flops_per_token(args.seq_len) * tokens_per_step / timer.seconds / peak
-                line += f" | mfu {100 * mfu:.1f}%"
+                line += f" | mfu {100 * mfu / rt.world_size:.1f}%"
             if args.precision == "fp16":
                 line += f" | scale {scaler.scale:g}" + (" SKIPPED" if skipped else "")
             print0(line)
@@ -404,11 +503,13 @@ def train(args, rt):
             print0(f"step {step:4d} | val loss {val:.4f}")
         stopping = step == args.steps or step - first_step == args.stop_after
         if args.save_interval and (step % args.save_interval == 0 or stopping):
-            save_checkpoint(args.ckpt, model, optimizer, scaler, master, step, args, corpus,
-                            history)
+            save(args, rt, model, optimizer, scaler, master, dp, step, corpus, history)
     elapsed = time.time() - t_start
-    if state is not None:
+    if state is not None and dp is None:
         print0(model_state_report(state, n_params, args.precision))
+    elif state is not None:
+        history["ledger"] = dp_ledger(args, rt, state, n_params, sent / (step - first_step))
+    if state is not None:
         a = activation_formula(args.seq_len, args.batch_size, cfg.n_embd, cfg.n_head,
                                cfg.n_layer, 4 if args.precision == "fp32" else 2)
         print0(f"activations of one micro-batch: measured {fmt_bytes(act_bytes)} vs "
@@ -419,6 +520,38 @@ def train(args, rt):
         sample(model, corpus.enc, args, rt.device)
     history["elapsed"] = elapsed
     return history
+
+
+def global_mean(value, rt):
+    """The loss of the whole global batch = the mean of the ranks' losses."""
+    if not rt.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=rt.device)
+    comm.all_reduce(t)
+    return float(t) / rt.world_size
+
+
+def dp_ledger(args, rt, state, n_params, sent_per_step):
+    """Every rank's measured model state and bytes sent, next to the ZeRO formulas."""
+    rows = [None] * rt.world_size
+    mine = dict(state, sent=sent_per_step)
+    if rt.distributed:
+        dist.all_gather_object(rows, mine)     # bookkeeping, outside the meter on purpose
+    else:
+        rows = [mine]
+    formula = data_parallel.formula_bytes(args.dp, n_params, rt.world_size)
+    expected = data_parallel.expected_wire_bytes(args.dp, n_params, rt.world_size)
+    print0(f"ledger --dp {args.dp}, N = {rt.world_size}, Ψ = {n_params:,} (fp32, Adam K = 8):")
+    print0(f"  {'rank':<6}{'params':>12}{'grads':>12}{'optimizer':>12}{'sent/step':>12}")
+    for r, row in enumerate(rows):
+        print0(f"  {r:<6}" + "".join(f"{fmt_bytes(row[k]):>12}" for k in
+                                     ("params", "grads", "optimizer", "sent")))
+    print0(f"  {'formula':<6}" + "".join(f"{fmt_bytes(formula[k]):>12}" for k in
+                                        ("params", "grads", "optimizer")) +
+           f"{fmt_bytes(expected):>12}")
+    if args.dp == "fsdp":
+        print0("  (fsdp: its collectives run inside PyTorch; the meter sees only ours)")
+    return dict(rows=rows, formula=formula, expected_sent=expected)
 
 
 def sample(model, enc, args, device):
@@ -453,7 +586,7 @@ def bench(args, rt):
                                     "log_interval": 10 ** 9, "eval_interval": 10 ** 9,
                                     "save_interval": 0, "sample_tokens": 0, "resume": False})
         seed_everything(run.seed)
-        model, optimizer, scaler, master, corpus, _, _ = build(run, rt)
+        model, optimizer, scaler, master, corpus, _, _, _ = build(run, rt)
         times, act = [], 0
         for step in range(run.steps):
             batches = micro_batches(corpus, run, step, rt.device)
@@ -520,6 +653,12 @@ def parse_args(argv=None):
     g.add_argument("--scale-window", type=int, default=200,
                    help="clean steps before the fp16 loss scale doubles")
     g.add_argument("--checkpointing", default="none", choices=["none", "selective", "full"])
+    g = p.add_argument_group("data parallelism (under torchrun)")
+    g.add_argument("--dp", default=None, choices=data_parallel.MODES,
+                   help="ddp, zero1, zero2, zero3 (by hand) or fsdp (PyTorch's fully_shard)")
+    g.add_argument("--bucket-mb", type=float, default=1.0, help="ddp gradient bucket size")
+    g.add_argument("--crash-at-step", type=int, default=-1, help="the last rank exits abruptly "
+                   "at this step (first attempt only): try it under torchrun --max-restarts=1")
     g = p.add_argument_group("run")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--seed", type=int, default=1337)
@@ -535,8 +674,10 @@ def parse_args(argv=None):
     g.add_argument("--prompt", default="def ", help="prompt of the final sample")
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=50)
-    g.add_argument("--estimate", metavar="N", help="print the memory formulas for N "
-                   "parameters (e.g. 7B) and exit")
+    g.add_argument("--estimate", action="store_true", help="print the memory formulas for "
+                   "--params parameters on --gpus ranks and exit")
+    g.add_argument("--params", default="7B", help="--estimate: parameter count (7B, 1.5e9)")
+    g.add_argument("--gpus", type=int, default=64, help="--estimate: data-parallel ranks")
     g.add_argument("--est-shape", default="32,4096,32,4096,1",
                    help="layers,hidden,heads,seq,batch for --estimate's activation rows")
     g.add_argument("--bench-steps", type=int, default=3, help="steps per bench row")
@@ -555,9 +696,14 @@ def main(argv=None):
     if args.estimate:
         return estimate(args)
     rt = setup_runtime(args.device)
-    if rt.world_size > 1:
-        raise UserError("train.py trains in one process; data-parallel modes (--dp) come with "
-                        "the distributed training issue -- run it with python, not torchrun")
+    if rt.world_size > 1 and not args.dp:
+        raise UserError(f"{rt.world_size} processes but no --dp mode: choose one of "
+                        f"{', '.join(data_parallel.MODES)}")
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and args.save_interval:
+        # torchrun restarted us after a failure: continue from the last checkpoint, if any
+        args.resume = bool(latest_shards(args)) if args.dp else os.path.exists(args.ckpt)
+        print0(f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: "
+               + ("resuming from the last checkpoint" if args.resume else "no checkpoint yet"))
     return bench(args, rt) if args.mode == "bench" else train(args, rt)
 
 
