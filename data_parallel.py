@@ -204,6 +204,7 @@ class ZeRO:
         self.units = [Unit(m, names[m], rank, world) for m in units_of(model)]
         # remembered now: ZeRO-3 frees the parameters, and an empty tensor is 1-D
         self.ndim = {name: p.dim() for u in self.units for name, p in u.named}
+        self.numel = {name: p.numel() for u in self.units for name, p in u.named}
         self.sync = True
         for u in self.units:
             full = u.flatten([p.detach() for p in u.params])
@@ -430,8 +431,8 @@ def save_shards(directory, dp, optimizer, rank, meta=None):
     ranges = dp.owned_ranges(rank) if not isinstance(dp, DDP) or rank == 0 else []
     for name, p, a, b, key in ranges:
         st = optimizer.state.get(key, {})
-        entries[name] = dict(start=a, end=b, numel=p.numel() if not hasattr(p, "to_local")
-                             else math.prod(p.shape),
+        entries[name] = dict(start=a, end=b,
+                             numel=dp.numel[name] if isinstance(dp, ZeRO) else math.prod(p.shape),
                              param=local_flat(key if not isinstance(dp, FSDP2) else p).clone(),
                              **{k: local_flat(v).clone() for k, v in st.items()
                                 if torch.is_tensor(v) and v.dim() > 0},
@@ -456,7 +457,8 @@ def load_shards(directory, dp, optimizer, rank):
     ranges = dp.owned_ranges(rank) if not isinstance(dp, DDP) else \
         [(n, p, 0, p.numel(), p) for n, p in dp.model.named_parameters()]
     for name, p, a, b, key in ranges:
-        if name not in full or full[name]["numel"] != math.prod(p.shape):
+        numel = dp.numel[name] if isinstance(dp, ZeRO) else math.prod(p.shape)
+        if name not in full or full[name]["numel"] != numel:
             raise UserError(f"checkpoint {directory} does not match this model "
                             f"(parameter {name})")
         f = full[name]

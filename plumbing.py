@@ -125,7 +125,9 @@ def run_cli(main, argv=None):
     try:
         return main(argv)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        # every rank meets the same error (the checks are deterministic): rank 0 says it
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         teardown_runtime()

@@ -371,9 +371,10 @@ def build(args, rt):
                          n_head=args.n_head, n_kv_head=args.n_kv_head,
                          block_size=args.block_size, attn=args.attn, n_expert=args.n_expert)
     corpus = data.load_corpus(args.data, vocab_size=args.vocab_size or cfg.vocab_size)
+    if resume and data.encoding_to_state(corpus.enc) != resume["tokenizer"]:
+        raise UserError(f"the checkpoint was trained on another corpus/tokenizer "
+                        f"({resume['corpus']}); pass the same --data and --vocab-size")
     if corpus.enc.n_vocab != cfg.vocab_size:
-        if resume:
-            raise UserError("the checkpoint's vocabulary does not match this corpus's tokenizer")
         cfg = get_config(args.preset, **{**asdict(cfg), "vocab_size": corpus.enc.n_vocab})
     args.seq_len = args.seq_len or cfg.block_size
     if args.seq_len > cfg.block_size:
@@ -696,6 +697,9 @@ def main(argv=None):
     if args.estimate:
         return estimate(args)
     rt = setup_runtime(args.device)
+    if args.dp and not rt.distributed:
+        raise UserError(f"--dp {args.dp} needs processes to talk to: launch with "
+                        f"torchrun --standalone --nproc_per_node=N train.py --dp {args.dp} ...")
     if rt.world_size > 1 and not args.dp:
         raise UserError(f"{rt.world_size} processes but no --dp mode: choose one of "
                         f"{', '.join(data_parallel.MODES)}")

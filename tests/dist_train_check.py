@@ -13,7 +13,7 @@ import sys
 import torch
 
 import train
-from plumbing import Runtime, print0, setup_runtime
+from plumbing import Runtime, print0, setup_runtime, teardown_runtime
 
 what, tmp, data_path = sys.argv[1:4]
 STEPS = 5
@@ -47,11 +47,14 @@ def close_losses(got, want, label):
 
 
 def close_weights(path, want, label):
+    """1e-4 absolute after 5 AdamW steps of lr ≤ 3e-3: summing the ranks' gradients in
+    another order changes them by ~1e-7 relative, and Adam's g/√v amplifies that on the
+    few elements whose gradient is near zero. A missed, doubled or mis-scaled update moves
+    weights by ~lr = 3e-3 and fails."""
     got = torch.load(path, weights_only=False)["model"]
     for name, w in want.items():
         err = (got[name] - w).abs().max().item()
-        print0(f"  {label} {name} max err {err:.2e}") if err > 1e-6 else None
-        assert err <= 2e-5, (label, name, err)
+        assert err <= 1e-4, (label, name, err)
 
 
 rt = setup_runtime("cpu")
@@ -72,10 +75,8 @@ if what == "equivalence":
             sent, want = ledger["rows"][rt.rank]["sent"], ledger["expected_sent"]
             assert abs(sent - want) <= 0.10 * want, (mode, "sent", sent, want)
         print0(f"CHECK {mode} N={N}: losses, weights, state and bytes sent match")
-    # the zero2 run saved at step 3 and 5; keep a copy of step 3 for the reshard check
-    half = COMMON[:]
-    half[half.index("--steps") + 1] = str(STEPS)
-    train.main(half + ["--dp", "zero2", "--ckpt", os.path.join(tmp, "half", "ckpt.pt"),
+    # a zero2 run stopped (and saved) after 3 of 5 steps, for the reshard check
+    train.main(COMMON + ["--dp", "zero2", "--ckpt", os.path.join(tmp, f"half-{N}", "ckpt.pt"),
                        "--save-interval", "3", "--stop-after", "3"])
     print0(f"CHECK saved half run N={N}")
 
@@ -83,7 +84,7 @@ elif what == "reshard":
     # saved by zero2 on 2 ranks after 3 steps; resumed by every mode on N ranks
     ref_losses, ref_weights = reference(COMMON, [2] * 3 + [N] * (STEPS - 3))
     for mode in ("ddp", "zero1", "zero3"):
-        src = os.path.join(tmp, "half")
+        src = os.path.join(tmp, "half-2")
         dst = os.path.join(tmp, f"reshard-{mode}")
         if rt.is_main:
             import shutil
@@ -105,4 +106,4 @@ elif what == "crash":
     close_weights(ckpt, ref_weights, "crash")
     print0(f"CHECK crash at step 3, restart, resume from step 2: final loss "
            f"{hist['loss'][-1]:.6f} == uninterrupted {ref_losses[-1]:.6f}")
-train.teardown_runtime() if hasattr(train, "teardown_runtime") else None
+teardown_runtime()

@@ -1,0 +1,69 @@
+"""train.py --dp: hand DDP and ZeRO-1/2/3 (and FSDP2) against one process, in real torchrun
+processes on the CPU. The checks themselves live in dist_train_check.py (each rank asserts);
+here we launch it and read the verdicts. One launch per group of checks: 2 and 4 ranks
+take seconds just to start."""
+import pytest
+
+from harness import run_python, torchrun
+from test_train import text_file  # noqa: F401  (the shared ~150 KB corpus fixture)
+
+CHECK = "tests/dist_train_check.py"
+MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_then_reshard_to_four(text_file, tmp_path):
+    result = torchrun(CHECK, ["equivalence", tmp_path, text_file], nproc=2, timeout=300)
+    assert result.returncode == 0, result.output[-4000:]
+    for mode in MODES:
+        assert f"CHECK {mode} N=2: losses, weights, state and bytes sent match" in result.output
+    # the zero2 checkpoint written by 2 ranks after 3 steps, resumed by 4 ranks in 3 modes
+    result = torchrun(CHECK, ["reshard", tmp_path, text_file], nproc=4, timeout=300)
+    assert result.returncode == 0, result.output[-4000:]
+    for mode in ("ddp", "zero1", "zero3"):
+        assert f"CHECK zero2 N=2 -> {mode} N=4: resumed losses and weights match" in result.output
+
+
+@pytest.mark.slow
+def test_four_ranks_equal_one_process(text_file, tmp_path):
+    result = torchrun(CHECK, ["equivalence", tmp_path, text_file], nproc=4, timeout=300)
+    assert result.returncode == 0, result.output[-4000:]
+    for mode in MODES:
+        assert f"CHECK {mode} N=4: losses, weights, state and bytes sent match" in result.output
+
+
+@pytest.mark.slow
+def test_crash_restart_resume_finishes_like_the_uninterrupted_run(text_file, tmp_path):
+    result = torchrun(CHECK, ["crash", tmp_path, text_file], nproc=2, timeout=300,
+                      extra=["--max-restarts=1"])
+    assert result.returncode == 0, result.output[-4000:]
+    assert "crashing on purpose at step 3" in result.output
+    assert "restart 1: resuming from the last checkpoint" in result.output
+    assert "CHECK crash at step 3, restart, resume from step 2" in result.output
+
+
+@pytest.mark.slow
+def test_bad_input_one_message_all_ranks_exit(text_file, tmp_path):
+    common = ["--preset", "tiny", "--data", text_file, "--steps", "2", "--sample-tokens", "0"]
+    result = torchrun("train.py", common + ["--dp", "zero1", "--resume", "--ckpt",
+                                            tmp_path / "none.pt"], nproc=2, timeout=120)
+    assert result.returncode != 0
+    assert result.output.count("error: --resume --dp: no sharded checkpoint") == 1, result.output
+    result = torchrun("train.py", common, nproc=2, timeout=120)
+    assert result.output.count("error: 2 processes but no --dp mode") == 1, result.output
+    result = run_python("train.py", common + ["--dp", "zero4"], timeout=60)
+    assert result.returncode == 2 and "invalid choice: 'zero4'" in result.output
+    result = run_python("train.py", common + ["--dp", "zero2"], timeout=60)
+    assert result.returncode == 2 and "launch with torchrun" in result.output
+    # a checkpoint trained on another corpus: refused, not silently continued
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    result = torchrun("train.py", common + ["--dp", "zero2", "--ckpt", ckpt,
+                                            "--save-interval", "1"], nproc=2, timeout=120)
+    assert result.returncode == 0, result.output
+    other = tmp_path / "other.txt"
+    other.write_text(open(text_file, encoding="utf-8").read()[::-1], encoding="utf-8")
+    result = torchrun("train.py", ["--preset", "tiny", "--data", other, "--steps", "4",
+                                   "--dp", "zero2", "--ckpt", ckpt, "--resume"], nproc=2,
+                      timeout=120)
+    assert result.returncode != 0
+    assert result.output.count("trained on another corpus") == 1, result.output
