@@ -34,6 +34,7 @@ resume with any world size (or any mode) reads the ranges it now needs -- reshar
 """
 import math
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,9 @@ import torch.nn.functional as F
 from plumbing import UserError, comm, tensor_bytes
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+# ZeRO-3 gathers the embedding before its backward like every other unit (as FSDP does),
+# though an embedding's backward needs only the token ids; torch warns about that hook.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
 
 
 def units_of(model):

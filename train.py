@@ -569,43 +569,59 @@ def sample(model, enc, args, device):
 # bench: the trade-off rows, each technique against the fp32 baseline in the same run
 
 def bench(args, rt):
-    """Same model, same tokens per step; what each technique does to model state,
-    activations and step time. On CPU, bf16/fp16 matmuls are emulated and slow: read their
-    memory columns, not their time."""
-    rows = [("baseline fp32", {}),
-            ("selective checkpointing", {"checkpointing": "selective"}),
-            ("full checkpointing", {"checkpointing": "full"}),
-            (f"grad accumulation ×4", {"grad_accum": 4, "batch_size": args.batch_size // 4}),
-            ("autocast bf16", {"precision": "autocast-bf16"}),
-            ("bf16 + fp32 master", {"precision": "bf16"}),
-            ("fp16 + master + loss scaling", {"precision": "fp16"})]
-    if args.batch_size % 4:
-        raise UserError("bench needs --batch-size divisible by 4 (for the accumulation row)")
+    """Same model, same tokens per step; what each technique does to model state (per
+    rank), activations, step time and bytes sent. One process: the memory techniques vs
+    fp32 (on CPU, bf16/fp16 matmuls are emulated and slow: read their memory columns, not
+    their time). Under torchrun: every --dp mode, hand ZeRO-3 next to PyTorch's FSDP2."""
+    if rt.distributed:
+        rows = [(f"--dp {mode}", {"dp": mode}) for mode in data_parallel.MODES]
+    else:
+        rows = [("baseline fp32", {}),
+                ("selective checkpointing", {"checkpointing": "selective"}),
+                ("full checkpointing", {"checkpointing": "full"}),
+                ("grad accumulation ×4", {"grad_accum": 4, "batch_size": args.batch_size // 4}),
+                ("autocast bf16", {"precision": "autocast-bf16"}),
+                ("bf16 + fp32 master", {"precision": "bf16"}),
+                ("fp16 + master + loss scaling", {"precision": "fp16"})]
+        if args.batch_size % 4:
+            raise UserError("bench needs --batch-size divisible by 4 (for the accumulation row)")
     results = []
     for label, changes in rows:
         run = argparse.Namespace(**{**vars(args), **changes, "steps": args.bench_steps,
-                                    "log_interval": 10 ** 9, "eval_interval": 10 ** 9,
                                     "save_interval": 0, "sample_tokens": 0, "resume": False})
         seed_everything(run.seed)
-        model, optimizer, scaler, master, corpus, _, _, _ = build(run, rt)
+        model, optimizer, scaler, master, corpus, _, _, dp = build(run, rt)
         times, act = [], 0
         for step in range(run.steps):
-            batches = micro_batches(corpus, run, step, rt.device)
+            batches = micro_batches(corpus, run, step, rt.device, rt.rank)
+            wire = comm.total_wire
             with StepTimer(rt.device) as timer:
-                _, act, _ = train_step(model, optimizer, batches, run, rt.device, scaler, master)
-            state = model_state_bytes(model, optimizer, master.params if master else ())
-            model.zero_grad(set_to_none=True)
+                _, act, _ = train_step(model, optimizer, batches, run, rt.device, scaler,
+                                       master, dp)
+            sent = comm.total_wire - wire
+            if dp is not None:
+                state = sum(dp.state_bytes(optimizer).values())
+                dp.zero_grad()
+            else:
+                state = model_state_bytes(model, optimizer, master.params if master else ())
+                state = state["total"] - state["opt_scalars"]
+                model.zero_grad(set_to_none=True)
             times.append(timer.seconds)
         t = min(times[1:] or times)          # the first step pays one-time costs
-        results.append((label, state["total"] - state["opt_scalars"], act, t))
+        results.append((label, state, act, t, sent))
     base = results[0]
     print0(f"bench: preset {args.preset}, attention {args.attn}, {args.batch_size}×"
-           f"{args.seq_len} tokens/step, best of {args.bench_steps} steps, device {rt.device}")
-    print0(f"{'technique':<30} {'model state':>12} {'activations':>12} {'act ×':>6} "
-           f"{'step ms':>8} {'time ×':>7}")
-    for label, st, act, t in results:
-        print0(f"{label:<30} {fmt_bytes(st):>12} {fmt_bytes(act):>12} {act / base[2]:6.2f} "
-               f"{t * 1000:8.0f} {t / base[3]:7.2f}")
+           f"{run.seq_len} tokens/step/rank, {rt.world_size} rank(s), best of "
+           f"{args.bench_steps} steps, device {rt.device}")
+    print0(f"{'technique':<30} {'state/rank':>11} {'activations':>12} {'act ×':>6} "
+           f"{'step ms':>8} {'time ×':>7} {'sent/step':>10}")
+    for label, st, act, t, sent in results:
+        print0(f"{label:<30} {fmt_bytes(st):>11} {fmt_bytes(act):>12} {act / base[2]:6.2f} "
+               f"{t * 1000:8.0f} {t / base[3]:7.2f} {fmt_bytes(sent):>10}")
+    if rt.distributed:
+        t = {label: seconds for label, _, _, seconds, _ in results}
+        print0(f"hand zero3 / fsdp step time: {t['--dp zero3'] / t['--dp fsdp']:.2f} "
+               f"(fsdp's own collectives are not in 'sent')")
     return results
 
 
@@ -697,10 +713,10 @@ def main(argv=None):
     if args.estimate:
         return estimate(args)
     rt = setup_runtime(args.device)
-    if args.dp and not rt.distributed:
+    if args.dp and not rt.distributed and args.mode != "bench":
         raise UserError(f"--dp {args.dp} needs processes to talk to: launch with "
                         f"torchrun --standalone --nproc_per_node=N train.py --dp {args.dp} ...")
-    if rt.world_size > 1 and not args.dp:
+    if rt.world_size > 1 and not args.dp and args.mode != "bench":
         raise UserError(f"{rt.world_size} processes but no --dp mode: choose one of "
                         f"{', '.join(data_parallel.MODES)}")
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and args.save_interval:
