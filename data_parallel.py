@@ -53,11 +53,12 @@ def units_of(model):
     return [model.tok_embeddings, *model.layers, model.norm, model.output, *model.extra_heads]
 
 
-def split_decay(named_tensors):
-    """AdamW parameter groups: decay matrices, not norms' gains (the usual GPT recipe)."""
-    return lambda wd: [
-        {"params": [t for t, ndim in named_tensors if ndim >= 2], "weight_decay": wd},
-        {"params": [t for t, ndim in named_tensors if ndim < 2], "weight_decay": 0.0}]
+def decay_groups(tensors, weight_decay):
+    """AdamW parameter groups from (tensor, ndim of its parameter) pairs: decay the
+    matrices, not the norms' gains (the usual GPT recipe). train.py's single process uses
+    it too, so every mode splits the same way."""
+    return [{"params": [t for t, ndim in tensors if ndim >= 2], "weight_decay": weight_decay},
+            {"params": [t for t, ndim in tensors if ndim < 2], "weight_decay": 0.0}]
 
 
 # ----------------------------------------------------------------------------------------
@@ -103,7 +104,7 @@ class DDP:
         self.sync = sync
 
     def optimizer_groups(self, weight_decay):
-        return split_decay([(p, p.dim()) for p in self.params])(weight_decay)
+        return decay_groups([(p, p.dim()) for p in self.params], weight_decay)
 
     def finish_grads(self):
         """Wait for every bucket's all-reduce; write the averaged gradients back."""
@@ -265,8 +266,8 @@ class ZeRO:
         self.sync = sync
 
     def optimizer_groups(self, weight_decay):
-        return split_decay([(view, self.ndim[name]) for name, *_, view in self.pieces])(
-            weight_decay)
+        return decay_groups([(view, self.ndim[name]) for name, *_, view in self.pieces],
+                            weight_decay)
 
     def finish_grads(self):
         if self.stage == 1:
@@ -334,7 +335,7 @@ class FSDP2:
         self.model.set_requires_gradient_sync(sync)
 
     def optimizer_groups(self, weight_decay):
-        return split_decay([(p, p.dim()) for p in self.params])(weight_decay)
+        return decay_groups([(p, p.dim()) for p in self.params], weight_decay)
 
     def finish_grads(self):
         pass                     # FSDP2 reduce-scattered the gradients during backward

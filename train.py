@@ -394,10 +394,8 @@ def build(args, rt):
     if dp is not None:
         groups = dp.optimizer_groups(args.weight_decay)
     else:
-        # The usual split: no weight decay on norms (1-D gains), decay on matrices.
         params = master.params if master else list(model.parameters())
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = data_parallel.decay_groups([(p, p.dim()) for p in params], args.weight_decay)
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=1e-8)
     scaler = LossScaler(args.loss_scale, args.scale_window, enabled=args.precision == "fp16")
     step, history = 0, {"loss": [], "val": []}
