@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 import data
 import data_parallel
+import optim
 from model import GPT, get_config, load_model, PRESETS, GPTConfig
 from plumbing import (ActivationMeter, StepTimer, UserError, comm, fmt_bytes, fmt_count, gpu_peak_flops,
                       model_state_bytes, print0, rng_state, run_cli, seed_everything,
@@ -221,6 +222,8 @@ def train_step(model, optimizer, batches, args, device, scaler=None, master=None
     elif master is not None:
         for p in master.params:
             p.grad = None
+    if args.qk_clip:   # MuonClip, with the maxima this step's forward recorded
+        optim.apply_qk_clip(model, dict(zip(master.model_params, master.params)) if master else None)
     return total, act_bytes, found_inf
 
 
@@ -271,19 +274,24 @@ def save_checkpoint(path, model, optimizer, scaler, master, step, args, corpus, 
 # ----------------------------------------------------------------------------------------
 # The memory story, measured and next to the formulas
 
-def model_state_report(state, n_params, precision):
-    """Measured bytes per rank vs the textbook formula for this run's dtypes."""
+def model_state_report(state, n_params, precision, muon_params=0):
+    """Measured bytes per rank vs the textbook formula for this run's dtypes. muon_params:
+    the hidden matrices Muon steps (one momentum buffer: 4 B/param instead of Adam's 8)."""
     if precision in LOW_PRECISION:
         formula = {"params": 2, "grads": 2, "master": 4, "optimizer": 8}
         label = f"{precision} params 2 + grads 2 + fp32 master 4 + Adam 8"
     else:
         formula = {"params": 4, "grads": 4, "master": 0, "optimizer": 8}
         label = "fp32 params 4 + grads 4 + Adam 8"
-    lines = [f"model state, Ψ = {n_params:,} parameters ({label} = 16 B/param):"]
+    want = {k: per * n_params for k, per in formula.items()}
+    if muon_params:
+        want["optimizer"] -= 4 * muon_params
+        label += f", Muon 4 on {muon_params:,} hidden-matrix params"
+    lines = [f"model state, Ψ = {n_params:,} parameters ({label}):"]
     for key, per in formula.items():
-        ok = "==" if state[key] == per * n_params else "!="
-        lines.append(f"  {key:<10} measured {state[key]:>12,} B  {ok} formula {per:>2}Ψ = "
-                     f"{per * n_params:>12,} B")
+        ok = "==" if state[key] == want[key] else "!="
+        lines.append(f"  {key:<10} measured {state[key]:>12,} B  {ok} formula "
+                     f"{want[key]:>12,} B")
     lines.append(f"  total      measured {fmt_bytes(state['total'] - state['opt_scalars'])}"
                  f" = {(state['total'] - state['opt_scalars']) / n_params:.2f} B/param"
                  f" (+{state['opt_scalars']} B of per-tensor Adam step counters)")
@@ -396,7 +404,20 @@ def build(args, rt):
     else:
         params = master.params if master else list(model.parameters())
         groups = data_parallel.decay_groups([(p, p.dim()) for p in params], args.weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=1e-8)
+    if args.optimizer == "muon":
+        if args.dp not in (None, "ddp"):
+            raise UserError(f"--optimizer muon runs without --dp or with --dp ddp: --dp {args.dp} "
+                            "shards flat slices and Newton–Schulz needs whole matrices")
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        params = master.params if master else [p for p in model.parameters() if p.requires_grad]
+        optimizer = optim.build_optimizer(zip(names, params), "muon", lr=args.lr,
+                                          weight_decay=args.weight_decay, muon_lr=args.muon_lr,
+                                          betas=(args.beta1, args.beta2))
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2),
+                                      eps=1e-8)
+    if args.qk_clip:
+        optim.enable_qk_clip(model, args.qk_clip)
     scaler = LossScaler(args.loss_scale, args.scale_window, enabled=args.precision == "fp16")
     step, history = 0, {"loss": [], "val": []}
     if resume:
@@ -466,8 +487,7 @@ def train(args, rt):
                   flush=True)
             os._exit(1)            # abrupt: no cleanup, no checkpoint, like a lost node
         lr = learning_rate(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        optim.set_lr(optimizer, lr)
         batches = micro_batches(corpus, args, step, rt.device, rt.rank)
         wire_before = comm.total_wire
         with StepTimer(rt.device) as timer:
@@ -505,7 +525,9 @@ def train(args, rt):
             save(args, rt, model, optimizer, scaler, master, dp, step, corpus, history)
     elapsed = time.time() - t_start
     if state is not None and dp is None:
-        print0(model_state_report(state, n_params, args.precision))
+        muon = sum(p.numel() for n, p in model.named_parameters()
+                   if optim.is_hidden_matrix(n, p)) if args.optimizer == "muon" else 0
+        print0(model_state_report(state, n_params, args.precision, muon))
     elif state is not None:
         history["ledger"] = dp_ledger(args, rt, state, n_params, sent / (step - first_step))
     if state is not None:
@@ -659,6 +681,12 @@ def parse_args(argv=None):
     g.add_argument("--beta1", type=float, default=0.9)
     g.add_argument("--beta2", type=float, default=0.95)
     g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0 = off)")
+    g.add_argument("--optimizer", default="adamw", choices=optim.OPTIMIZERS, help="adamw, or "
+                   "muon: Muon on hidden matrices + AdamW on embeddings, head, norms (optim.py)")
+    g.add_argument("--muon-lr", type=float, default=None,
+                   help="Muon's peak lr (default: --lr; its update is scaled to AdamW's RMS)")
+    g.add_argument("--qk-clip", type=float, default=0.0, metavar="TAU", help="MuonClip: after "
+                   "each step rescale W_q/W_k of heads whose max logit > TAU (0 = off; K2: 100)")
     g = p.add_argument_group("memory techniques")
     g.add_argument("--precision", default="fp32",
                    choices=["fp32", "autocast-bf16", "bf16", "fp16"],

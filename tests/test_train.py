@@ -162,6 +162,16 @@ def test_model_state_bytes_equal_the_formula(precision, per_param):
     assert state["total"] - state["opt_scalars"] == 16 * n   # mixed precision saves nothing
 
 
+def test_muon_and_qk_clip_flags(text_file, tmp_path, capsys):
+    """train.py --optimizer muon --qk-clip: runs, learns, and its state ledger holds
+    (Muon keeps one momentum buffer, 4 B/param, on the hidden matrices)."""
+    hist = train.main(tiny_args(text_file, "--steps", "6", "--optimizer", "muon",
+                                "--qk-clip", "30", "--ckpt", str(tmp_path / "m.pt")))
+    out = capsys.readouterr().out
+    assert hist["loss"][-1] < hist["loss"][0]
+    assert "Muon 4 on" in out and "!=" not in out
+
+
 def test_training_learns_below_the_unigram_baseline(text_file, tmp_path):
     hist = train.main(tiny_args(text_file, "--steps", "150", "--eval-interval", "150",
                                 "--eval-iters", "8", "--batch-size", "16", "--seq-len", "64",

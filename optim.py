@@ -1,0 +1,700 @@
+"""
+optim.py -- how a gradient becomes an update: SGD → momentum → RMSProp → Adam → AdamW →
+Muon → MuonClip, each written by hand in a few lines and tested equal to torch.optim.
+
+Run:  python optim.py compare      # AdamW vs Muon on the same GPT, tokens to a target loss
+      python optim.py bench        # state bytes/param and step time of each, vs torch's
+
+What each optimizer keeps per parameter (fp32 state) and what it adds to a step:
+  SGD 0 B/param · momentum 4 (one buffer) · RMSProp 4 (running mean of g²) · Adam and
+  AdamW 8 (m and v: with the fp32 master weights, the "12" of ZeRO's 2+2+12) · Muon 4
+  (momentum), on hidden matrices only (embeddings, head and norms stay on AdamW at 8),
+  plus Newton–Schulz: 5 × (4m²n + 2m³) FLOPs per m×n matrix (m ≤ n) = 30·d³ for d×d,
+  against 6·d²·tokens for its forward+backward: ≈ 5·d/(tokens per step) more -- large at
+  nano scale (d=128, 2k tokens: ~30%), < 1% in real runs (d=4096, millions of tokens).
+MuonClip (Kimi K2) adds a per-head max-logit recorder (one extra QKᵀ per layer in our
+unfused form; a flash-attention kernel has the row max for free) and a rescale of W_q,
+W_k rows after the step: no state; under data parallelism one all-reduce(max) of n_head
+floats per layer.
+
+Muon under sharding (the design choice): Newton–Schulz needs the WHOLE matrix, so Muon
+cannot work on ZeRO's flat 1/N slices like elementwise AdamW. We shard by matrix: each
+data-parallel rank owns whole matrices (greedy balance by size), keeps their momentum
+(ZeRO-1 for Muon: 4/N B/param), orthogonalises only those and broadcasts them (Ψ_muon
+bytes per step in all, the volume of ZeRO-1's parameter all-gather); tested with torchrun
+against one process. ZeRO-2: reduce each matrix's gradient to its owner instead of
+reduce-scattering it. ZeRO-3/FSDP (rows sharded): gather each gradient to its owner, or
+all-gather it and run NS redundantly on every rank, keeping one's rows (Moonlight's
+"Distributed Muon", Liu et al. 2025: +Ψ_muon all-gather, N× the NS FLOPs, no scatter).
+Wiring into train.py's ZeRO/FSDP modes is left to train.py.
+
+References: Robbins & Monro 1951 (SGD); Polyak 1964, Nesterov 1983, Sutskever et al. 2013
+(momentum); Hinton's lecture 6e 2012 (RMSProp); Kingma & Ba 2015 (Adam); Reddi et al. 2018
+(AMSGrad); Loshchilov & Hutter 2019 (AdamW); Keller Jordan 2024, "Muon: an optimizer for
+hidden layers" (kellerjordan.github.io/posts/muon); Liu et al. 2025, "Muon is Scalable for
+LLM Training" (Moonlight); Kimi Team 2025, "Kimi K2" (MuonClip / QK-clip).
+"""
+import argparse
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+import data
+from model import GPT, get_config
+from plumbing import StepTimer, UserError, comm, model_state_bytes, pick_device, run_cli
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)   # Keller Jordan's quintic
+
+
+# ----------------------------------------------------------------------------------------
+# The shared loop: every optimizer below is `update(p, g, state, group)` for one tensor.
+
+class HandOptimizer(torch.optim.Optimizer):
+    """torch.optim.Optimizer does the bookkeeping (param groups, state, state_dict); each
+    subclass supplies `update`. `owner` (Muon under sharding) maps a parameter to the rank
+    that updates it; the others receive it by broadcast after the step."""
+
+    def __init__(self, params, defaults):
+        params = list(params)
+        if not params:
+            raise UserError("the optimizer got an empty parameter list")
+        for key in ("lr", "eps", "weight_decay"):
+            if key in defaults and not defaults[key] >= 0:
+                raise UserError(f"{key} must be >= 0, got {defaults[key]}")
+        for key, v in [(k, defaults.get(k, 0.0)) for k in ("momentum", "alpha")] + [
+                ("betas", b) for b in defaults.get("betas", ())]:
+            if not 0.0 <= v < 1.0:
+                raise UserError(f"{key} must lie in [0, 1), got {defaults[key]}")
+        super().__init__(params, defaults)
+        self.owner, self.rank = {}, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.owner and not dist.is_initialized():
+            raise UserError("a sharded optimizer (world_size > 1) needs torchrun")
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and self.owner.get(p, self.rank) == self.rank:
+                    self.update(p, p.grad, self.state[p], group)
+        for p, src in self.owner.items():       # sharded Muon: owners send their matrices
+            comm.broadcast(p.data, src=src)
+        return loss
+
+    def shard(self, rank, world_size, params):
+        """Give each of `params` (whole matrices) one owner rank, largest first onto the
+        least-loaded rank (LPT scheduling): rank r then holds state for ≈ 1/world of them."""
+        load, self.rank = [0] * world_size, rank
+        for p in sorted(params, key=lambda p: -p.numel()) if world_size > 1 else ():
+            r = min(range(world_size), key=lambda i: load[i])
+            self.owner[p], load[r] = r, load[r] + p.numel()
+
+
+# ----------------------------------------------------------------------------------------
+# 1. SGD: w ← w − lr·g. The gradient of one mini-batch is a noisy estimate, and in a
+#    ravine (steep across, shallow along) a step big enough to move along it oscillates
+#    across it. Coupled weight decay = an L2 penalty folded into the gradient.
+#
+# 2. Momentum (Polyak): b ← μ·b + (1−dampening)·g, step along b. Averages out the
+#    oscillation across the ravine and accumulates speed along it (≈ 1/(1−μ)× longer
+#    steps). Nesterov: step along g + μ·b, i.e. look at where momentum is taking us.
+#    torch's convention, followed here: the first buffer is g itself.
+
+def sgd_update(p, g, state, group):
+    lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+    if wd:
+        g = g.add(p, alpha=wd)
+    if mu:
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = g.detach().clone()
+        else:
+            buf.mul_(mu).add_(g, alpha=1 - group["dampening"])
+        g = g.add(buf, alpha=mu) if group["nesterov"] else buf
+    p.add_(g, alpha=-lr)
+
+
+class SGD(HandOptimizer):
+    """= torch.optim.SGD (momentum, dampening, nesterov, coupled weight_decay)."""
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False):
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise UserError("Nesterov momentum needs momentum > 0 and dampening = 0")
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                      weight_decay=weight_decay, nesterov=nesterov))
+
+    update = staticmethod(sgd_update)
+
+
+# 3. RMSProp: one learning rate for all weights is wrong when gradients differ by orders
+#    of magnitude between weights (embedding rows of rare tokens vs common ones, the head
+#    vs a norm gain). Divide each coordinate by the root of its running mean square:
+#    s ← α·s + (1−α)·g², w ← w − lr·g/(√s + ε). Every coordinate moves ≈ lr per step.
+#    Centered: divide by the running standard deviation instead (s − ḡ²).
+
+def rmsprop_update(p, g, state, group):
+    lr, alpha, eps, mu = group["lr"], group["alpha"], group["eps"], group["momentum"]
+    if not state:
+        state["square_avg"] = torch.zeros_like(p)
+        if mu > 0:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        if group["centered"]:
+            state["grad_avg"] = torch.zeros_like(p)
+    if group["weight_decay"]:
+        g = g.add(p, alpha=group["weight_decay"])
+    sq = state["square_avg"]
+    sq.mul_(alpha).addcmul_(g, g, value=1 - alpha)
+    if group["centered"]:
+        g_avg = state["grad_avg"]
+        g_avg.lerp_(g, 1 - alpha)
+        avg = sq.addcmul(g_avg, g_avg, value=-1).sqrt_()
+    else:
+        avg = sq.sqrt()
+    avg.add_(eps)
+    if mu > 0:
+        buf = state["momentum_buffer"]
+        buf.mul_(mu).addcdiv_(g, avg)
+        p.add_(buf, alpha=-lr)
+    else:
+        p.addcdiv_(g, avg, value=-lr)
+
+
+class RMSprop(HandOptimizer):
+    """= torch.optim.RMSprop (alpha, eps, weight_decay, momentum, centered)."""
+
+    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0,
+                 centered=False):
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
+                                      momentum=momentum, centered=centered))
+
+    update = staticmethod(rmsprop_update)
+
+
+# 4. Adam = momentum (first moment m) + RMSProp (second moment v), with bias correction:
+#    both start at 0, so early averages are too small by (1−β^t); dividing by it fixes the
+#    first steps. w ← w − lr/(1−β1^t) · m / (√v/√(1−β2^t) + ε). AMSGrad: divide by the
+#    running max of v (v never shrinks, so the step never grows: Reddi et al.'s fix for
+#    Adam's non-convergence examples).
+#
+# 5. AdamW: in Adam, an L2 penalty added to g is divided by √v like everything else, so
+#    weights with large gradients are barely decayed. Decouple it: w ← w·(1 − lr·wd)
+#    before the Adam step (Loshchilov & Hutter). Same state, same cost as Adam.
+
+def adam_update(p, g, state, group):
+    (beta1, beta2), lr, wd, eps = group["betas"], group["lr"], group["weight_decay"], group["eps"]
+    if not state:
+        state["step"] = 0
+        state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = torch.zeros_like(p)
+    state["step"] += 1
+    t, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
+    if wd and group["decoupled_weight_decay"]:
+        p.mul_(1 - lr * wd)
+    elif wd:
+        g = g.add(p, alpha=wd)
+    m.lerp_(g, 1 - beta1)                                # m ← β1·m + (1−β1)·g
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)        # v ← β2·v + (1−β2)·g²
+    if group["amsgrad"]:
+        v = torch.maximum(state["max_exp_avg_sq"], v, out=state["max_exp_avg_sq"])
+    denom = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+
+
+class Adam(HandOptimizer):
+    """= torch.optim.Adam (coupled L2 weight_decay, amsgrad)."""
+    decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, amsgrad=amsgrad,
+                                      weight_decay=weight_decay,
+                                      decoupled_weight_decay=self.decoupled))
+
+    update = staticmethod(adam_update)
+
+
+class AdamW(Adam):
+    """= torch.optim.AdamW: Adam with decoupled weight decay (default 0.01)."""
+    decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad)
+
+
+# ----------------------------------------------------------------------------------------
+# 6. Muon. Adam is elementwise: it cannot see that a weight MATRIX's momentum is nearly
+#    low-rank -- a few directions dominate (`compare` prints its stable rank), so most
+#    of the update goes into directions the model already uses and rare directions barely
+#    move. Muon replaces the momentum M = U S Vᵀ by its nearest semi-orthogonal matrix
+#    U Vᵀ: every direction of the update gets the same size. The SVD is too slow on GPUs,
+#    so Newton–Schulz iterations approximate it with matmuls only.
+
+def newton_schulz(G, steps=5, coefficients=NS_COEFFICIENTS, eps=1e-7, dtype=torch.bfloat16):
+    """≈ U Vᵀ for G = U S Vᵀ, by iterating the odd polynomial p(X) = aX + b(XXᵀ)X + c(XXᵀ)²X,
+    which acts on each singular value alone: σ ← aσ + bσ³ + cσ⁵ (same U, V). Dividing by
+    ‖G‖_F first puts every σ in [0, 1]; the coefficients (3.4445, −4.7750, 2.0315) make
+    the slope at 0 as steep as possible (a = 3.4, so small σ grow ~3.4× per step) at the
+    price of not converging to exactly 1: after 5 steps σ lands in roughly (0.7, 1.2) --
+    Keller Jordan found that this does not hurt. bf16 is enough (the result is only a
+    direction) and is what the reference does. Equal, op for op, to torch.optim.Muon's."""
+    if G.dim() != 2:
+        raise UserError(f"Newton–Schulz needs a matrix, got shape {tuple(G.shape)}")
+    a, b, c = coefficients
+    tall = G.size(0) > G.size(1)   # iterate on the wide side: X Xᵀ is the smaller Gram
+    X = G.to(dtype).T if tall else G.to(dtype)
+    X = X / X.norm().clamp(min=eps)      # (Keller's reference: X / (‖X‖ + eps))
+    for _ in range(steps):
+        A = X @ X.T
+        B = torch.addmm(A, A, A, beta=b, alpha=c)      # b·A + c·A², one fused op
+        X = torch.addmm(X, B, X, beta=a)               # a·X + B·X
+    return X.T if tall else X
+
+
+def muon_lr_scale(shape, adjust_lr_fn):
+    """U Vᵀ of an A×B matrix has min(A,B) unit singular values, so its RMS entry is
+    1/√max(A,B): wide or tall matrices would get smaller steps. "original" (Keller):
+    × √max(1, A/B) (A = fan-out); "match_rms_adamw" (Moonlight): × 0.2·√max(A,B), an RMS
+    of 0.2 like a typical AdamW update, so Muon can reuse AdamW's lr and weight decay."""
+    A, B = shape[:2]
+    if adjust_lr_fn in (None, "original"):
+        return math.sqrt(max(1, A / B))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(A, B))
+    raise UserError(f"unknown adjust_lr_fn {adjust_lr_fn!r}: original or match_rms_adamw")
+
+
+def muon_update(p, g, state, group):
+    if g.dim() != 2:
+        raise UserError(f"Muon updates 2-D matrices only, got shape {tuple(g.shape)}")
+    lr, mu = group["lr"], group["momentum"]
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(g)
+    buf = state["momentum_buffer"]
+    buf.lerp_(g, 1 - mu)                                 # m ← μ·m + (1−μ)·g
+    u = g.lerp(buf, mu) if group["nesterov"] else buf    # Nesterov: (1−μ)·g + μ·m
+    o = newton_schulz(u, group["ns_steps"], group["ns_coefficients"], group["eps"])
+    p.mul_(1 - lr * group["weight_decay"])               # decoupled, with the plain lr
+    p.add_(o, alpha=-lr * muon_lr_scale(p.shape, group["adjust_lr_fn"]))
+
+
+def _muon_defaults(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps,
+                   adjust_lr_fn):
+    muon_lr_scale((1, 1), adjust_lr_fn)                 # validates the name
+    if ns_steps < 1:
+        raise UserError(f"ns_steps must be at least 1, got {ns_steps}")
+    return dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                adjust_lr_fn=adjust_lr_fn)
+
+
+class Muon(HandOptimizer):
+    """= torch.optim.Muon (same defaults). rank/world_size > 1: each rank owns whole
+    matrices, updates only those and broadcasts them (see the header); gradients must
+    already be averaged across ranks (DDP)."""
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_steps=5, adjust_lr_fn=None,
+                 rank=0, world_size=1):
+        super().__init__(params, _muon_defaults(lr, weight_decay, momentum, nesterov,
+                                                ns_coefficients, eps, ns_steps, adjust_lr_fn))
+        params = [p for g in self.param_groups for p in g["params"]]
+        if any(p.dim() != 2 for p in params):
+            raise UserError(f"Muon takes 2-D matrices only, got shapes "
+                            f"{[tuple(p.shape) for p in params if p.dim() != 2]}: give those "
+                            f"to AdamW (build_optimizer does)")
+        self.shard(rank, world_size, params)
+
+    update = staticmethod(muon_update)
+
+
+# 7. The hybrid used in practice (Keller's MuonWithAuxAdam, Moonlight, Kimi K2): Muon for
+#    hidden matrices; AdamW for the embedding (a lookup table whose rows are updated only
+#    when their token appears), the output head (worse with Muon, per Keller), norms.
+
+class MuonAdamW(HandOptimizer):
+    """One optimizer, groups with algo "muon" or "adamw": one step(), one state_dict()."""
+
+    def __init__(self, groups, rank=0, world_size=1):
+        super().__init__(groups, dict(lr=1e-3, weight_decay=0.0))
+        self.shard(rank, world_size, [p for g in self.param_groups if g["algo"] == "muon"
+                                      for p in g["params"]])
+
+    def update(self, p, g, state, group):
+        (muon_update if group["algo"] == "muon" else adam_update)(p, g, state, group)
+
+
+def is_hidden_matrix(name, p):     # Muon's share: 2-D maps from hidden state to hidden state
+    return p.dim() == 2 and not name.endswith(("tok_embeddings.weight", "output.weight"))
+
+
+def build_optimizer(named_params, name="adamw", lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95),
+                    eps=1e-8, momentum=0.95, muon_lr=None, adjust_lr_fn="match_rms_adamw",
+                    nesterov=True, rank=0, world_size=1):
+    """named_params: (name, tensor) pairs (the model's, or train.py's fp32 master copies
+    zipped with the model's names). "adamw": decay on matrices, none on norms (1-D).
+    "muon": the hybrid; muon_lr defaults to lr (right with match_rms_adamw; with
+    "original" Keller uses ~0.02). Groups carry lr_scale = their lr / lr for set_lr."""
+    named = [(n, p) for n, p in named_params if p.requires_grad]
+    if name not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if not lr > 0 or (muon_lr is not None and not muon_lr > 0):
+        raise UserError(f"learning rates must be > 0, got lr={lr} muon_lr={muon_lr}")
+    decay = [p for n, p in named if p.dim() >= 2]
+    no_decay = [p for n, p in named if p.dim() < 2]
+    adam = dict(algo="adamw", lr=lr, lr_scale=1.0, betas=tuple(betas), eps=eps, amsgrad=False,
+                decoupled_weight_decay=True)
+    if name == "adamw":
+        groups = [dict(adam, params=decay, weight_decay=weight_decay),
+                  dict(adam, params=no_decay, weight_decay=0.0)]
+        return AdamW([g for g in groups if g["params"]])
+    hidden = [p for n, p in named if is_hidden_matrix(n, p)]
+    rest = [p for n, p in named if p.dim() >= 2 and not is_hidden_matrix(n, p)]
+    muon_lr = lr if muon_lr is None else muon_lr
+    muon = dict(_muon_defaults(muon_lr, weight_decay, momentum, nesterov, NS_COEFFICIENTS,
+                               1e-7, 5, adjust_lr_fn),
+                algo="muon", params=hidden, lr_scale=muon_lr / lr)
+    groups = [muon, dict(adam, params=rest, weight_decay=weight_decay),
+              dict(adam, params=no_decay, weight_decay=0.0)]
+    return MuonAdamW([g for g in groups if g["params"]], rank, world_size)
+
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def set_lr(optimizer, lr):
+    """The schedule's lr for this step, times each group's lr_scale (Muon's own lr)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+# ----------------------------------------------------------------------------------------
+# 8. MuonClip / QK-clip (Kimi K2). Muon moves every direction of W_q and W_k at full size,
+#    and in long runs some heads' attention logits q·k/√d grow without bound (then the
+#    softmax saturates and the loss spikes). After each step, for every head whose largest
+#    logit in this step's forward passes S_max exceeded τ, multiply its W_q rows and W_k
+#    rows by √(τ/S_max) each: the head's logits q·k scale by τ/S_max exactly (RoPE is a
+#    rotation, so it commutes with the scaling). As in K2, S_max comes from the forward,
+#    before the update, so the next forward can exceed τ by what one update added; the
+#    clip then pulls it back (tests: logits scale exactly, and stay bounded near τ).
+#
+# GQA: with n_kv_head < n_head one K head serves a group of Q heads, so scaling it also
+# shrinks the logits of the group's healthy heads. Two choices (gqa=...):
+#   "group" (default): per KV group, with the group's max S_g: W_q rows of the group's
+#     heads and its W_k rows by √(τ/S_g) each. Balanced like K2, but healthy heads of an
+#     offending group are clipped too. With n_kv_head == n_head: exactly K2's per head.
+#   "query": leave the shared W_k alone; W_q rows of each offending head × τ/S_h. Exact
+#     per head (K2 does this for MLA's shared rotary key: only the query gets the factor),
+#     but W_k is never reined in.
+
+def max_logit_per_head(q, k, mask=None):
+    """max over batch, queries and allowed keys of q·k/√d, per query head: (H,) fp32."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if mask is None:                                     # causal, Tq == Tk
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
+
+
+def _recording(attention, inner):
+    def attn_fn(q, k, v, mask=None):
+        with torch.no_grad():
+            s = max_logit_per_head(q, k, mask)
+            prev = attention.qk_max
+            attention.qk_max = s if prev is None else torch.maximum(prev, s)
+        return inner(q, k, v, mask)
+    return attn_fn
+
+
+def enable_qk_clip(model, tau=100.0, gqa="group"):
+    """Wrap every layer's attn_fn with a recorder of the per-head max logit (a running max
+    over forward passes, so gradient-accumulation micro-batches combine)."""
+    if not tau > 0:
+        raise UserError(f"QK-clip threshold tau must be > 0, got {tau}")
+    if gqa not in ("group", "query"):
+        raise UserError(f"unknown GQA QK-clip mode {gqa!r}: group or query")
+    model.qk_clip = (tau, gqa)
+    for attn in (layer.attention for layer in model.layers):
+        attn.qk_max = None
+        if not getattr(attn, "qk_recording", False):      # enabling twice wraps once
+            attn.attn_fn, attn.qk_recording = _recording(attn, attn.attn_fn), True
+    return model
+
+
+@torch.no_grad()
+def apply_qk_clip(model, copies=None, group=None):
+    """Call after optimizer.step(). copies: {model parameter: tensor} also scaled the same
+    way (train.py's fp32 master weights). Under data parallelism the maxima are all-reduced
+    (MAX) over `group` first (default: the world; under tensor parallelism pass the DP
+    group) so every replica clips identically. Returns the per-layer (H,) logit factors
+    (1 = untouched) and resets the recorders."""
+    if not hasattr(model, "qk_clip"):
+        raise UserError("apply_qk_clip: call enable_qk_clip(model, tau) first")
+    tau, gqa = model.qk_clip
+    factors = []
+    for layer in model.layers:
+        attn = layer.attention
+        S, attn.qk_max = attn.qk_max, None
+        if S is None:
+            continue
+        if dist.is_available() and dist.is_initialized():
+            comm.all_reduce(S, op=dist.ReduceOp.MAX, group=group)
+        n_q, n_kv, hd = S.numel(), attn.wk.weight.shape[0] // attn.head_dim, attn.head_dim
+        gamma = torch.where(S > tau, tau / S, torch.ones_like(S))   # wanted logit factor
+        if gqa == "group":
+            g = gamma.view(n_kv, n_q // n_kv).amin(dim=1)             # τ / (group's max)
+            q_scale, k_scale = g.sqrt().repeat_interleave(n_q // n_kv), g.sqrt()
+            factors.append(g.repeat_interleave(n_q // n_kv))
+        else:
+            q_scale, k_scale = gamma, torch.ones(n_kv, device=S.device)
+            factors.append(gamma)
+        for w, scale in ((attn.wq.weight, q_scale), (attn.wk.weight, k_scale)):
+            rows = scale.to(w.dtype).repeat_interleave(hd)[:, None]
+            w.mul_(rows)
+            if copies is not None and w in copies:
+                copies[w].mul_(rows.to(copies[w].dtype))
+    return factors
+
+
+# ----------------------------------------------------------------------------------------
+# Why Muon: the spectrum of a momentum matrix vs of the update Muon makes from it.
+
+def spectrum(M):
+    """stable rank ‖M‖_F²/σ_max² (how many directions carry the energy; at most min(m,n)),
+    and σ_max/σ_median (the spread)."""
+    s = torch.linalg.svdvals(M.float())
+    return (s.pow(2).sum() / s[0] ** 2).item(), (s[0] / s.median()).item()
+
+
+def ascii_plot(curves, width=64, height=14, xlabel="tokens"):
+    """curves: {marker: [(x, y), ...]} -> a character plot; '*' where curves overlap."""
+    xs, ys = zip(*[p for c in curves.values() for p in c])
+    (x0, x1), (y0, y1) = (min(xs), max(xs)), (min(ys), max(ys))
+    grid = [[" "] * width for _ in range(height)]
+    for mark, c in curves.items():
+        for x, y in c:
+            col = round((x - x0) / max(x1 - x0, 1e-12) * (width - 1))
+            row = round((y1 - y) / max(y1 - y0, 1e-12) * (height - 1))
+            grid[row][col] = "*" if grid[row][col] not in (" ", mark) else mark
+    lines = [f"{y1 - (y1 - y0) * i / (height - 1):7.3f} |" + "".join(r)
+             for i, r in enumerate(grid)]
+    return "\n".join(lines + [" " * 8 + "+" + "-" * width,
+                              " " * 9 + f"{x0:.0f}".ljust(width - 12) + f"{x1:.0f} {xlabel}"])
+
+
+# ----------------------------------------------------------------------------------------
+# compare: AdamW vs the Muon hybrid on the same GPT, same tokens, same seed
+
+def lr_factor(step, args):
+    """Linear warmup, then cosine to 10% (the same schedule for every run)."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def evaluate(model, corpus, args, device):
+    model.eval()
+    losses = [model(*data.get_batch(corpus.val, args.batch_size, args.seq_len, args.seed + 1,
+                                    i, device=device))[1].item() for i in range(args.eval_iters)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train_run(cfg, corpus, args, device, name, lr, muon_lr=None):
+    """One run: (step, val loss) curve, wall seconds, and the model and optimizer at the end."""
+    model = GPT(cfg, seed=args.seed).to(device)
+    opt = build_optimizer(model.named_parameters(), name, lr=lr, muon_lr=muon_lr,
+                          weight_decay=args.weight_decay, adjust_lr_fn=args.adjust_lr_fn)
+    curve, t0 = [(0, evaluate(model, corpus, args, device))], time.time()
+    for step in range(args.steps):
+        set_lr(opt, lr * lr_factor(step, args))
+        x, y = data.get_batch(corpus.train, args.batch_size, args.seq_len, args.seed, step,
+                              device=device)
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if not math.isfinite(loss.item()):                # diverged: stop, rank it last
+            curve.append((step + 1, float("inf")))
+            break
+        if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
+            curve.append((step + 1, evaluate(model, corpus, args, device)))
+    seconds = time.time() - t0
+    label = f"adamw lr {lr:g}" if muon_lr is None else f"muon lr {muon_lr:g} (adamw {lr:g})"
+    print(f"  {label}: final val {curve[-1][1]:.4f} ({seconds:.0f} s)", flush=True)
+    return dict(name=name, label=label, lr=lr, muon_lr=muon_lr, curve=curve,
+                final=curve[-1][1], seconds=seconds, model=model, opt=opt)
+
+
+def tokens_to_target(curve, target, tokens_per_step):
+    """Tokens at which the val loss first reaches target, linearly interpolated between
+    evaluations; None if never."""
+    for (s0, l0), (s1, l1) in zip(curve, curve[1:]):
+        if l1 <= target:
+            frac = (l0 - target) / (l0 - l1) if l0 > target else 0.0
+            return (s0 + frac * (s1 - s0)) * tokens_per_step
+    return None
+
+
+def model_config(args, vocab_size):
+    return get_config("small", n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+                      n_kv_head=args.n_kv_head, block_size=args.seq_len, vocab_size=vocab_size)
+
+
+def compare(args, device):
+    corpus = data.load_corpus(args.data, vocab_size=args.vocab_size)
+    cfg, tps = model_config(args, corpus.enc.n_vocab), args.batch_size * args.seq_len
+    probe = GPT(cfg, seed=None)
+    n_hidden = sum(p.numel() for n, p in probe.named_parameters() if is_hidden_matrix(n, p))
+    print(f"model: {cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads / {cfg.n_kv_head} "
+          f"kv, vocab {cfg.vocab_size}: {probe.num_params():,} params ({n_hidden:,} in hidden "
+          f"matrices) | {args.steps} steps × {tps:,} tokens | warmup {args.warmup_steps}, "
+          f"cosine to 10% | seed {args.seed} | {torch.get_num_threads()} thread(s)")
+    runs = [train_run(cfg, corpus, args, device, "adamw", lr) for lr in args.lrs]
+    adamw = min(runs, key=lambda r: r["final"])
+    for mlr in args.muon_lrs:   # Muon's matrices at mlr; the rest keeps AdamW's best lr
+        runs.append(train_run(cfg, corpus, args, device, "muon", adamw["lr"], mlr))
+    muon = min(runs[len(args.lrs):], key=lambda r: r["final"])
+    target = args.target or max(adamw["final"], muon["final"])
+    print(f"\n{'run':<30} {'final val':>9} {'tokens to ' + format(target, '.3f'):>17}  wall s")
+    for r in runs:
+        t = tokens_to_target(r["curve"], target, tps)
+        print(f"{r['label']:<30} {r['final']:9.4f} "
+              f"{'never' if t is None else format(t, ',.0f'):>17} {r['seconds']:7.0f}"
+              f"{' <- best' if r is adamw or r is muon else ''}")
+    t_a, t_m = (tokens_to_target(r["curve"], target, tps) for r in (adamw, muon))
+    ratio = t_a / t_m if t_a and t_m else float("nan")
+    print(f"\nval loss {target:.3f}: AdamW needs {t_a or float('nan'):,.0f} tokens, Muon "
+          f"{t_m or float('nan'):,.0f}: AdamW/Muon = {ratio:.2f}× (Moonlight: ≈2× at scale)\n"
+          f"(wall times: a shared CPU, contended, and Muon's Newton–Schulz is large at this d;"
+          f" the claim is about tokens)\n\nval loss (A = AdamW, M = Muon, * = both):")
+    print(ascii_plot({"A": [(s * tps, l) for s, l in adamw["curve"][1:]],
+                      "M": [(s * tps, l) for s, l in muon["curve"][1:]]}))
+    why(adamw, muon)
+    return dict(target=target, adamw=t_a, muon=t_m, ratio=ratio, runs=runs)
+
+
+def why(adamw, muon):
+    """The momentum of a matrix is dominated by a few directions; Muon's update is not."""
+    print("\nwhy: spectra at the end of training, middle layer (stable rank = ‖M‖²_F/σ²_max,"
+          f" out of min(m, n) / spread = σ_max/σ_median)\n{'matrix':<32} {'shape':>10} "
+          f"{'momentum':>16} {'Adam update':>16} {'Muon update':>16}")
+    mid = len(muon["model"].layers) // 2
+    for suffix in ("attention.wq", "attention.wo", "feed_forward.w1", "feed_forward.w2"):
+        name = f"layers.{mid}.{suffix}.weight"
+        pm, pa = (dict(r["model"].named_parameters())[name] for r in (muon, adamw))
+        m, sa = muon["opt"].state[pm]["momentum_buffer"], adamw["opt"].state[pa]
+        adam_u = sa["exp_avg"] / (sa["exp_avg_sq"].sqrt() + 1e-8)
+        cols = [spectrum(m), spectrum(adam_u), spectrum(newton_schulz(m))]
+        print(f"{name:<32} {str(tuple(m.shape)):>10} " +
+              " ".join(f"{r:7.1f} / {s:6.1f}" for r, s in cols))
+
+
+# ----------------------------------------------------------------------------------------
+# bench: what each optimizer holds and what its step costs, hand vs torch, same run
+
+def bench(args, device):
+    cfg = model_config(args, args.vocab_size)
+    model = GPT(cfg, seed=args.seed).to(device)
+    x = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), device=device)
+    with StepTimer(device) as fwd_bwd:
+        model(x, x)[1].backward()
+    every = list(model.parameters())
+    hidden = [p for n, p in model.named_parameters() if is_hidden_matrix(n, p)]
+    T = torch.optim
+    rows = [("SGD", every, lambda ps: SGD(ps), lambda ps: T.SGD(ps, 1e-3, foreach=False)),
+            ("momentum (Nesterov)", every, lambda ps: SGD(ps, 1e-3, 0.9, nesterov=True),
+             lambda ps: T.SGD(ps, 1e-3, 0.9, nesterov=True, foreach=False)),
+            ("RMSProp", every, RMSprop, lambda ps: T.RMSprop(ps, foreach=False)),
+            ("Adam", every, Adam, lambda ps: T.Adam(ps, foreach=False)),
+            ("AdamW", every, AdamW, lambda ps: T.AdamW(ps, foreach=False)),
+            ("Muon (hidden matrices)", hidden, Muon, T.Muon)]
+    ns_flops = sum(5 * (4 * min(p.shape) ** 2 * max(p.shape) + 2 * min(p.shape) ** 3)
+                   for p in hidden)
+    step_flops = model.flops_per_token(args.seq_len) * args.batch_size * args.seq_len
+    print(f"bench: {model.num_params():,} params ({sum(p.numel() for p in hidden):,} in hidden"
+          f" matrices), forward+backward of {args.batch_size}×{args.seq_len} tokens "
+          f"{fwd_bwd.seconds * 1e3:.0f} ms; optimizer.step(): best of {args.bench_steps}, hand and "
+          f"torch alternating, same gradients, {torch.get_num_threads()} thread(s)")
+    print(f"{'optimizer':<24} {'state B/param':>13} {'hand ms':>8} {'torch ms':>9} hand/torch")
+    for label, ps, hand, ref in rows:
+        opts, times = [hand(ps), ref(ps)], [[], []]
+        for _ in range(args.bench_steps):
+            for opt, ts in zip(opts, times):
+                t0 = time.perf_counter()
+                opt.step()
+                ts.append(time.perf_counter() - t0)
+        state = model_state_bytes(None, opts[0])["optimizer"] / sum(p.numel() for p in ps)
+        t_hand, t_ref = min(times[0]), min(times[1])
+        print(f"{label:<24} {state:13.2f} {t_hand * 1e3:8.2f} {t_ref * 1e3:9.2f} "
+              f"{t_hand / t_ref:10.2f}")
+    print(f"Newton–Schulz: {ns_flops / 1e6:.0f} MFLOP per step = {100 * ns_flops / step_flops:.1f}%"
+          f" of the step's {step_flops / 1e9:.2f} GFLOP forward+backward (≈ 5·d/tokens for the "
+          f"hidden matrices)\n(timings on a shared CPU: contended; read the ratios)")
+
+
+def floats(text):            # "1e-3,3e-3" -> [0.001, 0.003] (argparse reports a bad one)
+    return [float(v) for v in text.split(",")]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Optimizers by hand; AdamW vs Muon.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("mode", nargs="?", default="compare", choices=["compare", "bench"],
+                   help="compare: AdamW vs Muon; bench: state and step time vs torch.optim")
+    g = p.add_argument_group("model (a custom config smaller than `small`, to fit 2 CPU cores)")
+    g.add_argument("--n-layer", type=int, default=4, help="layers")
+    g.add_argument("--n-embd", type=int, default=128, help="width")
+    g.add_argument("--n-head", type=int, default=4, help="attention heads")
+    g.add_argument("--n-kv-head", type=int, default=2, help="key/value heads (GQA)")
+    g.add_argument("--vocab-size", type=int, default=1024, help="tokenizer vocabulary")
+    g.add_argument("--data", default=None, help="a UTF-8 text file (None: built-in corpus)")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
+    g.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    g.add_argument("--warmup-steps", type=int, default=15, help="linear warmup steps")
+    g.add_argument("--lrs", default="3e-4,1e-3,3e-3", type=floats, help="AdamW's lr sweep")
+    g.add_argument("--muon-lrs", default="1e-3,3e-3,1e-2", type=floats,
+                   help="Muon's lr sweep (hidden matrices; the rest keeps AdamW's best lr)")
+    g.add_argument("--adjust-lr-fn", default="match_rms_adamw",
+                   choices=["original", "match_rms_adamw"], help="Muon's shape scaling")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled, both")
+    g.add_argument("--eval-interval", type=int, default=10, help="steps between val losses")
+    g.add_argument("--eval-iters", type=int, default=4, help="val batches per evaluation")
+    g.add_argument("--target", type=float, default=0.0,
+                   help="target val loss (0 = the worse of the two best runs' final loss)")
+    g.add_argument("--seed", type=int, default=1337, help="weights and batches")
+    g.add_argument("--bench-steps", type=int, default=10, help="timed steps per bench row")
+    g.add_argument("--threads", type=int, default=1, help="CPU threads (1: reproducible, "
+                   "and fastest on a shared machine; 0: torch's default)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "seq_len", "warmup_steps", "eval_interval",
+                 "eval_iters", "bench_steps", "n_layer", "n_embd"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if min(args.lrs + args.muon_lrs) <= 0:
+        raise UserError("learning rates must be > 0")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return compare(args, device) if args.mode == "compare" else bench(args, device)
+
+
+if __name__ == "__main__":
+    run_cli(main)

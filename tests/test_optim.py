@@ -1,0 +1,457 @@
+# optim.py: every hand-written optimizer equals torch.optim's, bit for bit, over 20 steps on
+# the tiny GPT; Newton–Schulz lands singular values in the band and keeps the singular
+# vectors; QK-clip scales each head's logits by exactly τ/S_max and keeps exploding logits
+# near τ; sharded Muon over 2 real processes equals one process.
+# This file is also the worker the torchrun test launches (see the bottom).
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import optim                                    # noqa: E402
+from model import GPT, get_config               # noqa: E402
+from plumbing import UserError                  # noqa: E402
+
+STEPS = 20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # these are tiny tensors: on a shared 2-core machine, 2 threads spin against other
+    # processes and a step takes 20× longer than with one
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_model(**overrides):
+    return GPT(get_config("tiny", **overrides), seed=0)
+
+
+def batch(step, cfg, B=4, T=16):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(cfg.vocab_size, (B, T + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def train(model, opt, steps=STEPS):
+    for s in range(steps):
+        model(*batch(s, model.config))[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def assert_same_training(make_hand, make_ref, select=lambda n, p: True, steps=STEPS):
+    """Two identical models, one stepped by the hand optimizer, one by torch's: after
+    `steps` steps the weights must be bit-for-bit equal (the hand versions do the same
+    float operations in the same order as torch's single-tensor code), and have moved."""
+    a, b = tiny_model(), tiny_model()
+    init = {n: p.detach().clone() for n, p in a.named_parameters()}
+    hand = make_hand([p for n, p in a.named_parameters() if select(n, p)])
+    ref = make_ref([p for n, p in b.named_parameters() if select(n, p)])
+    train(a, hand, steps), train(b, ref, steps)
+    moved = 0.0
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+        moved = max(moved, (pa - init[n]).abs().max().item())
+    assert moved > 1e-3, "the optimizer did not move the weights: the comparison is vacuous"
+
+
+# ---- the lineage: SGD, momentum, Nesterov, RMSProp, Adam, AdamW ----------------------------
+
+@pytest.mark.parametrize("kw", [dict(), dict(weight_decay=0.1), dict(momentum=0.9),
+                                dict(momentum=0.9, dampening=0.5, weight_decay=0.01),
+                                dict(momentum=0.9, nesterov=True)])
+def test_sgd_equals_torch(kw):
+    assert_same_training(lambda ps: optim.SGD(ps, lr=0.5, **kw),
+                         lambda ps: torch.optim.SGD(ps, lr=0.5, foreach=False, **kw))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(centered=True), dict(momentum=0.9),
+                                dict(centered=True, momentum=0.5, weight_decay=0.01)])
+def test_rmsprop_equals_torch(kw):
+    assert_same_training(lambda ps: optim.RMSprop(ps, lr=1e-3, **kw),
+                         lambda ps: torch.optim.RMSprop(ps, lr=1e-3, foreach=False, **kw))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(weight_decay=0.1), dict(amsgrad=True),
+                                dict(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05,
+                                     amsgrad=True)])
+def test_adam_equals_torch(kw):
+    assert_same_training(lambda ps: optim.Adam(ps, lr=3e-3, **kw),
+                         lambda ps: torch.optim.Adam(ps, lr=3e-3, foreach=False, **kw))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(weight_decay=0.0), dict(weight_decay=0.5),
+                                dict(amsgrad=True, weight_decay=0.1, betas=(0.9, 0.95))])
+def test_adamw_equals_torch(kw):
+    assert_same_training(lambda ps: optim.AdamW(ps, lr=3e-3, **kw),
+                         lambda ps: torch.optim.AdamW(ps, lr=3e-3, foreach=False, **kw))
+
+
+def test_adamw_is_not_adam_with_l2():
+    """Decoupled decay is a different algorithm: with the same weight_decay the weights
+    differ from Adam's (so the two tests above cannot both pass by accident)."""
+    a, b = tiny_model(), tiny_model()
+    train(a, optim.AdamW(a.parameters(), lr=3e-3, weight_decay=0.5), 5)
+    train(b, optim.Adam(b.parameters(), lr=3e-3, weight_decay=0.5), 5)
+    assert (a.output.weight - b.output.weight).abs().max() > 1e-4
+
+
+# ---- Muon --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_equals_torch(adjust, nesterov):
+    kw = dict(lr=0.02, momentum=0.95, nesterov=nesterov, adjust_lr_fn=adjust, weight_decay=0.1)
+    assert_same_training(lambda ps: optim.Muon(ps, **kw), lambda ps: torch.optim.Muon(ps, **kw),
+                         select=optim.is_hidden_matrix)
+
+
+def test_hybrid_equals_torch_muon_plus_adamw():
+    """build_optimizer("muon") = torch Muon on the hidden matrices + torch AdamW on the
+    embedding, head (decayed) and norms (not decayed); set_lr keeps Muon's own lr."""
+    a, b = tiny_model(), tiny_model()
+    hybrid = optim.build_optimizer(a.named_parameters(), "muon", lr=3e-3, muon_lr=0.02,
+                                   weight_decay=0.1, adjust_lr_fn="original")
+    kinds = {g["algo"]: g["params"] for g in hybrid.param_groups}
+    hidden = [p for n, p in a.named_parameters() if n.startswith("layers.") and p.dim() == 2]
+    assert len(kinds["muon"]) == len(hidden) == 2 * 7
+    named = dict(b.named_parameters())
+    muon = torch.optim.Muon([p for n, p in named.items() if optim.is_hidden_matrix(n, p)],
+                            lr=0.02, weight_decay=0.1, adjust_lr_fn="original")
+    adamw = torch.optim.AdamW(
+        [{"params": [named["tok_embeddings.weight"], named["output.weight"]]},
+         {"params": [p for p in named.values() if p.dim() == 1], "weight_decay": 0.0}],
+        lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    for s in range(STEPS):
+        lr_factor = 0.5 + 0.5 * math.cos(math.pi * s / STEPS)     # a schedule, like train.py
+        optim.set_lr(hybrid, 3e-3 * lr_factor)
+        muon.param_groups[0]["lr"] = 0.02 * lr_factor
+        for g in adamw.param_groups:
+            g["lr"] = 3e-3 * lr_factor
+        for model, opts in ((a, [hybrid]), (b, [muon, adamw])):
+            model(*batch(s, model.config))[1].backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+    state = hybrid.state_dict()                      # one optimizer, one state_dict
+    assert len(state["state"]) == len(list(a.parameters()))
+
+
+def test_hybrid_state_dict_resumes_exactly():
+    """train.py's --resume: 5 steps, state_dict -> a fresh optimizer, 5 more steps ==
+    10 steps straight (momentum, Adam moments and step counts all travel)."""
+    def make(model):
+        return optim.build_optimizer(model.named_parameters(), "muon", lr=3e-3, muon_lr=0.02)
+    a, b = tiny_model(), tiny_model()
+    opt_a = make(a)
+    train(a, opt_a, 10)
+    opt_b = make(b)
+    train(b, opt_b, 5)
+    saved = opt_b.state_dict()
+    opt_b = make(b)
+    opt_b.load_state_dict(saved)
+    for s in range(5, 10):
+        b(*batch(s, b.config))[1].backward()
+        opt_b.step()
+        opt_b.zero_grad()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def _ns_reference(sigma, steps=5):
+    a, b, c = optim.NS_COEFFICIENTS
+    x = sigma
+    for _ in range(steps):
+        x = a * x + b * x ** 3 + c * x ** 5
+    return x
+
+
+def _low_rank_plus_noise(m, n, gen):
+    U = torch.linalg.qr(torch.randn(m, 4, generator=gen))[0]
+    V = torch.linalg.qr(torch.randn(n, 4, generator=gen))[0]
+    return U @ torch.diag(torch.tensor([10.0, 5.0, 2.0, 1.0])) @ V.T + \
+        1e-3 * torch.randn(m, n, generator=gen)
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (32, 96), (48, 48), (160, 64)])
+@pytest.mark.parametrize("kind", ["random", "low_rank_plus_noise"])
+def test_newton_schulz_band_and_singular_vectors(shape, kind):
+    gen = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    G = torch.randn(shape, generator=gen) if kind == "random" else _low_rank_plus_noise(*shape, gen)
+    U, S, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    rel = S / S.norm()                           # what NS sees after the Frobenius division
+    # "non-negligible": above 0.2% of ‖G‖_F in fp32; in bf16 above 1%, because rounding G
+    # to bf16 (2^-9 per entry) itself adds directions of about that size, which NS then
+    # amplifies like any other (we check: it does not mix them into the strong ones).
+    for dtype, floor, off_tol in ((torch.float32, 2e-3, 1e-5), (torch.bfloat16, 1e-2, 3e-2)):
+        keep = rel > floor
+        assert keep.sum() >= 4
+        O = optim.newton_schulz(G, dtype=dtype).double()
+        assert O.shape == G.shape
+        M = U.T @ O @ Vh.T                       # O in the input's singular bases
+        d = M.diagonal()
+        assert ((d[keep] > 0.5) & (d[keep] < 1.5)).all(), d[keep]
+        off = M - torch.diag(d)
+        # same singular vectors: M is diagonal on (and off) the kept directions
+        check = torch.cat([off[keep], off[:, keep].T])
+        assert check.abs().max() < off_tol, check.abs().max()
+        if dtype == torch.float32:
+            # nothing outside the input's row/column spaces: O = U M Vᵀ ...
+            assert (O - U @ M @ Vh).norm() < 1e-4 * O.norm()
+            # ... and each σ goes through σ ← aσ + bσ³ + cσ⁵ five times, on its own
+            torch.testing.assert_close(d, _ns_reference(rel), rtol=1e-4, atol=1e-5)
+            assert off.abs().max() < off_tol
+
+
+# ---- QK-clip ------------------------------------------------------------------------------
+
+def _max_logits(model, x):
+    """A forward through the QK-clip recorders; they keep the maxima for apply_qk_clip."""
+    for layer in model.layers:
+        layer.attention.qk_max = None
+    with torch.no_grad():
+        model(x)
+    return torch.stack([layer.attention.qk_max for layer in model.layers])   # (L, H)
+
+
+def test_recorder_is_exact_and_does_not_change_outputs():
+    model = tiny_model(attn="math")
+    x, y = batch(0, model.config)
+    logits0 = model(x)[0]
+    optim.enable_qk_clip(model, tau=1.0)
+    torch.testing.assert_close(model(x)[0], logits0, rtol=0, atol=0)
+    recorded = _max_logits(model, x)
+    # brute force: rebuild q, k of layer 0 by hand from the model's own weights
+    attn, h = model.layers[0].attention, model.layers[0].attention_norm(model.tok_embeddings(x))
+    from model import apply_rope
+    B, T = x.shape
+    cos, sin = model.rope(torch.arange(T))
+    q = apply_rope(attn.wq(h).view(B, T, -1, attn.head_dim).transpose(1, 2), cos, sin)
+    k = apply_rope(attn.wk(h).view(B, T, -1, attn.head_dim).transpose(1, 2), cos, sin)
+    k = k.repeat_interleave(attn.n_head // attn.n_kv_head, dim=1)
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(attn.head_dim)
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+    torch.testing.assert_close(recorded[0], s.amax(dim=(0, 2, 3)).detach())
+
+
+def measure(model, x):
+    """Per-head max logit (L, H) of model on x, leaving the QK-clip recorders as they were."""
+    saved = [(layer.attention, layer.attention.attn_fn, getattr(layer.attention, "qk_max", None))
+             for layer in model.layers]
+    for attn, fn, _ in saved:
+        attn.qk_max, attn.attn_fn = None, optim._recording(attn, fn)
+    with torch.no_grad():
+        model(x)
+    out = torch.stack([attn.qk_max for attn, _, _ in saved])
+    for attn, fn, stash in saved:
+        attn.attn_fn, attn.qk_max = fn, stash
+    return out
+
+
+def test_qk_clip_bounds_exploding_logits():
+    """A large Muon lr drives the attention logits up: without QK-clip they pass 3τ and
+    keep growing. With it (both GQA modes): every step, the factors are τ/S_max of the
+    offending heads (per head, or the KV group's smallest), layer 0's logits scale by
+    exactly those factors, and the max logit after each step stays within one update's
+    growth of τ (K2 clips with the forward's S_max, before the update: here < 1.5τ)."""
+    tau, steps, peaks = 1.0, 40, {}
+    for gqa in ("off", "group", "query"):
+        model = tiny_model()
+        opt = optim.build_optimizer(model.named_parameters(), "muon", lr=0.01, muon_lr=0.05,
+                                    weight_decay=0.0)
+        if gqa != "off":
+            optim.enable_qk_clip(model, tau=tau, gqa=gqa)
+        peaks[gqa] = []
+        for s in range(steps):
+            x, y = batch(s % 2, model.config)
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+            logits = measure(model, x)                 # the updated weights, before the clip
+            if gqa != "off":
+                S = torch.stack([layer.attention.qk_max for layer in model.layers])
+                factors = torch.stack(optim.apply_qk_clip(model))
+                want = torch.where(S > tau, tau / S, torch.ones_like(S))
+                if gqa == "group":                      # each head: its group's smallest
+                    want = want.view(len(S), -1, 2).amin(-1).repeat_interleave(2, -1)
+                torch.testing.assert_close(factors, want)
+                post = measure(model, x)
+                # layer 0 sees the same input, so its logits scale exactly (deeper layers
+                # also see the effect of the clip upstream)
+                torch.testing.assert_close(post[0], logits[0] * factors[0], rtol=1e-4, atol=1e-5)
+                logits = post
+            peaks[gqa].append(logits.max().item())
+    assert max(peaks["off"]) > 3 * tau, "the test did not make the logits explode"
+    for gqa in ("group", "query"):
+        assert max(peaks[gqa]) < 1.5 * tau, (gqa, peaks[gqa])
+        assert sum(p > tau for p in peaks[gqa]) >= 10, "the clip was never needed"
+
+
+def test_qk_clip_without_an_update_lands_exactly_on_tau():
+    """The clip alone (no optimizer step between the forward and the clip): every head's
+    max logit ends <= τ, offending heads exactly at τ ('query') / the group max at τ."""
+    for gqa in ("group", "query"):
+        model = tiny_model(n_layer=1)      # one layer: the clip changes nothing upstream
+        attn = model.layers[0].attention
+        with torch.no_grad():
+            attn.wq.weight.mul_(torch.linspace(5, 60, 4).repeat_interleave(8)[:, None])
+            attn.wk.weight.mul_(20)
+        x = batch(0, model.config)[0]
+        optim.enable_qk_clip(model, tau=2.0, gqa=gqa)
+        pre = _max_logits(model, x)
+        assert pre.max() > 4
+        optim.apply_qk_clip(model)
+        post = measure(model, x)
+        assert post.max() <= 2.0 * (1 + 1e-5)
+        if gqa == "query":
+            torch.testing.assert_close(post, torch.minimum(pre, torch.tensor(2.0)))
+        else:
+            torch.testing.assert_close(post.view(2, 2).amax(-1),
+                                       torch.minimum(pre.view(2, 2).amax(-1), torch.tensor(2.0)))
+
+
+def test_qk_clip_gqa_modes_scale_the_right_rows():
+    """n_head 4, n_kv_head 2: fake a recorded max of 2τ on head 1 only (KV group 0).
+    group: heads 0, 1 and K head 0 scaled by √(1/2); query: only head 1's W_q by 1/2."""
+    tau = 5.0
+    for gqa, q_expect, k_expect in (("group", [2 ** -0.5] * 2 + [1, 1], [2 ** -0.5, 1]),
+                                    ("query", [1, 0.5, 1, 1], [1, 1])):
+        model = tiny_model()
+        optim.enable_qk_clip(model, tau=tau, gqa=gqa)
+        attn, hd = model.layers[0].attention, model.config.head_dim
+        wq, wk = attn.wq.weight.detach().clone(), attn.wk.weight.detach().clone()
+        attn.qk_max = torch.tensor([1.0, 2 * tau, 4.0, -3.0])
+        master = {attn.wq.weight: wq.clone().double()}
+        factors = optim.apply_qk_clip(model, copies=master)
+        q_rows = torch.tensor(q_expect).repeat_interleave(hd)[:, None]
+        k_rows = torch.tensor(k_expect).repeat_interleave(hd)[:, None]
+        torch.testing.assert_close(attn.wq.weight, wq * q_rows)
+        torch.testing.assert_close(attn.wk.weight, wk * k_rows)
+        torch.testing.assert_close(master[attn.wq.weight], (wq * q_rows).double())
+        assert attn.qk_max is None and len(factors) == 1      # layer 1 recorded nothing
+
+
+# ---- errors, builder, sharding --------------------------------------------------------------
+
+def test_bad_inputs_raise_one_line_errors():
+    model = tiny_model()
+    norm = model.norm.weight
+    with pytest.raises(UserError, match="2-D"):
+        optim.Muon([norm])
+    with pytest.raises(UserError, match="lr must be >= 0"):
+        optim.AdamW(model.parameters(), lr=-1)
+    with pytest.raises(UserError, match="betas"):
+        optim.Adam(model.parameters(), betas=(0.9, 1.0))
+    with pytest.raises(UserError, match="Nesterov"):
+        optim.SGD(model.parameters(), nesterov=True)
+    with pytest.raises(UserError, match="adjust_lr_fn"):
+        optim.Muon([model.output.weight], adjust_lr_fn="bogus")
+    with pytest.raises(UserError, match="unknown optimizer"):
+        optim.build_optimizer(model.named_parameters(), "lion")
+    with pytest.raises(UserError, match="> 0"):
+        optim.build_optimizer(model.named_parameters(), "muon", lr=0)
+    with pytest.raises(UserError, match="tau"):
+        optim.enable_qk_clip(model, tau=0)
+    with pytest.raises(UserError, match="enable_qk_clip"):
+        optim.apply_qk_clip(model)
+    with pytest.raises(UserError, match="GQA"):
+        optim.enable_qk_clip(model, tau=1, gqa="key")
+    with pytest.raises(UserError, match="empty"):
+        optim.SGD([])
+    with pytest.raises(UserError, match="matrix"):
+        optim.newton_schulz(torch.ones(3))
+    with pytest.raises(UserError, match="must be at least 1"):
+        optim.parse_args(["--steps", "0"])
+
+
+def test_sharding_assigns_every_matrix_once_and_balances():
+    params = [torch.zeros(s) for s in [(64, 32), (32, 32), (32, 96), (16, 16), (64, 64)]]
+    opt = optim.Muon(params, rank=1, world_size=2)
+    assert set(opt.owner) == set(params) and set(opt.owner.values()) == {0, 1}
+    load = [sum(p.numel() for p, r in opt.owner.items() if r == k) for k in (0, 1)]
+    assert max(load) - min(load) <= max(p.numel() for p in params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(UserError, match="torchrun"):      # no process group here
+        opt.step()
+    assert not opt.state                                    # and nothing was half-updated
+
+
+def test_tokens_to_target_interpolates_between_evaluations():
+    curve = [(0, 5.0), (10, 3.0), (20, 2.0), (30, 1.0)]
+    assert optim.tokens_to_target(curve, 2.5, 100) == pytest.approx(1500)
+    assert optim.tokens_to_target(curve, 3.0, 100) == pytest.approx(1000)
+    assert optim.tokens_to_target(curve, 0.5, 100) is None
+
+
+def test_compare_runs_end_to_end(tmp_path):
+    """The compare pipeline on a few steps of a 1-layer model (the real figures come from
+    `python optim.py compare`): the best lr of each sweep is picked, the target is the
+    worse best run's final loss, and tokens-to-target are read off the curves."""
+    text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(3000))
+    path = tmp_path / "c.txt"
+    path.write_text(text)
+    res = optim.main(["compare", "--data", str(path), "--vocab-size", "300", "--n-layer", "1",
+                      "--n-embd", "32", "--steps", "12", "--batch-size", "4", "--seq-len",
+                      "32", "--warmup-steps", "2", "--eval-interval", "3", "--eval-iters", "2",
+                      "--lrs", "3e-3,1e-2", "--muon-lrs", "1e-2,3e-2", "--threads", "1"])
+    runs, tps = res["runs"], 4 * 32
+    assert [r["name"] for r in runs] == ["adamw", "adamw", "muon", "muon"]
+    assert all(r["lr"] == min(runs[:2], key=lambda r: r["final"])["lr"] for r in runs[2:])
+    adamw, muon = (min(rs, key=lambda r: r["final"]) for rs in (runs[:2], runs[2:]))
+    assert res["target"] == max(adamw["final"], muon["final"])
+    for r, tokens in ((adamw, res["adamw"]), (muon, res["muon"])):
+        assert [s for s, _ in r["curve"]] == [0, 3, 6, 9, 12]
+        assert tokens == optim.tokens_to_target(r["curve"], res["target"], tps)
+        assert 0 < tokens <= 12 * tps
+    assert res["ratio"] == pytest.approx(res["adamw"] / res["muon"])
+
+
+def test_sharded_muon_over_two_processes_equals_one_process():
+    from harness import torchrun
+    result = torchrun(os.path.abspath(__file__), ["sharded"], nproc=2, timeout=120)
+    assert result.returncode == 0, result.output
+    assert "sharded muon ok" in result.output, result.output
+
+
+def _sharded_worker():
+    """Each rank: the same model and the same gradients (as after DDP's all-reduce), a
+    Muon sharded by matrix; after every step the weights must equal a one-process
+    torch.optim.Muon bit for bit, and each rank must hold only its matrices' momentum."""
+    import torch.distributed as dist
+    from plumbing import comm, setup_runtime
+    rt = setup_runtime("cpu")
+    a, b = tiny_model(), tiny_model()
+    pick = lambda m: [p for n, p in m.named_parameters() if optim.is_hidden_matrix(n, p)]
+    sharded = optim.Muon(pick(a), lr=0.02, rank=rt.rank, world_size=rt.world_size)
+    ref = torch.optim.Muon(pick(b), lr=0.02)
+    for s in range(5):
+        for model, opt in ((a, sharded), (b, ref)):
+            model(*batch(s, model.config))[1].backward()
+            opt.step()
+            opt.zero_grad()
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa, pb), "sharded Muon differs from one process"
+    held = sum(st["momentum_buffer"].numel() for st in sharded.state.values())
+    total = sum(p.numel() for p in pick(a))
+    counts = torch.tensor([held])
+    dist.all_reduce(counts)
+    assert counts.item() == total and held < total, (held, total)
+    sent = dict(((op, g), (c, w)) for op, g, c, p, w in comm.table())
+    assert sent[("broadcast", "world")][0] == 5 * len(pick(a))
+    if rt.rank == 0:
+        print(f"sharded muon ok: rank 0 holds {held:,} of {total:,} momentum values", flush=True)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["sharded"]:
+    from plumbing import run_cli
+    run_cli(lambda argv: _sharded_worker())
