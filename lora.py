@@ -1,0 +1,700 @@
+"""
+lora.py -- fine-tune the shared GPT cheaply: LoRA, LoRA+, QLoRA (NF4), VeRA, DoRA, each
+measured against full fine-tuning on the same task for what it saves, adds and sacrifices.
+
+Run:  python lora.py --method lora --rank 8     # fine-tune out/ckpt.pt, evaluate, ledger
+      python lora.py compare                    # every method, same steps, one table
+      python lora.py --estimate 65B             # QLoRA's "65B on one 48 GB GPU", by arithmetic
+      torchrun --standalone --nproc_per_node=2 lora.py --method qlora    # data parallel
+
+The task: the base `small` model learnt Python source only; here it learns data.py's
+arithmetic ("3+5=" -> "8\\n"), a new task. Loss on the answer tokens only; quality = exact
+match of greedy answers on held-out problems, and the answer-token loss. (1-digit operands
+by default: the BPE splits 2-digit numbers irregularly, and in this step budget 2-digit
+exact match stays near 0% even for full fine-tuning while the answer loss falls 4.3 -> 2.)
+
+Full fine-tuning (Ψ params, fp32, AdamW): 4Ψ weights + 4Ψ grads + 8Ψ Adam = 16 B/param,
+and data parallelism all-reduces 4Ψ bytes of gradients every step.
+  - LoRA (Hu et al. 2021): freeze W0, learn ΔW = (α/r)·B·A, A: r×in random, B: out×r zero
+    (training starts exactly at the base). r·(in+out) trainable per layer instead of
+    in·out: grads, Adam state and the data-parallel all-reduce shrink by that ratio.
+    Adds two thin matmuls per layer; costs: rank(ΔW) ≤ r. rsLoRA (Kalajdzievski 2023)
+    scales by α/√r so large ranks still learn. Merging W0 += ΔW makes inference free.
+  - LoRA+ (Hayou et al. 2024): B's learning rate λ× A's (λ≈16). Same memory and compute;
+    only the optimizer changes, for faster convergence.
+  - QLoRA (Dettmers et al. 2023): frozen W0 in 4-bit NormalFloat, blocks of 64 with one
+    absmax each, the absmax constants themselves quantized to 8 bits: 4.127 bits/param
+    instead of 32. Adds: dequantize on the fly in forward AND backward (no fp32 copy kept).
+    Costs: the base is perturbed by quantization error; merging needs a full-precision W.
+  - VeRA (Kopiczko et al. 2024): ONE frozen random pair A, B shared by all layers (stored
+    once); each layer learns two vectors, d (r) and b (out): ΔW = diag(b)·B·diag(d)·A.
+    10-100× fewer trainable parameters than LoRA; costs: a random, not learnt, subspace.
+  - DoRA (Liu et al. 2024): W' = m ⊙ (W0 + sBA)/‖W0 + sBA‖_row, a learnt magnitude per
+    output row and a LoRA-updated direction. Adds out parameters per layer and, every step,
+    the full W0 + sBA and its row norms (detached, Sec. 4.3). Costs: compute, activations.
+NF4 here: the 7 block linears (embedding, head stay fp32). Each run ends with its ledger.
+"""
+import argparse
+import copy
+import math
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import data
+from model import GPT, get_config, load_model, PRESETS
+from plumbing import (ActivationMeter, Runtime, StepTimer, UserError, comm, fmt_bytes,
+                      fmt_count, model_state_bytes, print0, run_cli, seed_everything,
+                      setup_runtime, tensor_bytes)
+
+METHODS = ("full", "lora", "loraplus", "qlora", "vera", "dora")
+DEFAULT_LR = {"full": 3e-4, "lora": 3e-3, "loraplus": 1e-3, "qlora": 3e-3, "vera": 5e-2,
+              "dora": 3e-3}
+ALL_LINEARS = "wq,wk,wv,wo,w1,w2,w3"
+
+# ----------------------------------------------------------------------------------------
+# NF4: 4-bit NormalFloat (QLoRA, Sec. 3). Pretrained weights are ~normal, so the 16 levels
+# are quantiles of N(0, 1) rescaled to [-1, 1] (asymmetric so that 0 is exactly
+# representable): each level is used about equally often -- information-theoretically
+# optimal for normal data. The exact values bitsandbytes uses:
+NF4_CODE = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
+NF4_DQ_BITS = 4 + 8 / 64 + 32 / (64 * 256)      # codes + int8 absmax + fp32 per 256 absmax
+
+
+def pack_nibbles(codes):
+    """Two 4-bit codes per byte, the first element in the high nibble (bitsandbytes)."""
+    return (codes[0::2] << 4) | codes[1::2]
+
+
+def unpack_nibbles(packed):
+    return torch.stack((packed >> 4, packed & 0x0F), dim=-1).flatten()
+
+
+class NF4Weight(nn.Module):
+    """A frozen weight in NF4. Stored: `packed` (uint8, numel/2: two codes per byte) and
+    either `absmax` (fp32, one per block of 64: 4 + 32/64 = 4.5 bits/param) or, with
+    double quantization (QLoRA Sec. 3), the absmax constants minus their mean as int8
+    `absmax_q`, one fp32 `absmax_scale` per 256 of them and the fp32 mean: 4 + 8/64 +
+    32/(64·256) = 4.127 bits/param. (bitsandbytes codes the constants with its 8-bit
+    dynamic-tree float map; we use plain symmetric int8: same bits, simpler code.)"""
+
+    def __init__(self, weight, block=64, double_quant=True, dq_block=256):
+        super().__init__()
+        self.shape, self.block, self.dq_block = tuple(weight.shape), block, dq_block
+        flat = weight.detach().float().reshape(-1)
+        if flat.numel() % block:
+            raise UserError(f"NF4 needs a weight size that is a multiple of the block "
+                            f"({block}); this layer has {tuple(weight.shape)} = {flat.numel()}")
+        blocks = flat.view(-1, block)
+        absmax = blocks.abs().amax(1)
+        # nearest level: bucketize against the midpoints between neighbouring levels
+        mid = ((NF4_CODE[1:] + NF4_CODE[:-1]) / 2).to(flat.device)
+        codes = torch.bucketize(blocks / absmax.clamp_min(1e-12)[:, None], mid)
+        codes = codes.to(torch.uint8).reshape(-1)
+        self.register_buffer("packed", pack_nibbles(codes))
+        self.double_quant = double_quant
+        if double_quant:
+            mean = absmax.mean()
+            groups = F.pad(absmax - mean, (0, -absmax.numel() % dq_block)).view(-1, dq_block)
+            scale = groups.abs().amax(1).clamp_min(1e-12) / 127
+            q = (groups / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+            self.register_buffer("absmax_q", q.reshape(-1)[:absmax.numel()].clone())
+            self.register_buffer("absmax_scale", scale)
+            self.register_buffer("absmax_mean", mean.reshape(1))
+        else:
+            self.register_buffer("absmax", absmax)
+
+    def absmax_values(self):
+        if not self.double_quant:
+            return self.absmax
+        scale = self.absmax_scale.repeat_interleave(self.dq_block)[:self.absmax_q.numel()]
+        return self.absmax_q.float() * scale + self.absmax_mean
+
+    def dequantize(self, dtype=torch.float32):
+        values = NF4_CODE.to(self.packed.device)[unpack_nibbles(self.packed).long()]
+        w = values.view(-1, self.block) * self.absmax_values()[:, None]
+        return w.view(self.shape).to(dtype)
+
+    @property
+    def nbytes(self):
+        return tensor_bytes(self.buffers())
+
+    @property
+    def bits_per_param(self):
+        return 8 * self.nbytes / math.prod(self.shape)
+
+
+class NF4Matmul(torch.autograd.Function):
+    """y = x Wᵀ, W dequantized on the fly. W is frozen, so backward needs only grad_x =
+    grad_y W: dequantize again rather than keep an fp32 W (and x is not saved at all): no
+    full-precision W0 outlives one matmul. Price: two dequantizations per layer per step."""
+
+    @staticmethod
+    def forward(ctx, x, qweight):
+        ctx.qweight = qweight               # module state, not an activation
+        return F.linear(x, qweight.dequantize(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return grad_y @ ctx.qweight.dequantize(grad_y.dtype), None
+
+
+# ----------------------------------------------------------------------------------------
+# The adapted linear layers. One base class holds the frozen W0 (fp32, or NF4 for QLoRA)
+# and the merge machinery; subclasses change only the adapter path.
+
+def kaiming(rows, cols, gen):
+    return nn.init.kaiming_uniform_(torch.empty(rows, cols), a=math.sqrt(5), generator=gen)
+
+
+class LoRALinear(nn.Module):
+    """y = W0 x + (α/r)·B A dropout(x). Dropout is on the adapter's input only (LoRA
+    paper / peft): the frozen path sees the clean x."""
+
+    def __init__(self, base, rank, alpha=16.0, rslora=False, dropout=0.0, nf4=None,
+                 gen=None, **kw):
+        super().__init__()
+        self.in_features, self.out_features, self.rank = base.in_features, base.out_features, rank
+        w0 = base.weight.detach()
+        self.qweight = NF4Weight(w0, **nf4) if nf4 else None
+        self.weight = None if nf4 else nn.Parameter(w0.clone(), requires_grad=False)
+        self.scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+        self.dropout = nn.Dropout(dropout)
+        self.merged = False
+        self.init_adapter(gen, **kw)
+
+    def init_adapter(self, gen):
+        # peft's init: A kaiming-uniform(a=√5) = U(±1/√in), B = 0 -> ΔW = 0 at step 0.
+        self.lora_A = nn.Parameter(kaiming(self.rank, self.in_features, gen))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, self.rank))
+
+    def base_weight(self):
+        return self.weight if self.qweight is None else self.qweight.dequantize()
+
+    def base_forward(self, x):
+        q = self.qweight
+        return F.linear(x, self.weight) if q is None else NF4Matmul.apply(x, q)
+
+    def delta_weight(self):
+        return self.scale * self.lora_B @ self.lora_A
+
+    def adapter_forward(self, x):
+        # B(A x): two thin matmuls, r·(in+out) FLOPs per token, never the out×in ΔW
+        return self.scale * F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
+
+    def forward(self, x):
+        if self.merged:
+            return F.linear(x, self.weight)
+        return self.base_forward(x) + self.adapter_forward(x)
+
+    def merged_weight(self, w0):
+        return w0 + self.delta_weight()
+
+    def unmerged_weight(self, w):
+        return w - self.delta_weight()
+
+    @torch.no_grad()
+    def merge(self):
+        """Fold the adapter into one plain matrix: inference then costs exactly the base
+        model's. QLoRA: 4 bits cannot absorb ΔW exactly, so an fp32 W is materialised."""
+        if not self.merged:
+            if self.qweight is not None:
+                self.weight = nn.Parameter(self.qweight.dequantize(), requires_grad=False)
+            self.weight.copy_(self.merged_weight(self.weight))
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self):
+        if self.merged:
+            if self.qweight is not None:
+                self.weight = None              # the NF4 codes were never touched
+            else:
+                self.weight.copy_(self.unmerged_weight(self.weight))
+            self.merged = False
+
+
+class DoRALinear(LoRALinear):
+    """W' = m ⊙ V/‖V‖, V = W0 + sBA, norms per output row (the rows of W, out×in).
+    m starts at ‖W0‖ so W' = W0 at step 0. The norm is detached (DoRA Sec. 4.3): gradient
+    flows to m and, through V, to A and B, but not through ‖V‖ -- it saves keeping V's
+    graph alive. Computed as (m/‖V‖)·(W0 x + sBA x), the peft form: x never meets V."""
+
+    def init_adapter(self, gen):
+        super().init_adapter(gen)
+        self.magnitude = nn.Parameter(self.base_weight().norm(dim=1))
+
+    def weight_norm(self):
+        with torch.no_grad():            # = .detach(): a constant in backward
+            return (self.base_weight() + self.delta_weight()).norm(dim=1)
+
+    def forward(self, x):
+        if self.merged:
+            return F.linear(x, self.weight)
+        scale = self.magnitude / self.weight_norm()
+        return scale * (self.base_forward(x) + self.adapter_forward(x))
+
+    def merged_weight(self, w0):
+        v = w0 + self.delta_weight()
+        self.merged_norm = v.norm(dim=1)          # kept to unmerge exactly (as peft does)
+        return (self.magnitude / self.merged_norm)[:, None] * v
+
+    def unmerged_weight(self, w):
+        return w * (self.merged_norm / self.magnitude)[:, None] - self.delta_weight()
+
+
+class VeRAShared(nn.Module):
+    """The frozen random pair all VeRA layers share, sized for the largest layer (each uses
+    a top-left slice). Registered ONCE on the model: one copy, whatever the layer count."""
+
+    def __init__(self, rank, max_in, max_out, gen):
+        super().__init__()
+        self.register_buffer("A", kaiming(rank, max_in, gen))    # peft's VeRA init
+        self.register_buffer("B", kaiming(max_out, rank, gen))
+
+
+class VeRALinear(LoRALinear):
+    """y = W0 x + b ⊙ B(d ⊙ A dropout(x)); trainable d (r, init 0.1) and b (out, init 0)."""
+
+    def init_adapter(self, gen, shared=None, d_init=0.1):
+        self.__dict__["shared"] = shared           # a reference, not a submodule: stored once
+        self.scale = 1.0                           # VeRA has no α/r: d and b carry the scale
+        self.vera_d = nn.Parameter(torch.full((self.rank,), d_init))
+        self.vera_b = nn.Parameter(torch.zeros(self.out_features))
+
+    def frozen_pair(self):
+        return self.shared.A[:, :self.in_features], self.shared.B[:self.out_features]
+
+    def delta_weight(self):
+        A, B = self.frozen_pair()
+        return (self.vera_b[:, None] * B) @ (self.vera_d[:, None] * A)
+
+    def adapter_forward(self, x):
+        A, B = self.frozen_pair()
+        return self.vera_b * F.linear(self.vera_d * F.linear(self.dropout(x), A), B)
+
+
+ADAPTER_CLASS = {"dora": DoRALinear, "vera": VeRALinear}     # LoRA, LoRA+, QLoRA: LoRALinear
+
+
+def target_linears(model, targets):
+    """(name, nn.Linear) whose qualified name equals a target or ends with '.' + target:
+    'wq' picks every layer's query projection, 'layers.0.attention.wq' only layer 0's."""
+    wanted = [t.strip() for t in targets.split(",") if t.strip()]
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)
+             and any(n == t or n.endswith("." + t) for t in wanted)]
+    if not found:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                        if isinstance(m, nn.Linear)})
+        raise UserError(f"--targets {targets!r} match no linear layer (names: {', '.join(names)})")
+    return found
+
+
+def apply_adapters(model, method, targets=ALL_LINEARS, rank=8, alpha=16.0, rslora=False,
+                   dropout=0.0, seed=0, quant_block=64, double_quant=True, dq_block=256,
+                   vera_rank=0, vera_d_init=0.1):
+    """Freeze the model and swap the target nn.Linear layers for adapted ones, in place.
+    'full' trains everything and swaps nothing. Same seed -> same A on every rank."""
+    if method not in METHODS:
+        raise UserError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
+    if method == "full":
+        model.requires_grad_(True)
+        return []
+    found = target_linears(model, targets)
+    if method == "vera":   # default rank: the largest every target layer allows
+        rank = vera_rank or min(min(m.in_features, m.out_features) for _, m in found)
+    for name, m in found:
+        if rank < 1 or rank > min(m.in_features, m.out_features):
+            raise UserError(f"rank {rank} is impossible for {name} ({m.out_features}×"
+                            f"{m.in_features}): use 1..{min(m.in_features, m.out_features)}")
+        if method == "qlora" and m.weight.numel() % quant_block:
+            raise UserError(f"QLoRA: {name} has {m.weight.numel()} weights, not a multiple "
+                            f"of the NF4 block ({quant_block})")
+    model.requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    kw = dict(rank=rank, alpha=alpha, rslora=rslora, dropout=dropout, gen=gen)
+    if method == "qlora":
+        kw["nf4"] = dict(block=quant_block, double_quant=double_quant, dq_block=dq_block)
+    if method == "vera":
+        model.vera_shared = VeRAShared(rank, max(m.in_features for _, m in found),
+                                       max(m.out_features for _, m in found), gen)
+        model.vera_shared.to(found[0][1].weight.device)       # Module.to moves in place
+        kw.update(shared=model.vera_shared, d_init=vera_d_init)
+    for name, m in found:
+        parent, _, child = name.rpartition(".")
+        new = ADAPTER_CLASS.get(method, LoRALinear)(m, **kw).to(m.weight.device)
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return found
+
+
+def adapters(model):
+    return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+def merge_all(model, merge=True):                 # merge=False: unmerge
+    for m in adapters(model):
+        m.merge() if merge else m.unmerge()
+
+
+def make_optimizer(model, method, lr, loraplus_ratio=16.0, weight_decay=0.0):
+    """AdamW over the trainable parameters. LoRA+: the B matrices in their own group with
+    lr·λ (Hayou et al. 2024: B's optimal step is ~λ× A's when the width is large)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    is_b = lambda n: method == "loraplus" and n.endswith("lora_B")
+    groups = [{"params": [p for n, p in named if not is_b(n)], "lr": lr, "base_lr": lr}]
+    if method == "loraplus":
+        groups.append({"params": [p for n, p in named if is_b(n)], "lr": lr * loraplus_ratio,
+                       "base_lr": lr * loraplus_ratio})
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                             weight_decay=weight_decay)
+
+
+# ----------------------------------------------------------------------------------------
+# The task: data.py's arithmetic problems, loss on the answer tokens only.
+
+def collate(pairs, device="cpu"):
+    """Rows = prompt + answer, right-padded. Targets -1 (ignored) on the prompt and the
+    padding; causal attention means padding never changes the real positions' outputs."""
+    seqs = [p + a for p, a in pairs]
+    T = max(len(s) for s in seqs) - 1
+    x = torch.zeros(len(seqs), T, dtype=torch.long)
+    y = torch.full((len(seqs), T), -1, dtype=torch.long)
+    for i, ((p, a), s) in enumerate(zip(pairs, seqs)):
+        x[i, :len(s) - 1] = torch.tensor(s[:-1])
+        y[i, len(p) - 1:len(s) - 1] = torch.tensor(a)
+    return x.to(device), y.to(device)
+
+
+def task_batch(pairs, batch_size, seed, step, rank=0, world=1, device="cpu"):
+    """The global batch (batch_size·world rows) is a function of (seed, step); rank r takes
+    its slice. So 2 ranks × b rows see exactly what 1 process × 2b rows sees."""
+    rng = np.random.default_rng([seed, step])
+    rows = rng.integers(0, len(pairs), size=batch_size * world)
+    return collate([pairs[i] for i in rows[rank * batch_size:(rank + 1) * batch_size]], device)
+
+
+def answer_loss(model, x, y):
+    """Mean over rows of each row's mean answer-token cross-entropy (nats). Per-row first,
+    so averaging equal-sized rank shards gives exactly the global batch's loss."""
+    logits, _ = model(x)
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1,
+                          reduction="none").view(y.shape)
+    mask = (y >= 0).float()
+    return ((nll * mask).sum(1) / mask.sum(1)).mean()
+
+
+@torch.no_grad()
+def evaluate(model, enc, problems, pairs, device="cpu"):
+    """-> (exact match of greedy answers, scored by data.score; answer-token loss)."""
+    if not problems:
+        return float("nan"), float("nan")
+    model.eval()
+    loss = answer_loss(model, *collate(pairs, device)).item()
+    newline, max_new = enc.encode_ordinary(data.TERMINATOR)[0], max(len(a) for _, a in pairs) + 1
+    by_len, correct = {}, 0
+    for prob, (p, _) in zip(problems, pairs):          # equal-length prompts batch together
+        by_len.setdefault(len(p), []).append((prob, p))
+    for group in by_len.values():
+        out = model.generate(torch.tensor([p for _, p in group], device=device), max_new,
+                             temperature=0, eos_id=newline)
+        correct += sum(data.score(enc.decode(row.tolist()), prob.answer)
+                       for (prob, _), row in zip(group, out))
+    model.train()
+    return correct / len(problems), loss
+
+
+# ----------------------------------------------------------------------------------------
+# The loop (data parallel when launched with torchrun)
+
+def all_reduce_grads(params, world):
+    """Average the trainable gradients in one flat all-reduce: r·(in+out) per layer, not 4Ψ B."""
+    if world > 1:
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        comm.all_reduce(flat)
+        for p, g in zip(params, (flat / world).split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
+
+
+def finetune(model, method, pairs, args, rt=Runtime(), log=True):
+    """Train the trainable parameters for args.steps. -> what was measured: model state
+    bytes (with gradients held), peak activation bytes, median step time."""
+    lr = args.lr or DEFAULT_LR[method]
+    optimizer = make_optimizer(model, method, lr, args.loraplus_ratio, args.weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    times, peak_act = [], 0
+    for step in range(args.steps):          # linear warmup, then cosine decay to 10%
+        t = (step - args.warmup) / max(1, args.steps - args.warmup)
+        f = (step + 1) / args.warmup if step < args.warmup else 0.55 + 0.45 * math.cos(math.pi * t)
+        for g in optimizer.param_groups:
+            g["lr"] = g["base_lr"] * f
+        x, y = task_batch(pairs, args.batch_size, args.seed, step, rt.rank, rt.world_size,
+                          rt.device)
+        # the meter sees what forward saves for backward (backward and step save nothing)
+        with StepTimer(rt.device) as timer, ActivationMeter(model) as meter:
+            loss_t = answer_loss(model, x, y)
+            loss_t.backward()
+            all_reduce_grads(params, rt.world_size)
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+            optimizer.step()
+        peak_act = max(peak_act, meter.bytes)
+        state = model_state_bytes(model, optimizer)      # grads still held: counted
+        optimizer.zero_grad(set_to_none=True)
+        times.append(timer.seconds)
+        if log and ((step + 1) % args.log_interval == 0 or step + 1 == args.steps):
+            print0(f"step {step + 1:4d} | {method} | answer loss {loss_t.item():.4f} | "
+                   f"{timer.seconds * 1000:.0f} ms | state {fmt_bytes(state['total'])} | "
+                   f"act {fmt_bytes(meter.bytes)} | sent {fmt_bytes(comm.total_wire)}")
+    return dict(state=state, act=peak_act, seconds=sum(times),
+                step_ms=1000 * statistics.median(times[1:] or times))
+
+
+# ----------------------------------------------------------------------------------------
+# The ledger: what each method holds, measured from the tensors, next to the formula
+
+def trainable_formula(model, method):
+    """Trainable parameters by formula: LoRA Σ r(in+out), DoRA + Σ out, VeRA Σ (r + out)."""
+    if method == "full":
+        return sum(p.numel() for p in model.parameters())
+    per = {"vera": lambda r, i, o: r + o, "dora": lambda r, i, o: r * (i + o) + o}.get(
+        method, lambda r, i, o: r * (i + o))
+    return sum(per(m.rank, m.in_features, m.out_features) for m in adapters(model))
+
+
+def ledger_row(model, method, run, quality, base_quality):
+    """Measured from the tensors: frozen = frozen parameters + persistent buffers (NF4
+    codes, VeRA's shared pair), counted once each; grads/Adam from model_state_bytes."""
+    keep = set(model.state_dict())
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    frozen += [b for n, b in model.named_buffers() if n in keep]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    st, fb, tb = run["state"], tensor_bytes(frozen), tensor_bytes(trainable)
+    return dict(method=method, trainable=sum(p.numel() for p in trainable),
+                formula=trainable_formula(model, method), frozen=fb, train_bytes=tb,
+                grads=st["grads"], optim=st["optimizer"],
+                total=fb + tb + st["grads"] + st["optimizer"],
+                act=run["act"], step_ms=run["step_ms"], acc=quality[0], ans_loss=quality[1],
+                base=base_quality, merge_err=run.get("merge_err", float("nan")))
+
+
+def print_ledger(rows):
+    ref = next((r for r in rows if r["method"] == "full"), rows[0])
+    x = f"×{ref['method']}"                           # ratios against full fine-tuning when it ran
+    cols = ("method", "trainable", "frozen", "train B", "grads", "Adam", "state", x,
+            "act peak", x, "ms/step", x, "exact", "ans loss", "merge err")
+    print0(" ".join(f"{c:>9}" for c in cols))
+    for r in rows:
+        print0(" ".join(f"{v:>9}" for v in (
+            r["method"], fmt_count(r["trainable"]), *(fmt_bytes(r[k]) for k in (
+                "frozen", "train_bytes", "grads", "optim", "total")),
+            f"{r['total'] / ref['total']:.2f}", fmt_bytes(r["act"]), f"{r['act'] / ref['act']:.2f}",
+            f"{r['step_ms']:.0f}", f"{r['step_ms'] / ref['step_ms']:.2f}", f"{r['acc']:.1%}",
+            f"{r['ans_loss']:.3f}", f"{r['merge_err']:.1e}")))
+    print0(f"{'base':>9} {'(no fine-tuning)':>{10 * 12 - 1}} {rows[0]['base'][0]:>9.1%} "
+           f"{rows[0]['base'][1]:>9.3f}")
+    ok = all(r["trainable"] == r["formula"] and r["grads"] == 4 * r["trainable"]
+             and r["optim"] == 8 * r["trainable"] for r in rows)
+    print0(f"formulas: trainable = Σ r(in+out) (LoRA, LoRA+, QLoRA), + Σ out (DoRA), "
+           f"Σ (r+out) (VeRA), Ψ (full); grads = 4 B × trainable; Adam m, v = 8 B × "
+           f"trainable: {'every row matches' if ok else 'MISMATCH'}")
+
+
+def nf4_bits_report(model, block=64, dq_block=256, targets=ALL_LINEARS):
+    """Quantize the target weights both ways and count the stored bits."""
+    for dq, formula, label in ((True, 4 + 8 / block + 32 / (block * dq_block),
+                                "4 + 8/64 + 32/(64·256)"), (False, 4 + 32 / block, "4 + 32/64")):
+        qs = [NF4Weight(m.weight, block, dq, dq_block) for _, m in target_linears(model, targets)]
+        n = sum(math.prod(q.shape) for q in qs)
+        bits = 8 * sum(q.nbytes for q in qs) / n
+        err = max((q.dequantize() - m.weight).abs().max().item()
+                  for q, (_, m) in zip(qs, target_linears(model, targets)))
+        print0(f"NF4 {'with' if dq else 'without'} double quantization: measured "
+               f"{bits:.4f} bits/param over {fmt_count(n)} weights | formula {label} = "
+               f"{formula:.4f} | max |W - deq(W)| {err:.2e}")
+
+
+# ----------------------------------------------------------------------------------------
+# --estimate: the same memory arithmetic for the models the QLoRA paper talks about
+
+EST_SHAPES = {  # layers, d_model, kv dim, ffn hidden, vocab, heads
+    "65B": (80, 8192, 8192, 22016, 32000, 64),   # LLaMA-65B
+    "70B": (80, 8192, 1024, 28672, 32000, 64)}   # Llama-2-70B (GQA, 8 KV heads)
+
+
+def estimate(args):
+    key = args.estimate.upper()
+    if key not in EST_SHAPES:
+        raise UserError(f"--estimate knows {', '.join(EST_SHAPES)}, not {args.estimate!r}")
+    L, d, kv, ffn, V, heads = EST_SHAPES[key]
+    shapes = [(d, d), (kv, d), (kv, d), (d, d), (ffn, d), (d, ffn), (ffn, d)]  # wq..w3
+    linear = L * sum(o * i for o, i in shapes)
+    other = 2 * V * d + L * 2 * d + d              # embedding, head, norms: kept 16-bit
+    r, s = args.est_rank, args.est_seq
+    adapter = L * sum(r * (o + i) for o, i in shapes)
+    # activations with activation checkpointing (QLoRA uses it): every block's input kept
+    # (2·s·h bytes per layer, bf16) + one block recomputed at a time (Korthikanti et al.)
+    act = 2 * s * d * L + s * d * (34 + 5 * heads * s / d)
+    ad = adapter * (2 + 2 + 8)                      # bf16 weights + grads, fp32 Adam m, v
+    print0(f"{key}: Ψ = {fmt_count(linear + other)} ({fmt_count(linear)} in linear layers), "
+           f"LoRA r={r} on all 7 linear layers = {fmt_count(adapter)} trainable "
+           f"({adapter / (linear + other):.2%}); batch 1 × {s} tokens, decimal GB")
+    rows = [("full fine-tuning, mixed precision: 16 B/param", 16 * (linear + other), 0),
+            ("LoRA, bf16 base: 2 B/param + adapters 12 B/param", 2 * (linear + other), ad),
+            ("QLoRA, NF4 without double quant (4.5 bits)", linear * 4.5 / 8 + 2 * other, ad),
+            ("QLoRA, NF4 + double quant (4.127 bits)", linear * NF4_DQ_BITS / 8 + 2 * other, ad)]
+    print0(f"  {'':<50} {'base':>9} {'adapters':>9} {'act':>8} {'total':>9}  48 GB GPU?")
+    for label, base, adapters_b in rows:
+        total = base + adapters_b + act
+        print0(f"  {label:<50} {fmt_bytes(base):>9} {fmt_bytes(adapters_b):>9} "
+               f"{fmt_bytes(act):>8} {total / 1e9:6.2f} GB  {'fits' if total < 48e9 else 'no'}")
+
+
+# ----------------------------------------------------------------------------------------
+# Building, running, comparing
+
+def build_base(args, device="cpu"):
+    """-> (model, tokenizer). --ckpt none: a random --preset model with a 256-byte
+    tokenizer (no merges), so tests need no trained BPE, no corpus, no checkpoint."""
+    if args.ckpt == "none":
+        enc = data.make_encoding({bytes([i]): i for i in range(256)})
+        cfg = get_config(args.preset, vocab_size=enc.n_vocab)
+        return GPT(cfg, seed=args.seed).to(device), enc
+    model, ckpt = load_model(args.ckpt, device)    # a missing file: one clear UserError
+    return model, data.encoding_from_state(ckpt["tokenizer"])
+
+
+def task_data(enc, args):
+    """-> train (prompt ids, answer ids) pairs, test problems, test pairs. The pre-split
+    cuts "=" from the digits, so encoding the halves apart = encoding the whole."""
+    train = data.make_problems(args.n_train, args.seed, args.digits, args.ops, "train")
+    test = data.make_problems(args.eval_problems, args.seed + 1, args.digits, args.ops,
+                              "test") if args.eval_problems else []
+    test = list(dict.fromkeys(test))       # drawn with replacement: score each problem once
+    encode = lambda probs: [(enc.encode_ordinary(p.prompt),
+                             enc.encode_ordinary(p.answer + data.TERMINATOR)) for p in probs]
+    return encode(train), test, encode(test)
+
+
+def adapter_kwargs(args):
+    return dict(targets=args.targets, rank=args.rank, alpha=args.alpha, rslora=args.rslora,
+                dropout=args.dropout, seed=args.seed, quant_block=args.quant_block,
+                double_quant=not args.no_double_quant, dq_block=args.dq_block,
+                vera_rank=args.vera_rank, vera_d_init=args.vera_d_init)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.estimate:
+        return estimate(args)
+    rt = setup_runtime(args.device)
+    torch.set_num_threads(args.threads)
+    base, enc = build_base(args, rt.device)
+    methods = args.methods.split(",") if args.mode == "compare" else [args.method]
+    for m in methods:                              # fail on bad flags before any training
+        apply_adapters(copy.deepcopy(base), m, **adapter_kwargs(args))
+    train_pairs, test, test_pairs = task_data(enc, args)
+    t0 = time.perf_counter()
+    base_quality = evaluate(base, enc, test, test_pairs, rt.device)
+    print0(f"base {args.ckpt}: {base.num_params():,} params | task: {args.digits}-digit "
+           f"'{args.ops}', {len(train_pairs)} train / {len(test)} held-out problems | "
+           f"{args.steps} steps × {args.batch_size * rt.world_size} rows, {rt.world_size} "
+           f"rank(s) | base exact match {base_quality[0]:.1%}, answer loss {base_quality[1]:.3f}")
+    rows = []
+    for method in methods:           # adapt a copy of the base, fine-tune, evaluate, merge
+        model = copy.deepcopy(base)
+        apply_adapters(model, method, **adapter_kwargs(args))
+        seed_everything(args.seed)                 # same dropout masks for every method
+        comm.reset()
+        run = finetune(model, method, train_pairs, args, rt)
+        quality = evaluate(model, enc, test, test_pairs, rt.device)
+        if method != "full" and test_pairs:        # merged weights == unmerged adapter?
+            model.eval()
+            with torch.no_grad():
+                x, _ = collate(test_pairs, rt.device)
+                before = model(x)[0]
+                merge_all(model)
+                run["merge_err"] = (model(x)[0] - before).abs().max().item()
+                merge_all(model, False)
+        print0(f"{method}: trained {args.steps} steps in {run['seconds']:.1f} s | test exact match "
+               f"{quality[0]:.1%} (base {base_quality[0]:.1%}) | answer loss "
+               f"{quality[1]:.3f} (base {base_quality[1]:.3f})")
+        if rt.world_size > 1:
+            print0(comm.report(f"data-parallel communication, {method} (this rank)"))
+        rows.append(ledger_row(model, method, run, quality, base_quality))
+    cmd = " ".join(["python lora.py", *(sys.argv[1:] if argv is None else argv)])
+    print0(f"\nledger ({cmd}; {rt.world_size} rank(s), device {rt.device}):")
+    print_ledger(rows)
+    nf4_bits_report(base, args.quant_block, args.dq_block, args.targets)
+    print0(f"total {time.perf_counter() - t0:.0f} s")
+    if args.save and rt.is_main:
+        torch.save({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
+                   args.save)
+    return rows
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Fine-tune the base GPT on arithmetic with LoRA, LoRA+, QLoRA, VeRA, "
+                    "DoRA or full fine-tuning, and print what each costs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("mode", nargs="?", default="train", choices=["train", "compare"],
+                   help="train: one --method; compare: every method in --methods, one table")
+    p.add_argument("--method", default="lora", help=f"one of {', '.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(METHODS), help="compare: methods to run")
+    g = p.add_argument_group("adapters")
+    g.add_argument("--targets", default=ALL_LINEARS, help="linear layers to adapt (names)")
+    g.add_argument("--rank", type=int, default=8, help="LoRA/QLoRA/DoRA rank r")
+    g.add_argument("--alpha", type=float, default=16.0, help="LoRA scale α (ΔW = α/r·BA)")
+    g.add_argument("--rslora", action="store_true", help="scale by α/√r (rsLoRA)")
+    g.add_argument("--dropout", type=float, default=0.0, help="dropout on the adapter input")
+    g.add_argument("--loraplus-ratio", type=float, default=16.0, help="LoRA+: lr_B / lr_A")
+    g.add_argument("--vera-rank", type=int, default=0, help="0 = the largest all layers allow")
+    g.add_argument("--vera-d-init", type=float, default=0.1, help="VeRA: initial d")
+    g.add_argument("--quant-block", type=int, default=64, help="QLoRA: NF4 block size")
+    g.add_argument("--dq-block", type=int, default=256, help="QLoRA: absmax block size")
+    g.add_argument("--no-double-quant", action="store_true", help="QLoRA: fp32 absmax")
+    g = p.add_argument_group("training and task")
+    g.add_argument("--steps", type=int, default=200, help="optimizer steps per method")
+    g.add_argument("--batch-size", type=int, default=32, help="problems per step per rank")
+    g.add_argument("--lr", type=float, default=0.0, help=f"0 = per method: {DEFAULT_LR}")
+    g.add_argument("--warmup", type=int, default=10, help="warmup steps, then cosine")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="0 = off")
+    g.add_argument("--digits", type=int, default=1, help="digits per operand")
+    g.add_argument("--ops", default="+-", help="operators, from '+-*'")
+    g.add_argument("--n-train", type=int, default=20000, help="training problems")
+    g.add_argument("--eval-problems", type=int, default=200, help="held-out draws, 0 = none")
+    g = p.add_argument_group("run")
+    g.add_argument("--ckpt", default="out/ckpt.pt", help="'none' = random --preset model")
+    g.add_argument("--preset", default="tiny", help=f"with --ckpt none: {', '.join(PRESETS)}")
+    g.add_argument("--seed", type=int, default=0, help="data, adapter init, dropout")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matmuls)")
+    g.add_argument("--log-interval", type=int, default=25, help="steps between log lines")
+    g.add_argument("--save", default="", help="write the trained parameters to this file")
+    g.add_argument("--estimate", default="", help="memory arithmetic for 65B or 70B, exit")
+    g.add_argument("--est-rank", type=int, default=64, help="--estimate: LoRA rank")
+    g.add_argument("--est-seq", type=int, default=512, help="--estimate: tokens per step")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "warmup", "log_interval", "n_train", "quant_block",
+                 "dq_block"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.dropout < 1:
+        raise UserError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.quant_block % 2:
+        raise UserError("--quant-block must be even (two 4-bit codes per byte)")
+    return args
+
+
+if __name__ == "__main__":
+    run_cli(main)
