@@ -165,7 +165,8 @@ class Unit:
         self.shard_size = math.ceil(total / world)            # S
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
         self.dtype, self.device = self.params[0].dtype, self.params[0].device
-        self.flat = None            # the full flat parameter buffer, when materialised
+        self.flat = None            # the full flat parameter buffer the parameters view
+        self.materialized = False   # ZeRO-3: does that buffer hold memory right now?
         self.grad_shard = None      # this rank's slice of the averaged gradient
         self.flat_grad = None       # ZeRO-1 only: the full gradient buffer
         self.done = 0               # parameters whose gradient arrived this micro-step
@@ -187,19 +188,23 @@ class Unit:
 
     def point_params_at(self, flat):
         """Make every parameter a view into `flat` (no copy)."""
-        self.flat = flat
+        self.flat, self.materialized = flat, True
         for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
             p.data = flat[off:off + n].view(shape)
 
     def free_params(self):
-        self.flat = None
-        for p in self.params:
-            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        """Release the full buffer's memory but keep the tensor: autograd has saved views of
+        these weights for backward, and they must see the weights again once gathered
+        (shrinking the storage, as FSDP does, frees memory; dropping our reference would
+        not, since the saved views would keep the whole buffer alive)."""
+        self.flat.untyped_storage().resize_(0)
+        self.materialized = False
 
     def all_gather(self, shard):
-        full = torch.empty(self.shard_size * self.world, dtype=self.dtype, device=self.device)
-        comm.all_gather_into_tensor(full, shard)
-        self.point_params_at(full)
+        """Fill the full buffer (re-allocated in place) with every rank's slice."""
+        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+        comm.all_gather_into_tensor(self.flat, shard)
+        self.materialized = True
 
 
 class ZeRO:
@@ -215,6 +220,7 @@ class ZeRO:
             full = u.flatten([p.detach() for p in u.params])
             # The shard of the parameters this rank updates. Stages 1-2 keep the full
             # buffer and update their slice of it in place; stage 3 keeps only the slice.
+            u.point_params_at(full)
             if stage == 3:
                 u.shard = full[u.lo:u.hi].clone()
                 u.free_params()
@@ -222,7 +228,6 @@ class ZeRO:
                 u.module.register_forward_hook(lambda m, a, o, u=u: u.free_params())
                 u.module.register_full_backward_pre_hook(lambda m, g, u=u: self._gather(u))
             else:
-                u.point_params_at(full)
                 u.shard = full[u.lo:u.hi]
             if stage >= 2:
                 for p in u.params:
@@ -231,7 +236,7 @@ class ZeRO:
         self.pieces = [piece for u in self.units for piece in u.opt_pieces]
 
     def _gather(self, u):
-        if u.flat is None:
+        if not u.materialized:
             u.all_gather(u.shard)
 
     def _grad_ready(self, u):

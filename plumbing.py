@@ -323,19 +323,24 @@ class ActivationMeter:
     the forward pass; read `.bytes` before backward frees them."""
 
     def __init__(self, model=None):
-        self.param_ptrs = set()
-        if model is not None:
-            self.param_ptrs = {_local(p).untyped_storage().data_ptr()
-                               for p in model.parameters()}
+        self.model = model
+        self.param_ptrs = self._param_ptrs()
         self.storages = {}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _param_ptrs(self):
+        if self.model is None:
+            return set()
+        return {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
 
     def _pack(self, t):
         storage = _local(t).untyped_storage()
         ptr = storage.data_ptr()
-        # A parameter is model state, even when its storage changed since the meter began
-        # (ZeRO-3 gathers a block's weights into a fresh buffer just before its forward).
-        if not isinstance(t, torch.nn.Parameter) and ptr not in self.param_ptrs and ptr != 0:
+        if ptr not in self.param_ptrs:
+            # Parameters may have moved since the meter began (ZeRO-3 gathers a block's
+            # weights into re-allocated memory just before its forward): look again.
+            self.param_ptrs = self._param_ptrs()
+        if ptr not in self.param_ptrs and ptr != 0:
             self.storages[ptr] = storage.nbytes()
         return t
 
