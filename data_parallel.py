@@ -37,8 +37,6 @@ import os
 import warnings
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from plumbing import UserError, comm, tensor_bytes
 

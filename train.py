@@ -14,7 +14,7 @@ What a training step holds in memory, per parameter (Ψ = parameter count):
                     + Adam m, v 4 + 4                                    = 16 B/param
   So mixed precision alone saves NO model-state memory (it even keeps a second copy of
   the weights). What it buys: 2-byte activations and, on GPUs, 2-16× faster matmuls. The
-  model state is only reduced by sharding it (ZeRO, issue 3 / parallel.py).
+  model state is only reduced by sharding it (ZeRO: data_parallel.py, `--dp`).
   Activations per layer (Korthikanti et al. 2022, 16-bit, no recompute):
       s·b·h·(34 + 5·a·s/h) bytes     (s seq, b batch, h hidden, a heads)
   -- linear in the batch, quadratic in the sequence through the attention scores.
@@ -35,21 +35,19 @@ import argparse
 import math
 import os
 import shutil
-import sys
 import time
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import data
 import data_parallel
 import optim
-from model import GPT, get_config, load_model, PRESETS, GPTConfig
-from plumbing import (ActivationMeter, StepTimer, UserError, comm, fmt_bytes, fmt_count, gpu_peak_flops,
-                      model_state_bytes, print0, rng_state, run_cli, seed_everything,
-                      set_rng_state, setup_runtime)
+from model import GPT, GPTConfig, PRESETS, get_config
+from plumbing import (ActivationMeter, StepTimer, UserError, comm, fmt_bytes, fmt_count,
+                      gpu_peak_flops, model_state_bytes, print0, rng_state, run_cli,
+                      seed_everything, set_rng_state, setup_runtime)
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
