@@ -5,7 +5,6 @@ take seconds just to start."""
 import pytest
 
 from harness import run_python, torchrun
-from test_train import text_file  # noqa: F401  (the shared ~150 KB corpus fixture)
 
 CHECK = "tests/dist_train_check.py"
 MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp")

@@ -30,8 +30,8 @@ def test_activation_meter_counts_saved_tensors_not_weights():
     lin = nn.Linear(100, 100, bias=False)
     x = torch.randn(8, 100, requires_grad=True)
     with ActivationMeter(lin) as meter:
-        y = torch.relu(lin(x))       # matmul saves x (and the weight: excluded); relu saves y
-    assert meter.bytes == 2 * 8 * 100 * 4
+        out = torch.relu(lin(x))     # matmul saves x (and the weight: excluded); relu saves out
+    assert out.requires_grad and meter.bytes == 2 * 8 * 100 * 4
     with ActivationMeter(lin) as meter:
         with torch.no_grad():
             lin(x)

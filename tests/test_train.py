@@ -1,7 +1,3 @@
-import glob
-import os
-import sysconfig
-
 import pytest
 import torch
 
@@ -9,20 +5,6 @@ import train
 from harness import run_python
 from model import GPT, get_config
 from plumbing import ActivationMeter, model_state_bytes
-
-
-@pytest.fixture(scope="session")
-def text_file(tmp_path_factory):
-    """~150 KB of real text (a few standard-library sources): enough to train `tiny` on in
-    seconds; its tokenizer is trained once and cached."""
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-    text, i = "", 0
-    while len(text) < 150_000:
-        text += open(files[i], encoding="utf-8").read()
-        i += 1
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text(text, encoding="utf-8")
-    return str(path)
 
 
 def tiny_args(text_file, *extra):
