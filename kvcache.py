@@ -1,0 +1,579 @@
+"""
+kvcache.py -- the paged KV cache: how a serving engine stores the keys and values of many
+sequences of unknown, different and growing lengths without wasting memory.
+
+What it teaches (Kwon et al. 2023, "Efficient Memory Management for Large Language Model
+Serving with PagedAttention" -- vLLM):
+  - A contiguous cache (model.KVCache) must reserve, per sequence, room for the longest
+    it may ever become: prompt + max_tokens, or the whole context. Most of it stays empty
+    (the paper measures 60-80% of KV memory wasted in earlier systems).
+  - Paging: one fixed pool of KV *blocks* of `block_size` token slots, shared by every
+    sequence, like physical pages of virtual memory. Each sequence owns a *block table*
+    (logical block i -> physical block id); token at position p lives in slot
+    table[p // block_size] * block_size + p % block_size (the *slot mapping*). Blocks are
+    handed out one at a time as a sequence grows, so the waste is < 1 block per sequence
+    (vLLM: < 4%).
+  - Paged attention: queries attend to keys that are scattered over the pool. Here we
+    *gather* each sequence's keys/values through its block table into a dense tensor and
+    call the model's own attention function with a mask (simple, and provably equal to
+    dense attention); `paged_attention_blockwise` does what the real CUDA kernel does
+    instead: walk the block table block by block with an online softmax, never
+    materialising the gathered copy.
+  - Prefix caching (vLLM "automatic prefix caching", SGLang RadixAttention): a *full*
+    block is named by a hash chain, h_i = H(h_{i-1}, tokens of block i), so equal hashes
+    mean equal prefixes, not just equal blocks. Blocks are reference-counted: sequences
+    with a common prefix (a system prompt, a chat history) share the physical blocks; a
+    released block keeps its contents and its hash and is evicted least-recently-used only
+    when a fresh block is needed.
+  - int8 KV quantization (per token and per KV head, symmetric absmax): 4·D bytes become
+    D + 4 bytes per (token, head) -- about 3.5x less KV memory than fp32 at head_dim 32,
+    paid for with a small, measured, error in attention.
+
+What it costs: paging adds an indirection (block tables, a slot mapping per step, and, in
+this gather version, one copy of the context's K/V per layer per step that a fused kernel
+avoids); prefix caching adds hashing and bookkeeping and keeps dead blocks around until
+evicted; int8 adds quantize/dequantize work and error.
+"""
+import argparse
+import hashlib
+import math
+import os
+import random
+import time
+from array import array
+from collections import OrderedDict, deque
+
+import torch
+
+from model import ATTENTION_FUNCTIONS, GPT, get_config, load_model
+from plumbing import UserError, run_cli
+
+
+# ----------------------------------------------------------------------------------------
+# Prefix hashing: the hash of a full block covers everything before it.
+
+def block_hash(parent, tokens):
+    """h_i = sha256(h_{i-1} ‖ token ids of block i) (first 16 bytes). Chaining makes the
+    hash a name for the whole prefix; a cryptographic hash makes a collision -- which would
+    silently serve another prompt's keys -- practically impossible (vLLM added sha256
+    for this reason in v0.8.3, vllm-project/vllm#15297, and made it the default in
+    v0.10.2). Hits are also checked token by token."""
+    h = hashlib.sha256(parent or b"")
+    h.update(array("q", tokens).tobytes())
+    return h.digest()[:16]
+
+
+def extend_hash_chain(hashes, tokens, n_blocks, block_size):
+    """Extend a sequence's list of chain hashes to cover its first n_blocks full blocks
+    (each hash is computed once per sequence, when first needed)."""
+    while len(hashes) < n_blocks:
+        j = len(hashes)
+        hashes.append(block_hash(hashes[-1] if hashes else None,
+                                 tokens[j * block_size:(j + 1) * block_size]))
+    return hashes
+
+
+def blocks_for(n_tokens, block_size):
+    return -(-n_tokens // block_size)
+
+
+# ----------------------------------------------------------------------------------------
+# The block allocator: reference counts, a free list, and the prefix cache.
+
+class BlockAllocator:
+    """Every physical block is in exactly one of three states:
+      free     refcount 0, no hash       -- in `free` (handed out first);
+      cached   refcount 0, has a hash    -- in `evictable` (an LRU): its K/V are still
+                                            valid and a new sequence may reuse them;
+      in use   refcount > 0              -- referenced by that many block tables (shared
+                                            prefix blocks have refcount > 1).
+    `allocate` takes a free block, else evicts the least-recently-released cached one."""
+
+    def __init__(self, num_blocks, block_size, prefix_caching=True):
+        if num_blocks < 1 or block_size < 1:
+            raise UserError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
+                            f"{block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.prefix_caching = prefix_caching
+        self.refcount = [0] * num_blocks
+        self.free = deque(range(num_blocks))
+        self.evictable = OrderedDict()          # block -> None, oldest release first
+        self.hash_of = [None] * num_blocks      # block -> its chain hash, if registered
+        self.tokens_of = [None] * num_blocks    # block -> its token ids (verifies hits)
+        self.block_of = {}                      # chain hash -> block
+        self.hits = self.queries = self.evictions = 0
+
+    @property
+    def num_free(self):
+        """Blocks a new allocation can get: free ones plus evictable cached ones."""
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def num_used(self):
+        return self.num_blocks - self.num_free
+
+    def allocate(self):
+        if self.free:
+            block = self.free.popleft()
+        elif self.evictable:
+            block, _ = self.evictable.popitem(last=False)   # least recently used
+            del self.block_of[self.hash_of[block]]
+            self.hash_of[block] = self.tokens_of[block] = None
+            self.evictions += 1
+        else:
+            raise RuntimeError("KV block pool exhausted (the scheduler should have checked)")
+        self.refcount[block] = 1
+        return block
+
+    def acquire(self, block):
+        """One more block table points at `block` (a prefix-cache hit)."""
+        if self.refcount[block] == 0:
+            del self.evictable[block]                       # KeyError = a bug
+        self.refcount[block] += 1
+
+    def release(self, block):
+        if self.refcount[block] <= 0:
+            raise RuntimeError(f"double free of block {block}")
+        self.refcount[block] -= 1
+        if self.refcount[block] == 0:
+            if self.hash_of[block] is not None:
+                self.evictable[block] = None                # keep the contents, LRU
+            else:
+                self.free.append(block)
+
+    def lookup(self, h, tokens):
+        """The block holding the prefix with chain hash h, or None. No reference taken."""
+        self.queries += 1
+        block = self.block_of.get(h)
+        if block is None or self.tokens_of[block] != tuple(tokens):
+            return None
+        self.hits += 1
+        return block
+
+    def register(self, block, h, tokens):
+        """Block `block` is full and its K/V are written: make it findable. If another
+        block already holds this prefix (two sequences computed it at the same time), the
+        first one stays the cached copy and this one is freed normally when released."""
+        if not self.prefix_caching or h in self.block_of or self.hash_of[block] is not None:
+            return
+        self.block_of[h] = block
+        self.hash_of[block], self.tokens_of[block] = h, tuple(tokens)
+
+    # -- per-sequence helpers: a block table is a plain list of block ids ---------------
+    def match_prefix(self, tokens, hashes):
+        """Cached blocks covering the longest prefix of `tokens` made of full blocks, with
+        at least the last token left out: its logits are needed to sample the next token,
+        so a prompt fully covered by the cache still recomputes its last block (the case
+        that breaks nano-vllm, whose prefill then has zero tokens). `hashes` is the
+        sequence's hash chain (extended here as needed)."""
+        if not self.prefix_caching:
+            return []
+        bs, found = self.block_size, []
+        n = (len(tokens) - 1) // bs
+        extend_hash_chain(hashes, tokens, n, bs)
+        for i in range(n):
+            block = self.lookup(hashes[i], tokens[i * bs:(i + 1) * bs])
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def can_allocate(self, n_new, hits=()):
+        """Room for n_new fresh blocks after taking references on `hits` (a hit that sits
+        in the evictable LRU stops being evictable once acquired)."""
+        return self.num_free - sum(self.refcount[b] == 0 for b in hits) >= n_new
+
+    def grow(self, table, n_tokens):
+        """Extend a block table to hold n_tokens; False (nothing allocated) if no room."""
+        need = blocks_for(n_tokens, self.block_size) - len(table)
+        if need > self.num_free:
+            return False
+        table.extend(self.allocate() for _ in range(max(need, 0)))
+        return True
+
+    def release_table(self, table):
+        """Release a sequence's blocks, last block first, so that among a chain's cached
+        blocks the LRU evicts the tail before the shared head (as vLLM does)."""
+        for block in reversed(table):
+            self.release(block)
+        table.clear()
+
+    def check(self, tables=None):
+        """Invariants (used by the tests after every random operation): each block in
+        exactly one state, no duplicates, hash maps consistent, and -- given every live
+        block table -- refcount == number of tables holding the block."""
+        free, evict = list(self.free), list(self.evictable)
+        assert len(free) == len(set(free)), "duplicate in free list"
+        assert not set(free) & set(evict), "block both free and cached"
+        for b in range(self.num_blocks):
+            rc = self.refcount[b]
+            assert rc >= 0, f"negative refcount on block {b}"
+            assert (b in self.evictable) == (rc == 0 and self.hash_of[b] is not None)
+            assert (b in set(free)) == (rc == 0 and self.hash_of[b] is None)
+        for h, b in self.block_of.items():
+            assert self.hash_of[b] == h, "hash map out of sync"
+        assert sum(h is not None for h in self.hash_of) == len(self.block_of)
+        if tables is not None:
+            counts = [0] * self.num_blocks
+            for t in tables:
+                for b in t:
+                    counts[b] += 1
+            assert counts == self.refcount, "refcounts differ from the block tables"
+
+
+# ----------------------------------------------------------------------------------------
+# int8 KV: one scale per (token, KV head), symmetric absmax over head_dim.
+
+def quantize_int8(x):
+    """x (..., D) float -> (int8 codes, float32 scale (..., 1)); x ≈ codes · scale.
+    Error per element ≤ scale/2 = absmax/254."""
+    scale = x.detach().abs().amax(-1, keepdim=True).float().clamp(min=1e-8) / 127.0
+    return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def dequantize_int8(codes, scale, dtype=torch.float32):
+    return (codes.float() * scale).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# The pool and paged attention
+
+class PagedKVCache:
+    """The KV pool of every layer: (n_layer, n_kv_head, num_blocks·block_size slots, D),
+    one slot per token, block b = slots b·bs .. b·bs+bs-1. With kv_dtype="int8" the pool
+    holds int8 codes plus a float32 scale per (slot, head).
+
+    It drives the unmodified model: `Attention.forward` calls `update(layer, k, v)`, which
+    writes this step's K/V into their slots and returns the layer's pools; those reach
+    `attention(q, k_pool, v_pool, mask)` (installed as every layer's attn_fn by
+    `installed(model)`), which does paged attention for the step's ragged batch, described
+    by `prepare(...)`. The step's tokens of all sequences are packed into one row
+    (B = 1, T = total new tokens), the way vLLM packs a batch: no padding in the MLP."""
+
+    def __init__(self, cfg, num_blocks, block_size, dtype=torch.float32, device="cpu",
+                 kv_dtype=None, attn_fn=None):
+        self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
+        self.dtype, self.device = dtype, torch.device(device)
+        self.kv_dtype = kv_dtype or str(dtype).replace("torch.", "")
+        self.inner = attn_fn or ATTENTION_FUNCTIONS[cfg.attn]   # the math after the gather
+        # head-major: a block of one head is bs·D contiguous numbers, so a gathered
+        # sequence comes out as (H_kv, L, D) with rows of keys contiguous -- what the
+        # attention kernel wants without another copy
+        shape = (cfg.n_layer, cfg.n_kv_head, num_blocks * block_size, cfg.head_dim)
+        if self.kv_dtype == "int8":
+            self.k = torch.zeros(shape, dtype=torch.int8, device=device)
+            self.v = torch.zeros(shape, dtype=torch.int8, device=device)
+            self.k_scale = torch.ones(shape[:-1] + (1,), device=device)
+            self.v_scale = torch.ones(shape[:-1] + (1,), device=device)
+        else:
+            kd = getattr(torch, self.kv_dtype, None)
+            if not isinstance(kd, torch.dtype) or not kd.is_floating_point:
+                raise UserError(f"unknown kv dtype {self.kv_dtype!r}: use int8, float32, "
+                                f"bfloat16 or float16")
+            self.k = torch.zeros(shape, dtype=kd, device=device)
+            self.v = torch.zeros(shape, dtype=kd, device=device)
+            self.k_scale = self.v_scale = None
+        self.length = 0          # the model contract: GPT.forward reads it (positions are
+        self.groups = []         # passed explicitly, so 0 keeps its masks out of the way)
+
+    @property
+    def nbytes(self):
+        parts = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.k_scale is not None
+                                    else [])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    @property
+    def bytes_per_token(self):
+        return self.nbytes // (self.num_blocks * self.block_size)
+
+    def advance(self, n):
+        pass                     # lengths live in the engine's sequences, not here
+
+    def _slots(self, tables, positions):
+        """slot = table[p // bs] · bs + p % bs, for (S, max_blocks) tables and (S, N)
+        positions."""
+        bs = self.block_size
+        return tables.gather(1, positions // bs) * bs + positions % bs
+
+    def prepare(self, seqs):
+        """Describe one step. seqs: list of (block_table, start, n): this step computes
+        positions start .. start+n-1 of that sequence (n = 1 for a decode, n > 1 for a
+        prefill chunk) and its context afterwards is start + n tokens. Token order in the
+        packed batch = the order of `seqs`. Builds the slot mapping for the writes and,
+        per attention group (decodes, prefill chunks -- vLLM also runs these as two
+        kernels), the query indices, the block ids to gather and the mask."""
+        dev = self.device
+        n_blocks = max(len(t) for t, _, _ in seqs)
+        tables = torch.tensor([t + [0] * (n_blocks - len(t)) for t, _, _ in seqs],
+                              dtype=torch.long, device=dev)
+        starts = torch.tensor([s for _, s, _ in seqs], device=dev)
+        ns = torch.tensor([n for _, _, n in seqs], device=dev)
+        offsets = torch.cumsum(ns, 0) - ns                       # first packed index
+        seq_of = torch.repeat_interleave(torch.arange(len(seqs), device=dev), ns)
+        pos = starts[seq_of] + torch.arange(int(ns.sum()), device=dev) - offsets[seq_of]
+        self.write_slots = self._slots(tables[seq_of], pos[:, None])[:, 0]
+        self.positions = pos
+        self.groups = []
+        for rows in self._groups(seqs):
+            rows = torch.tensor(rows, dtype=torch.long, device=dev)
+            t_max, l_max = int(ns[rows].max()), int((starts + ns)[rows].max())
+            tq = torch.arange(t_max, device=dev)
+            valid = tq < ns[rows, None]                          # (S, Tmax)
+            q_index = torch.where(valid, offsets[rows, None] + tq, 0)
+            q_pos = torch.where(valid, starts[rows, None] + tq, 0)   # padded q: key 0 only
+            # keys are gathered a whole block at a time (as the kernel reads them): the
+            # group's first ceil(l_max / bs) table entries; positions past a sequence's
+            # end (or in another sequence's padding) are masked out
+            n_kb = blocks_for(l_max, self.block_size)
+            kpos = torch.arange(n_kb * self.block_size, device=dev)
+            mask = kpos <= q_pos[:, :, None]                     # causal, in absolute pos
+            keep = valid.flatten().nonzero()[:, 0]               # real (not padded) queries
+            self.groups.append((q_index.flatten(), keep, q_index.flatten()[keep],
+                                tables[rows, :n_kb].flatten(), mask[:, None]))
+        return self
+
+    @staticmethod
+    def _groups(seqs):
+        """Row indices of the attention groups: prefill chunks together; decodes sorted by
+        context length and, when it saves >= 20% of the padded key positions, cut in two
+        (a group's keys are padded to its longest context)."""
+        ctx = [s + n for _, s, n in seqs]
+        dec = sorted((i for i, (_, _, n) in enumerate(seqs) if n == 1), key=ctx.__getitem__)
+        groups = [[i for i, (_, _, n) in enumerate(seqs) if n > 1]]
+        if dec:
+            lens = [ctx[i] for i in dec]
+            cost = [k * lens[k - 1] + (len(dec) - k) * lens[-1] for k in range(1, len(dec) + 1)]
+            k = min(range(len(cost)), key=cost.__getitem__) + 1
+            k = k if cost[k - 1] <= 0.8 * cost[-1] else len(dec)
+            groups += [dec[:k], dec[k:]]
+        return [g for g in groups if g]
+
+    def update(self, layer, k, v):
+        """k, v: (1, n_kv_head, T, D), the packed step. Write them to their slots; return
+        the layer's pools (what `attention` reads)."""
+        k, v, slots = k[0], v[0], self.write_slots                # (H_kv, T, D)
+        if self.k_scale is not None:
+            (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+            self.k[layer].index_copy_(1, slots, kq)
+            self.k_scale[layer].index_copy_(1, slots, ks)
+            self.v[layer].index_copy_(1, slots, vq)
+            self.v_scale[layer].index_copy_(1, slots, vs)
+            return (self.k[layer], self.k_scale[layer]), (self.v[layer], self.v_scale[layer])
+        self.k[layer].index_copy_(1, slots, k.to(self.k.dtype))
+        self.v[layer].index_copy_(1, slots, v.to(self.v.dtype))
+        return self.k[layer], self.v[layer]
+
+    def gather(self, pool, blocks, S):
+        """Flat (S·n_blocks,) block ids -> (S, H_kv, n_blocks·bs, D) dense keys or values
+        (dequantized if int8): one index_select over whole blocks (bs·D contiguous numbers
+        per head), far cheaper on the CPU than indexing token by token."""
+        def take(t):     # (H_kv, slots, d) -> (H_kv, S·n_blocks·bs, d)
+            h, _, d = t.shape
+            return t.view(h, self.num_blocks, -1).index_select(1, blocks).view(h, -1, d)
+        x = dequantize_int8(take(pool[0]), take(pool[1]), self.dtype) if isinstance(
+            pool, tuple) else take(pool).to(self.dtype)
+        return x.view(x.shape[0], S, -1, x.shape[-1]).transpose(0, 1)
+
+    def attention(self, q, k_pool, v_pool, mask=None):
+        """Paged attention for the packed step. q: (1, H, T, D). For each group: pick the
+        group's queries (padded to its longest chunk), gather its keys/values through the
+        block tables, run the model's attention function with the causal/length mask,
+        scatter the real (unpadded) query rows back into packed order."""
+        out = torch.empty_like(q)
+        H, D = q.shape[1], q.shape[3]
+        for q_index, keep, dest, key_blocks, group_mask in self.groups:
+            S = group_mask.shape[0]
+            qg = q[0].index_select(1, q_index).view(H, S, -1, D).transpose(0, 1)
+            k, v = self.gather(k_pool, key_blocks, S), self.gather(v_pool, key_blocks, S)
+            og = self.inner(qg, k, v, group_mask)                   # (S, H, Tmax, D)
+            og = og.transpose(0, 1).reshape(H, -1, D).index_select(1, keep)
+            out[0].index_copy_(1, dest, og)
+        return out
+
+    def installed(self, model):
+        """Context manager: every layer's attn_fn is this cache's paged attention for the
+        duration of a step, then the model's own again (the model object stays shared with
+        callers such as a reference generate())."""
+        cache = self
+
+        class _Swap:
+            def __enter__(self):
+                self.saved = [layer.attention.attn_fn for layer in model.layers]
+                for layer in model.layers:
+                    layer.attention.attn_fn = cache.attention
+
+            def __exit__(self, *exc):
+                for layer, fn in zip(model.layers, self.saved):
+                    layer.attention.attn_fn = fn
+        return _Swap()
+
+
+def paged_attention_blockwise(q, k_pool, v_pool, table, context_len, block_size):
+    """What the PagedAttention kernel computes, for one sequence, without gathering: walk
+    the block table, and for each block of keys update an online softmax (Milakov &
+    Gimelshein 2018; FlashAttention): running max m, running denominator l, running
+    weighted sum acc; rescale both by exp(m_old - m_new) when the max grows.
+    q: (H, Tq, D), the last Tq positions of a context of context_len tokens; pools in the
+    PagedKVCache layout (H_kv, slots, D). Returns (H, Tq, D)."""
+    H, Tq, D = q.shape
+    rep = H // k_pool.shape[0]
+    q_pos = torch.arange(context_len - Tq, context_len)
+    m = torch.full((H, Tq, 1), float("-inf"))
+    l, acc = torch.zeros(H, Tq, 1), torch.zeros(H, Tq, D)
+    for i in range(blocks_for(context_len, block_size)):
+        kpos = torch.arange(i * block_size, min((i + 1) * block_size, context_len))
+        slots = table[i] * block_size + kpos % block_size
+        k = k_pool[:, slots].float().repeat_interleave(rep, 0)         # (H, b, D)
+        v = v_pool[:, slots].float().repeat_interleave(rep, 0)
+        s = q.float() @ k.transpose(1, 2) / math.sqrt(D)
+        s = s.masked_fill(kpos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        p = torch.exp(s - m_new)
+        correction = torch.exp(m - m_new)
+        l = l * correction + p.sum(-1, keepdim=True)
+        acc = acc * correction + p @ v
+        m = m_new
+    return (acc / l).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# Demo and ledger: `python kvcache.py` (uses the trained checkpoint when there is one)
+
+@torch.no_grad()
+def paged_logits(model, cache, alloc, seqs, chunk):
+    """Run the unmodified GPT.forward over several sequences at once, packed in one row,
+    prefilling each in chunks of `chunk` tokens through the paged cache. -> the logits of
+    every position of every sequence (list of (T_i, V))."""
+    tables, done, out = [[] for _ in seqs], [0] * len(seqs), [[] for _ in seqs]
+    while any(d < len(s) for d, s in zip(done, seqs)):
+        step = [(i, min(chunk, len(s) - done[i])) for i, s in enumerate(seqs) if done[i] < len(s)]
+        for i, n in step:
+            if not alloc.grow(tables[i], done[i] + n):
+                raise UserError("the demo's block pool is too small")
+        cache.prepare([(tables[i], done[i], n) for i, n in step])
+        idx = torch.tensor([[t for i, n in step for t in seqs[i][done[i]:done[i] + n]]])
+        with cache.installed(model):
+            logits, _ = model(idx, positions=cache.positions[None], cache=cache)
+        at = 0
+        for i, n in step:
+            out[i].append(logits[0, at:at + n])
+            at, done[i] = at + n, done[i] + n
+    for t in tables:
+        alloc.release_table(t)
+    return [torch.cat(o) for o in out]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="The paged KV cache, measured: paged vs dense "
+                                "logits, int8 error, bytes per token, fragmentation, "
+                                "prefix sharing, the cost of the gather.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", default="out/ckpt.pt",
+                   help="trained model (python train.py); a random tiny model if missing")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--chunk", type=int, default=48, help="prefill chunk (tokens)")
+    p.add_argument("--num-seqs", type=int, default=4, help="ragged sequences in the check")
+    p.add_argument("--seed", type=int, default=0, help="lengths, tokens, tiny model")
+    args = p.parse_args(argv)
+    if args.block_size < 1 or args.chunk < 1 or args.num_seqs < 1:
+        raise UserError("--block-size, --chunk and --num-seqs must be >= 1")
+    torch.set_num_threads(1)
+    if os.path.exists(args.checkpoint):
+        model, _ = load_model(args.checkpoint)
+        print(f"model: {args.checkpoint}")
+    else:
+        model = GPT(get_config("tiny"), seed=args.seed)
+        print(f"model: random tiny ({args.checkpoint} not found; `python train.py` writes it)")
+    model.eval()
+    cfg, bs, rng = model.config, args.block_size, random.Random(args.seed)
+    lens = [rng.randint(cfg.block_size // 4, cfg.block_size) for _ in range(args.num_seqs)]
+    seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in lens]
+    with torch.no_grad():
+        dense = [model(torch.tensor([s]))[0][0] for s in seqs]
+    n_blocks = sum(blocks_for(n, bs) for n in lens)
+    print(f"\n{args.num_seqs} ragged sequences (lengths {lens}) packed in one row, prefilled in "
+          f"chunks of {args.chunk}, block size {bs}: paged vs dense forward")
+    rows = {}
+    for kv in ("float32", "bfloat16", "int8"):
+        cache = PagedKVCache(cfg, n_blocks, bs, kv_dtype=kv)
+        paged = paged_logits(model, cache, BlockAllocator(n_blocks, bs), seqs, args.chunk)
+        err = max((a - b).abs().max().item() for a, b in zip(paged, dense))
+        agree = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(paged, dense))
+        f = 2 * cfg.n_layer * cfg.n_kv_head * (cfg.head_dim * (1 if kv == "int8" else
+                                               torch.finfo(getattr(torch, kv)).bits // 8)
+                                               + (4 if kv == "int8" else 0))
+        rows[kv] = cache.bytes_per_token
+        print(f"  {kv:<9} max |Δlogit| {err:.2e}   top-1 agreement {agree}/{sum(lens)}   "
+              f"{cache.bytes_per_token} B/token (formula 2·L·H_kv·(D·bytes + scale) = {f})")
+
+    # fragmentation: the same lengths, contiguous max-length reservation vs blocks
+    lens = [rng.randint(1, cfg.block_size) for _ in range(256)]
+    alloc = BlockAllocator(sum(blocks_for(n, bs) for n in lens), bs)
+    tables = [[] for _ in lens]
+    for t, n in zip(tables, lens):
+        assert alloc.grow(t, n)
+    slots = sum(map(len, tables)) * bs
+    print(f"\nfragmentation, 256 sequences of 1..{cfg.block_size} tokens ({sum(lens)} tokens):")
+    print(f"  contiguous, reserve the context ({cfg.block_size}) each: "
+          f"{1 - sum(lens) / (256 * cfg.block_size):.0%} of the reservation wasted")
+    print(f"  paged, block {bs}: {alloc.num_used} blocks = {slots} slots, "
+          f"{1 - sum(lens) / slots:.1%} wasted = {(slots - sum(lens)) / 256:.1f} slots/sequence"
+          f" (expected ≈ (bs-1)/2 = {(bs - 1) / 2})")
+
+    # prefix sharing: 16 requests = a shared 128-token system prompt + their own 32 tokens
+    shared = [rng.randrange(cfg.vocab_size) for _ in range(min(128, cfg.block_size // 2))]
+    alloc, tables = BlockAllocator(1024, bs), []
+    for _ in range(16):
+        toks = shared + [rng.randrange(cfg.vocab_size) for _ in range(32)]
+        hashes, hits = [], None
+        hits = alloc.match_prefix(toks, hashes)
+        for b in hits:
+            alloc.acquire(b)
+        t = list(hits)
+        alloc.grow(t, len(toks))
+        extend_hash_chain(hashes, toks, len(toks) // bs, bs)
+        for i in range(len(hits), len(toks) // bs):
+            alloc.register(t[i], hashes[i], toks[i * bs:(i + 1) * bs])
+        tables.append(t)
+    alloc.check(tables)
+    alone = 16 * blocks_for(len(shared) + 32, bs)
+    print(f"\nprefix caching, 16 requests sharing a {len(shared)}-token prefix: "
+          f"{alloc.num_used} blocks instead of {alone} ({alone / alloc.num_used:.1f}x less KV, "
+          f"{alloc.hits} block hits = {alloc.hits * bs} prefill tokens skipped)")
+
+    # the cost of paging: gather + attention vs attention on a contiguous cache
+    S, L = 32, min(192, cfg.block_size)
+    cache = PagedKVCache(cfg, S * blocks_for(L, bs) + 1, bs)
+    perm = torch.randperm(cache.num_blocks - 1)[:S * blocks_for(L, bs)].view(S, -1).tolist()
+    cache.prepare([(t, L - 1, 1) for t in perm])
+    q = torch.randn(1, cfg.n_head, S, cfg.head_dim)
+    k, v = torch.randn(S, cfg.n_kv_head, L, cfg.head_dim), torch.randn(S, cfg.n_kv_head, L,
+                                                                       cfg.head_dim)
+    qd, full = q[0].transpose(0, 1)[:, :, None], torch.ones(S, 1, 1, L, dtype=torch.bool)
+    timings = {}
+    for name, fn in (("dense", lambda: cache.inner(qd, k, v, full)),
+                     ("paged", lambda: cache.attention(q, cache.k[0], cache.v[0]))):
+        fn()
+        runs = []
+        for _ in range(5):       # CPU time, best of 5: less disturbed by other jobs
+            t0 = time.process_time()
+            for _ in range(10):
+                fn()
+            runs.append((time.process_time() - t0) / 10)
+        timings[name] = min(runs)
+    print(f"\npaged attention cost, decode of {S} sequences x {L} tokens, one layer: dense "
+          f"{timings['dense'] * 1e3:.2f} ms, paged (gather + same attention) "
+          f"{timings['paged'] * 1e3:.2f} ms = {timings['paged'] / timings['dense']:.1f}x "
+          f"(timings on a shared CPU are noisy)")
+    print("\nledger rows:")
+    print(f"  paged KV | waste < 1 block/seq vs {1 - sum(lens) / (256 * cfg.block_size):.0%} "
+          f"for max-length reservation | block tables, gather copy "
+          f"({timings['paged'] / timings['dense']:.1f}x attention time here) | none (exact)")
+    print(f"  prefix caching | {alone / alloc.num_used:.1f}x less KV for a shared prefix, its "
+          f"prefill skipped | hashing, refcounts | dead blocks linger until LRU-evicted")
+    print(f"  int8 KV | {rows['float32'] / rows['int8']:.1f}x less KV than fp32 | quantize on "
+          f"write, dequantize on read | small logit error (above)")
+
+
+if __name__ == "__main__":
+    run_cli(main)

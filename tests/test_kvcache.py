@@ -1,0 +1,226 @@
+import random
+
+import pytest
+import torch
+
+from harness import run_python
+from kvcache import (BlockAllocator, PagedKVCache, block_hash, blocks_for, dequantize_int8,
+                     extend_hash_chain, paged_attention_blockwise, paged_logits, quantize_int8)
+from model import GPT, get_config, math_attention, sdpa_attention
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors run fastest on one thread (on a busy machine two spinning OpenMP
+    threads make them many times slower); restored after this module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def dense_reference(q, k, v, context_len):
+    """q: (H, n, D) = the last n positions of a context; k, v: (H_kv, L, D). Plain
+    causal attention with the offset mask, the model's math_attention."""
+    n = q.shape[1]
+    mask = torch.ones(n, context_len, dtype=torch.bool).tril(context_len - n)
+    return math_attention(q[None], k[None], v[None], mask)[0]
+
+
+@pytest.mark.parametrize("block_size,n_head,n_kv_head,inner", [
+    (4, 4, 2, sdpa_attention), (1, 4, 4, math_attention), (16, 6, 2, sdpa_attention),
+    (5, 4, 1, math_attention)])
+def test_paged_attention_equals_dense(block_size, n_head, n_kv_head, inner):
+    """Ragged batch of decodes and prefill chunks, lengths on and around block boundaries,
+    block tables shuffled over the pool: the write through the slot mapping, the gather
+    through the block tables and the masked attention equal dense causal attention per
+    sequence; so does the block-by-block online-softmax kernel."""
+    cfg = get_config("tiny", n_head=n_head, n_kv_head=n_kv_head, n_embd=8 * n_head)
+    D, g = cfg.head_dim, torch.Generator().manual_seed(block_size)
+    # (context length after the step, new tokens this step)
+    shapes = [(1, 1), (block_size, 1), (block_size + 1, 1), (2 * block_size, block_size),
+              (37, 5), (40, 40), (3 * block_size + 2, 2), (23, 1)]
+    n_blocks = sum(blocks_for(L, block_size) for L, _ in shapes) + 3
+    cache = PagedKVCache(cfg, n_blocks, block_size, attn_fn=inner)
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    tables, ks, vs = [], [], []
+    for L, _ in shapes:
+        nb = blocks_for(L, block_size)
+        tables.append(perm[:nb])
+        perm = perm[nb:]
+        ks.append(torch.randn(n_kv_head, L, D, generator=g))
+        vs.append(torch.randn(n_kv_head, L, D, generator=g))
+    # the past: positions before this step's tokens, written by an earlier step
+    past = [(t, 0, L - n) for t, (L, n) in zip(tables, shapes) if L > n]
+    idx = [i for i, (L, n) in enumerate(shapes) if L > n]
+    cache.prepare(past)
+    for layer in range(cfg.n_layer):
+        cache.update(layer, torch.cat([ks[i][:, :shapes[i][0] - shapes[i][1]] for i in idx], 1)[None],
+                     torch.cat([vs[i][:, :shapes[i][0] - shapes[i][1]] for i in idx], 1)[None])
+    # the step: new tokens of every sequence, packed
+    cache.prepare([(t, L - n, n) for t, (L, n) in zip(tables, shapes)])
+    q = torch.randn(1, n_head, sum(n for _, n in shapes), D, generator=g)
+    k_new = torch.cat([k[:, L - n:] for k, (L, n) in zip(ks, shapes)], 1)[None]
+    v_new = torch.cat([v[:, L - n:] for v, (L, n) in zip(vs, shapes)], 1)[None]
+    k_pool, v_pool = cache.update(1, k_new, v_new)
+    out = cache.attention(q, k_pool, v_pool)
+    at = 0
+    for i, (L, n) in enumerate(shapes):
+        ref = dense_reference(q[0, :, at:at + n], ks[i], vs[i], L)
+        torch.testing.assert_close(out[0, :, at:at + n], ref, rtol=1e-5, atol=1e-5)
+        blockwise = paged_attention_blockwise(q[0, :, at:at + n], k_pool, v_pool, tables[i],
+                                              L, block_size)
+        torch.testing.assert_close(blockwise, ref, rtol=1e-5, atol=1e-5)
+        at += n
+
+
+@pytest.mark.parametrize("kv_dtype,atol", [("float32", 2e-5), ("bfloat16", 0.1), ("int8", 0.2)])
+def test_unmodified_model_through_paged_cache_equals_dense_forward(kv_dtype, atol):
+    """GPT.forward itself (positions + the paged cache + its attn_fn) over ragged sequences
+    packed in one row, prefilled in chunks: logits equal one dense forward per sequence
+    (exactly for fp32 K/V; within a bound for bf16 / int8, which must still be close)."""
+    cfg = get_config("tiny")
+    model = GPT(cfg, seed=2).eval()
+    rng = random.Random(0)
+    seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (1, 8, 9, 31, 64)]
+    cache = PagedKVCache(cfg, 40, 8, kv_dtype=kv_dtype)
+    alloc = BlockAllocator(40, 8)
+    paged = paged_logits(model, cache, alloc, seqs, chunk=7)
+    worst = 0.0
+    with torch.no_grad():
+        for s, p in zip(seqs, paged):
+            dense = model(torch.tensor([s]))[0][0]
+            worst = max(worst, (dense - p).abs().max().item())
+            torch.testing.assert_close(p, dense, rtol=0, atol=atol)
+    assert alloc.num_free == 40                      # paged_logits released everything
+    if kv_dtype != "float32":
+        assert worst > 1e-6                          # the quantized path really was used
+    # the model's own attention function is back after the step
+    assert all(layer.attention.attn_fn is sdpa_attention for layer in model.layers)
+
+
+def test_int8_quantization_error_bound_and_memory():
+    x = torch.randn(50, 2, 32) * torch.rand(50, 2, 1) * 10
+    codes, scale = quantize_int8(x)
+    assert codes.dtype == torch.int8 and scale.shape == (50, 2, 1)
+    err = (dequantize_int8(codes, scale) - x).abs()
+    assert (err <= scale / 2 + 1e-6).all()          # round to nearest: half a step at most
+    cfg = get_config("tiny")
+    f32, i8 = PagedKVCache(cfg, 10, 4), PagedKVCache(cfg, 10, 4, kv_dtype="int8")
+    per_head = cfg.n_layer * cfg.n_kv_head * 2
+    assert f32.bytes_per_token == per_head * cfg.head_dim * 4
+    assert i8.bytes_per_token == per_head * (cfg.head_dim + 4)   # codes + fp32 scale
+
+
+def test_hash_chain_names_the_whole_prefix():
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    assert block_hash(None, a) == block_hash(None, a)
+    assert block_hash(block_hash(None, a), b) != block_hash(block_hash(None, b), b)
+    assert block_hash(None, [1, 2]) != block_hash(None, [2, 1])
+    hashes = extend_hash_chain([], a + b + [9], 2, 4)
+    assert hashes == [block_hash(None, a), block_hash(block_hash(None, a), b)]
+
+
+def test_prefix_match_leaves_the_last_token_to_compute():
+    """A prompt fully covered by cached blocks still recomputes its last block (its last
+    token's logits are needed) -- the zero-length prefill nano-vllm trips on."""
+    alloc, bs = BlockAllocator(8, 4), 4
+    toks = list(range(12))                            # exactly 3 full blocks
+    table = []
+    alloc.grow(table, 12)
+    hashes = extend_hash_chain([], toks, 3, bs)
+    for i in range(3):
+        alloc.register(table[i], hashes[i], toks[i * bs:(i + 1) * bs])
+    assert alloc.match_prefix(toks, []) == table[:2]             # not all 3
+    assert alloc.match_prefix(toks + [99], []) == table[:3]      # one more token: all 3
+    assert alloc.match_prefix([0, 1, 2, 7, 4, 5, 6, 7, 8], []) == []   # differs in block 0
+    # a lookup checks the tokens too, not only the hash
+    alloc.tokens_of[table[0]] = (0, 1, 2, 42)
+    assert alloc.match_prefix(toks, []) == []
+
+
+def test_lru_evicts_oldest_released_and_tail_first():
+    alloc, bs = BlockAllocator(6, 2), 2
+    tables = []
+    for base in (0, 100):                             # two sequences of 2 full blocks each
+        toks = [base, base + 1, base + 2, base + 3]
+        t = []
+        alloc.grow(t, 4)
+        h = extend_hash_chain([], toks, 2, bs)
+        for i in range(2):
+            alloc.register(t[i], h[i], toks[i * bs:(i + 1) * bs])
+        tables.append(t)
+    first, second = list(tables[0]), list(tables[1])
+    alloc.release_table(tables[0])
+    alloc.release_table(tables[1])
+    alloc.check([])
+    assert alloc.num_free == 6 and len(alloc.evictable) == 4
+    got = [alloc.allocate() for _ in range(6)]
+    # 2 never-used blocks first, then the LRU order: seq 0's tail, its head, seq 1's ...
+    assert got[2:] == [first[1], first[0], second[1], second[0]]
+    assert alloc.evictions == 4 and not alloc.block_of
+    with pytest.raises(RuntimeError):
+        alloc.allocate()                              # exhausted
+
+
+def test_double_free_is_caught():
+    alloc = BlockAllocator(2, 4)
+    b = alloc.allocate()
+    alloc.release(b)
+    with pytest.raises(RuntimeError, match="double free"):
+        alloc.release(b)
+
+
+def test_allocator_random_operations_keep_invariants():
+    """Random admissions (prompts drawn from a few shared prefixes, so prefix hits and
+    shared blocks happen), growth, registration, releases, evictions; after every
+    operation the invariants hold and refcounts equal the references from live tables.
+    At the end every block is free or cached with refcount 0."""
+    rng, bs = random.Random(0), 4
+    alloc = BlockAllocator(40, bs)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randint(0, 13))] for _ in range(4)]
+    live = {}                     # id -> (tokens, hashes, table, n_registered)
+    shared_seen = hits_seen = 0
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.35:             # admit
+            toks = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 9))]
+            hashes = []
+            hits = alloc.match_prefix(toks, hashes)
+            if alloc.can_allocate(blocks_for(len(toks), bs) - len(hits), hits):
+                for b in hits:
+                    alloc.acquire(b)
+                table = list(hits)
+                assert alloc.grow(table, len(toks))
+                live[step] = [toks, hashes, table, len(hits)]
+                hits_seen += len(hits)
+        elif op < 0.7 and live:   # grow by a few tokens, register full blocks
+            s = live[rng.choice(list(live))]
+            more = [rng.randrange(50) for _ in range(rng.randint(1, 5))]
+            if alloc.grow(s[2], len(s[0]) + len(more)):
+                s[0] += more
+                full = len(s[0]) // bs
+                extend_hash_chain(s[1], s[0], full, bs)
+                for i in range(s[3], full):
+                    alloc.register(s[2][i], s[1][i], s[0][i * bs:(i + 1) * bs])
+                s[3] = max(s[3], full)
+        elif live:                # release
+            alloc.release_table(live.pop(rng.choice(list(live)))[2])
+        shared_seen += any(rc > 1 for rc in alloc.refcount)
+        alloc.check([s[2] for s in live.values()])
+    assert hits_seen > 0 and shared_seen > 0 and alloc.evictions > 0
+    for s in live.values():
+        alloc.release_table(s[2])
+    alloc.check([])
+    assert all(rc == 0 for rc in alloc.refcount) and alloc.num_free == alloc.num_blocks
+
+
+@pytest.mark.slow
+def test_cli_demo_runs_and_prints_ledger(tmp_path):
+    r = run_python("kvcache.py", ["--checkpoint", str(tmp_path / "none.pt"), "--num-seqs", "2"],
+                   timeout=120)
+    assert r.returncode == 0, r.output
+    assert "random tiny" in r.output and "ledger rows:" in r.output
+    assert "float32   max |Δlogit|" in r.output
+    bad = run_python("kvcache.py", ["--block-size", "0"], timeout=60)
+    assert bad.returncode == 2 and "error:" in bad.output and "Traceback" not in bad.output

@@ -1,0 +1,554 @@
+import concurrent.futures
+import http.client
+import json
+import random
+import socket
+import threading
+import time
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import data
+from harness import run_python
+from model import GPT, get_config
+from plumbing import UserError
+from serve import Engine, SamplingParams, decode_tokens, make_server, static_batch_generate
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and a busy machine's spinning OpenMP workers
+    make two threads much slower); the setting is restored after this module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def byte_encoding():
+    """A tokenizer with no training: the 256 bytes + <|endoftext|> (id 256)."""
+    return data.make_encoding({bytes([i]): i for i in range(256)})
+
+
+def tiny_model(seed=1, **kw):
+    return GPT(get_config("tiny", **kw), seed=seed).eval()
+
+
+def workload(cfg, n=10, seed=0, max_prompt=40, max_new=20):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, max_prompt))]
+               for _ in range(n)]
+    return prompts, [rng.randint(1, max_new) for _ in prompts]
+
+
+def assert_pool_clean(eng):
+    """After all requests: nothing running or waiting, every block free or cached with
+    refcount 0, allocator invariants hold."""
+    assert not eng.has_work() and not eng.live
+    eng.alloc.check(tables=[])
+    assert all(rc == 0 for rc in eng.alloc.refcount)
+    assert eng.alloc.num_free == eng.alloc.num_blocks
+
+
+# ----------------------------------------------------------------------------------------
+# The engine against model.generate()
+
+ENGINE_CASES = {
+    "continuous": dict(),
+    "chunked_prefill_small_budget": dict(max_num_batched_tokens=5),
+    "no_chunked_prefill": dict(chunked_prefill=False, max_num_batched_tokens=64),
+    "forced_preemption_tiny_pool": dict(block_size=4, num_blocks=16),   # = one 64-token sequence
+    "preemption_and_chunks": dict(block_size=4, num_blocks=17, max_num_batched_tokens=6),
+    "few_seqs_slo_policy": dict(max_num_seqs=3, policy="slo"),
+    "block_size_1": dict(block_size=1, num_blocks=300),
+}
+
+
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
+def test_engine_greedy_equals_generate(case):
+    """Every request's greedy output equals its isolated generate(), token for token,
+    however the engine batches, chunks, preempts; then the pool is clean."""
+    model = tiny_model()
+    prompts, ns = workload(model.config)
+    ref = [model.generate(p, n, temperature=0) for p, n in zip(prompts, ns)]
+    eng = Engine(model, **ENGINE_CASES[case])
+    params = [SamplingParams(max_tokens=n, temperature=0, priority=i % 3)
+              for i, n in enumerate(ns)]
+    seqs = eng.generate(prompts, params)
+    assert [s.output_ids for s in seqs] == ref
+    assert all(s.finish_reason == "length" for s in seqs)
+    if "preemption" in case:
+        assert eng.stats["preemptions"] > 0           # the case really preempted
+    if case == "chunked_prefill_small_budget":
+        assert max(n for _, n, _, _, _ in eng.step_log) <= 5
+    assert_pool_clean(eng)
+
+
+def test_prefix_cache_hits_including_fully_cached_prompts():
+    """Shared prefixes and repeated prompts (some exactly a whole number of blocks, i.e.
+    fully covered by the cache): hits happen, the last block is recomputed, outputs still
+    equal generate()."""
+    model = tiny_model()
+    cfg, rng, bs = model.config, random.Random(1), 4
+    shared = [rng.randrange(cfg.vocab_size) for _ in range(16)]
+    prompts = [shared + [rng.randrange(cfg.vocab_size) for _ in range(k)] for k in (0, 3, 8, 5)]
+    ns = [10, 5, 7, 12]
+    ref = [model.generate(p, n, temperature=0) for p, n in zip(prompts, ns)]
+    eng = Engine(model, block_size=bs, num_blocks=64)
+    first = eng.generate(prompts[:1], SamplingParams(max_tokens=ns[0], temperature=0))
+    assert first[0].num_cached_tokens == 0
+    for _ in range(2):
+        seqs = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in ns])
+        assert [s.output_ids for s in seqs] == ref
+        # prompt 0 (16 tokens = 4 full blocks) is fully cached: 3 blocks reused, 1 recomputed
+        assert seqs[0].num_cached_tokens == 12
+        assert all(s.num_cached_tokens >= 12 for s in seqs)
+    assert eng.stats["cached_tokens"] > 0 and eng.alloc.hits > 0
+    assert_pool_clean(eng)
+    assert len(eng.alloc.evictable) > 0             # cached blocks outlive their requests
+
+
+def test_prefix_cache_with_preemption_and_recompute():
+    model = tiny_model()
+    prompts, ns = workload(model.config, n=8, seed=3)
+    prompts = prompts + prompts                                   # repeats hit the cache
+    ns = ns + ns
+    ref = [model.generate(p, n, temperature=0) for p, n in zip(prompts, ns)]
+    eng = Engine(model, block_size=4, num_blocks=18, max_num_batched_tokens=9)
+    seqs = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in ns])
+    assert [s.output_ids for s in seqs] == ref
+    assert eng.stats["preemptions"] > 0
+    assert_pool_clean(eng)
+
+
+def test_slo_policy_preempts_the_low_priority_sequence_even_if_already_scheduled():
+    """A low-priority request is decoding when a high-priority one with a long prompt
+    arrives; the pool (one max-length sequence) runs out while the newcomer prefills in
+    small chunks: the low-priority one -- already scheduled for this step, decodes go
+    first -- is taken back out and preempted, not the urgent one. Outputs stay exact."""
+    model = tiny_model()
+    rng = random.Random(7)
+    low_prompt = [rng.randrange(model.config.vocab_size) for _ in range(10)]
+    high_prompt = [rng.randrange(model.config.vocab_size) for _ in range(40)]
+    eng = Engine(model, block_size=4, num_blocks=16, max_num_batched_tokens=8, policy="slo")
+    low = eng.add_request(low_prompt, SamplingParams(max_tokens=40, temperature=0, priority=1))
+    for _ in range(12):
+        eng.step()
+    high = eng.add_request(high_prompt, SamplingParams(max_tokens=20, temperature=0,
+                                                       priority=0, ttft_slo=0.1))
+    while eng.has_work():
+        eng.step()
+    assert low.num_preemptions > 0 and high.num_preemptions == 0
+    assert low.output_ids == model.generate(low_prompt, 40, temperature=0)
+    assert high.output_ids == model.generate(high_prompt, 20, temperature=0)
+    assert_pool_clean(eng)
+
+
+def test_blocks_filled_by_decoding_are_cached_for_the_next_turn():
+    """Multi-turn reuse: a follow-up whose prompt is the previous prompt + its answer hits
+    the blocks the first request filled while *decoding*, not only its prompt's."""
+    model = tiny_model()
+    prompt = list(range(3, 8))                          # 5 tokens, then 15 generated
+    eng = Engine(model, block_size=4, num_blocks=32)
+    first = eng.generate([prompt], SamplingParams(max_tokens=15, temperature=0))[0]
+    history = prompt + first.output_ids                 # 20 tokens = 5 blocks
+    follow = eng.generate([history + [9]], SamplingParams(max_tokens=5, temperature=0))[0]
+    assert follow.num_cached_tokens == 16              # 4 full blocks whose KV was computed
+    assert follow.output_ids == model.generate(history + [9], 5, temperature=0)
+    assert_pool_clean(eng)
+
+
+def test_random_configurations_fuzz():
+    """Random block sizes, pool sizes (down to one max-length sequence), budgets, policies
+    and priorities: every output equals generate(), the pool ends clean."""
+    model = tiny_model()
+    cfg = model.config
+    for trial in range(12):
+        rng = random.Random(trial)
+        bs = rng.choice([1, 2, 3, 4, 8])
+        prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, 50))]
+                   for _ in range(6)]
+        ns = [rng.randint(1, min(20, 64 - len(p))) for p in prompts]
+        eng = Engine(model, block_size=bs, num_blocks=-(-64 // bs) + rng.randint(0, 10),
+                     max_num_batched_tokens=rng.choice([3, 5, 8, 16, 64]),
+                     max_num_seqs=rng.choice([2, 6]), policy=rng.choice(["fcfs", "slo"]))
+        seqs = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0,
+                                                     priority=rng.randint(0, 2)) for n in ns])
+        assert [s.output_ids for s in seqs] == [model.generate(p, n, temperature=0)
+                                                for p, n in zip(prompts, ns)], trial
+        assert_pool_clean(eng)
+
+
+def test_seeded_sampling_equals_generate_with_the_same_seed():
+    model = tiny_model()
+    prompts, ns = workload(model.config, n=6, seed=5)
+    kw = dict(temperature=0.9, top_k=40, top_p=0.9)
+    ref = [model.generate(p, n, seed=100 + i, **kw) for i, (p, n) in enumerate(zip(prompts, ns))]
+    eng = Engine(model, block_size=4, num_blocks=20)               # with preemption, too
+    seqs = eng.generate(prompts, [SamplingParams(max_tokens=n, seed=100 + i, **kw)
+                                  for i, n in enumerate(ns)])
+    assert [s.output_ids for s in seqs] == ref
+    assert_pool_clean(eng)
+
+
+def test_int8_kv_engine_stays_close_to_generate():
+    model = tiny_model()
+    prompts, ns = workload(model.config, n=6, seed=2)
+    ref = [model.generate(p, n, temperature=0) for p, n in zip(prompts, ns)]
+    eng = Engine(model, block_size=8, num_blocks=40, kv_dtype="int8")
+    seqs = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in ns])
+    agree = sum(a == b for s, r in zip(seqs, ref) for a, b in zip(s.output_ids, r))
+    assert agree >= 0.8 * sum(ns)                  # approximate, but not garbage
+    cfg = model.config                             # codes + one fp32 scale per (token, head)
+    assert eng.cache.bytes_per_token == 2 * cfg.n_layer * cfg.n_kv_head * (cfg.head_dim + 4)
+
+
+def test_stop_strings_eos_and_text():
+    """Stop at <|endoftext|> (kept out of the text), at a stop string (text cut before
+    it), at max_tokens; compared with generate() + decoding."""
+    enc = byte_encoding()
+    model = tiny_model(seed=9, vocab_size=enc.n_vocab)
+    prompt = enc.encode_ordinary("def f(x):")
+    full = model.generate(prompt, 30, temperature=0, eos_id=enc.eot_token)
+    assert len(full) == 30 and enc.eot_token not in full
+    text = decode_tokens(enc, full)
+    eng = Engine(model, enc)
+    # eos: pretend a generated token (its first occurrence, at k) is <|endoftext|>
+    k = next(i for i in range(3, 30) if full[i] not in full[:i])
+    eng_eos = Engine(model, enc, eos_id=full[k])
+    s = eng_eos.generate([prompt], SamplingParams(max_tokens=30, temperature=0))[0]
+    assert s.output_ids == full[:k + 1] and s.finish_reason == "stop"
+    assert s.text == decode_tokens(enc, full[:k])
+    # a stop string taken from the reference's own text
+    stop = text[10:12]
+    s = eng.generate([prompt], SamplingParams(max_tokens=30, temperature=0, stop=(stop,)))[0]
+    assert s.finish_reason == "stop" and s.text == text[:text.find(stop)]
+    assert s.output_ids == full[:len(s.output_ids)] and len(s.output_ids) < 30
+    s = eng.generate(["def f(x):"], SamplingParams(max_tokens=7, temperature=0))[0]
+    assert s.finish_reason == "length" and s.output_ids == full[:7]
+    assert_pool_clean(eng)
+
+
+def test_abort_frees_blocks():
+    model = tiny_model()
+    eng = Engine(model, block_size=4, num_blocks=64)
+    a = eng.add_request(list(range(30)), SamplingParams(max_tokens=30, temperature=0))
+    b = eng.add_request(list(range(5)), SamplingParams(max_tokens=30, temperature=0))
+    eng.step()
+    eng.step()
+    assert eng.alloc.num_used > 0
+    eng.abort(a.id)
+    eng.abort(b.id)
+    assert a.finish_reason == b.finish_reason == "abort"
+    assert_pool_clean(eng)
+
+
+def test_static_batching_equals_generate():
+    model = tiny_model()
+    prompts, ns = workload(model.config, n=7, seed=9)
+    out = static_batch_generate(model, prompts, max(ns))
+    assert [o[:n] for o, n in zip(out, ns)] == [model.generate(p, n, temperature=0)
+                                                 for p, n in zip(prompts, ns)]
+
+
+def test_engine_rejects_bad_configuration_and_requests():
+    model = tiny_model()
+    with pytest.raises(UserError, match="pool too small"):
+        Engine(model, block_size=4, num_blocks=15)            # 60 slots < context 64
+    with pytest.raises(UserError, match="chunked prefill"):
+        Engine(model, chunked_prefill=False, max_num_batched_tokens=32)
+    with pytest.raises(UserError, match="policy"):
+        Engine(model, policy="lifo")
+    eng = Engine(model)
+    for prompt, params in (([], None), ([1] * 60, SamplingParams(max_tokens=10)),
+                           ([10 ** 6], None), ([1], SamplingParams(max_tokens=0)),
+                           ([1], SamplingParams(top_p=0)), ("text", None)):
+        with pytest.raises(UserError):
+            eng.add_request(prompt, params)
+    assert not eng.has_work()
+
+
+# ----------------------------------------------------------------------------------------
+# The HTTP server, over real sockets on 127.0.0.1
+
+def server_model(enc):
+    """Tiny, random, with a 256-token context; its <|endoftext|> logit is pinned to 0 so
+    greedy streams run to max_tokens (random logits would end some after a few tokens)."""
+    model = tiny_model(seed=4, vocab_size=enc.n_vocab, block_size=256)
+    with torch.no_grad():
+        model.output.weight[enc.eot_token] = 0
+    return model
+
+
+@pytest.fixture(scope="module")
+def server():
+    enc = byte_encoding()
+    model = server_model(enc)
+    eng = Engine(model, enc, block_size=8, num_blocks=600, max_num_seqs=32)
+    srv = make_server(eng, enc, "127.0.0.1", 0, model_name="tiny", max_body_bytes=4096,
+                      max_tokens_cap=200)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv.model, srv.enc = model, enc
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+    srv.loop.stop()
+
+
+def request(srv, method, path, body=None, raw=None):
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
+    payload = raw if raw is not None else (json.dumps(body) if body is not None else None)
+    conn.request(method, path, body=payload, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    out = r.status, r.getheader("Content-Type"), r.read()
+    conn.close()
+    return out[0], out[1], json.loads(out[2]) if out[2] else None
+
+
+def stream(srv, path, body, stop_after=None):
+    """POST with stream: true; -> (events, saw [DONE]). stop_after=k closes the socket
+    after k events (a client going away)."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
+    conn.request("POST", path, body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
+    events, done = [], False
+    while True:
+        line = r.fp.readline()
+        if not line:
+            break
+        line = line.decode().strip()
+        if not line:
+            continue
+        assert line.startswith("data: ")
+        if line == "data: [DONE]":
+            done = True
+            continue
+        events.append(json.loads(line[6:]))
+        if stop_after is not None and len(events) >= stop_after:
+            break
+    if conn.sock:
+        conn.sock.close()
+    conn.close()
+    return events, done
+
+
+def expected_text(srv, prompt_text, n):
+    ids = srv.model.generate(srv.enc.encode_ordinary(prompt_text), n, temperature=0,
+                             eos_id=srv.enc.eot_token)
+    if ids and ids[-1] == srv.enc.eot_token:
+        ids = ids[:-1]
+    return decode_tokens(srv.enc, ids)
+
+
+def wait_idle(srv, timeout=20):
+    t = time.time()
+    while time.time() - t < timeout:
+        _, _, h = request(srv, "GET", "/health")
+        if h["running"] == 0 and h["waiting"] == 0 and h["in_flight"] == 0:
+            return h
+        time.sleep(0.05)
+    raise AssertionError(f"server not idle: {h}")
+
+
+def test_completions_models_and_health(server):
+    status, ctype, body = request(server, "POST", "/v1/completions",
+                                  {"model": "tiny", "prompt": "def add(a, b):",
+                                   "max_tokens": 12, "temperature": 0})
+    assert status == 200 and ctype == "application/json"
+    assert body["object"] == "text_completion" and body["model"] == "tiny"
+    choice = body["choices"][0]
+    assert choice["text"] == expected_text(server, "def add(a, b):", 12)
+    assert choice["finish_reason"] in ("length", "stop")
+    assert body["usage"]["prompt_tokens"] == len("def add(a, b):")
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + \
+        body["usage"]["completion_tokens"]
+    status, _, models = request(server, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == ["tiny"]
+    status, _, health = request(server, "GET", "/health")
+    assert status == 200 and health["status"] == "ok" and health["num_blocks"] == 600
+
+
+def test_chat_completions(server):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi!"}]}]
+    status, _, body = request(server, "POST", "/v1/chat/completions",
+                              {"messages": messages, "max_tokens": 10, "temperature": 0})
+    assert status == 200 and body["object"] == "chat.completion"
+    msg = body["choices"][0]["message"]
+    assert msg["role"] == "assistant"
+    prompt = "### System:\nBe brief.\n\n### User:\nHi!\n\n### Assistant:\n"
+    want = expected_text(server, prompt, 10)
+    assert msg["content"] == want.split("\n### ")[0]
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_streaming_completions_and_chat(server):
+    body = {"prompt": "import os\n", "max_tokens": 25, "temperature": 0}
+    _, _, whole = request(server, "POST", "/v1/completions", body)
+    events, done = stream(server, "/v1/completions", {**body, "stream_options":
+                                                      {"include_usage": True}})
+    assert done and all(e["object"] == "text_completion" for e in events)
+    text_events = [e for e in events if e["choices"]]
+    assert "".join(e["choices"][0]["text"] for e in text_events) == whole["choices"][0]["text"]
+    assert all(e["choices"][0]["finish_reason"] is None for e in text_events[:-1])
+    assert text_events[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert events[-1]["usage"] == whole["usage"]
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 15,
+            "temperature": 0}
+    _, _, whole = request(server, "POST", "/v1/chat/completions", chat)
+    events, done = stream(server, "/v1/chat/completions", chat)
+    assert done and all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert content == whole["choices"][0]["message"]["content"]
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+BAD_REQUESTS = [
+    ("POST", "/v1/completions", None, '{"prompt": ', 400),                 # bad JSON
+    ("POST", "/v1/completions", [1, 2], None, 400),                        # not an object
+    ("POST", "/v1/completions", {}, None, 400),                            # missing prompt
+    ("POST", "/v1/completions", {"prompt": 5}, None, 400),                 # wrong type
+    ("POST", "/v1/completions", {"prompt": ""}, None, 400),                # empty
+    ("POST", "/v1/completions", {"prompt": ["a", "b"]}, None, 400),        # several prompts
+    ("POST", "/v1/completions", {"prompt": [99999]}, None, 400),           # token id range
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": -1}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 0}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "10"}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2.5}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": True}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 201}, None, 400),   # over cap
+    ("POST", "/v1/completions", {"prompt": "x" * 300}, None, 400),         # > context
+    ("POST", "/v1/completions", {"prompt": "x" * 100, "max_tokens": 200}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": -1}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": "hot"}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": 123}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "stream": "yes"}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "seed": "s"}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 2}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-4"}, None, 404),  # unknown model
+    ("POST", "/v1/chat/completions", {}, None, 400),                       # no messages
+    ("POST", "/v1/chat/completions", {"messages": "hi"}, None, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, None, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "x" * 5000}, None, 413),        # body too large
+    ("POST", "/v1/nothing", {"prompt": "x"}, None, 404),
+    ("GET", "/v1/completions", None, None, 405),
+    ("DELETE", "/v1/models", None, None, 405),
+]
+
+
+def test_malformed_requests_get_json_4xx_and_server_keeps_serving(server):
+    assert len(BAD_REQUESTS) >= 20
+    for method, path, body, raw, want in BAD_REQUESTS:
+        status, ctype, err = request(server, method, path, body, raw)
+        assert status == want, (body, raw, status, err)
+        assert ctype == "application/json" and isinstance(err["error"]["message"], str), err
+    status, _, ok = request(server, "POST", "/v1/completions", {"prompt": "ok", "max_tokens": 3})
+    assert status == 200 and ok["usage"]["completion_tokens"] >= 1
+    wait_idle(server)
+
+
+@pytest.mark.slow
+def test_32_concurrent_streaming_clients(server):
+    prompts = [f"client {i}: " for i in range(32)]
+    start = threading.Barrier(32)          # all connect at once: a burst on the listen queue
+
+    def one(i):
+        start.wait()
+        events, done = stream(server, "/v1/completions",
+                              {"prompt": prompts[i], "max_tokens": 20, "temperature": 0})
+        return done, "".join(e["choices"][0]["text"] for e in events)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    assert all(done for done, _ in results)
+    for i, (_, text) in enumerate(results):
+        assert text == expected_text(server, prompts[i], 20)
+    h = wait_idle(server)
+    assert h["used_blocks"] == 0
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    before = request(server, "GET", "/health")[2]["aborted"]
+    events, done = stream(server, "/v1/completions",
+                          {"prompt": "a long story", "max_tokens": 200, "temperature": 0,
+                           "ignore": "unknown keys are ignored"}, stop_after=2)
+    assert not done and len(events) == 2
+    h = wait_idle(server)
+    assert h["aborted"] == before + 1 and h["used_blocks"] == 0
+    server.loop.engine.alloc.check(tables=[])
+
+
+def test_queue_cap_answers_429():
+    enc = byte_encoding()
+    eng = Engine(server_model(enc), enc, block_size=8, num_blocks=64, max_num_seqs=1)
+    srv = make_server(eng, enc, "127.0.0.1", 0, max_queue=1)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        body = {"prompt": "x", "max_tokens": 200, "temperature": 0}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(stream, srv, "/v1/completions", body)
+            second = pool.submit(request, srv, "POST", "/v1/completions", body)
+            t = time.time()
+            while request(srv, "GET", "/health")[2]["in_flight"] < 2:
+                assert time.time() - t < 20
+                time.sleep(0.01)
+            status, _, err = request(srv, "POST", "/v1/completions", body)
+            assert status == 429 and "busy" in err["error"]["message"]
+            assert first.result()[1] and second.result()[0] == 200
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        srv.loop.stop()
+
+
+# ----------------------------------------------------------------------------------------
+# The command line
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    enc = byte_encoding()
+    model = tiny_model(seed=4, vocab_size=enc.n_vocab)
+    path = tmp_path_factory.mktemp("ckpt") / "tiny.pt"
+    torch.save(dict(config=asdict(model.config), model=model.state_dict(),
+                    tokenizer=data.encoding_to_state(enc)), path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_cli_start_up_errors_are_one_line(tiny_checkpoint, tmp_path):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    cases = [(["--checkpoint", str(tmp_path / "missing.pt")], "not found"),
+             (["--checkpoint", tiny_checkpoint, "--num-blocks", "3", "--block-size", "4"],
+              "pool too small"),
+             (["--checkpoint", tiny_checkpoint, "--port", str(port)], "already in use")]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda c: run_python("serve.py", c[0], timeout=120), cases))
+    finally:
+        busy.close()
+    for (_, message), r in zip(cases, results):
+        assert r.returncode == 2, r.output
+        assert message in r.output and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.slow
+def test_cli_bench_runs_baselines_and_matches_them(tiny_checkpoint):
+    r = run_python("serve.py", ["bench", "--checkpoint", tiny_checkpoint, "--num-requests", "8",
+                                "--prompt-len", "4:20", "--output-len", "4:30",
+                                "--block-size", "4", "--num-blocks", "40",
+                                "--max-num-batched-tokens", "32", "--static-batch", "4",
+                                "--clock", "cpu"], timeout=180)
+    assert r.returncode == 0, r.output
+    for name in ("static", "fcfs", "slo"):
+        assert f"greedy outputs of {name} == sequential generate(): 8/8" in r.output, r.output
+    assert "decode roofline" in r.output and "ledger rows:" in r.output
