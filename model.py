@@ -478,13 +478,13 @@ class GPT(nn.Module):
                         device=device, dtype=self.output.weight.dtype)
         logits, _ = self(idx, cache=cache)
         new, done = [], torch.zeros(idx.shape[0], dtype=torch.bool, device=device)
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             nxt = sample_next(logits[:, -1], temperature, top_k, top_p, gen)
             new.append(nxt)
             if eos_id is not None:
                 done |= nxt == eos_id
-                if done.all():
-                    break
+            if i == max_new_tokens - 1 or bool(done.all()):
+                break                     # no forward for a token nobody will sample from
             logits, _ = self(nxt[:, None], cache=cache)
         out = torch.stack(new, dim=1) if new else idx[:, :0]
         return out[0].tolist() if as_list else out
