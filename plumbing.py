@@ -79,7 +79,13 @@ def setup_runtime(device="auto"):
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None)
+        # torchrun's key-value store outlives a crashed attempt: prefix our keys with the
+        # attempt number, or a restarted rank may read a dead peer's address and fail.
+        store, _, _ = next(dist.rendezvous("env://", rank, world))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
+                                rank=rank, world_size=world,
+                                device_id=dev if dev.type == "cuda" else None)
     return Runtime(rank, world, local_rank, dev, backend)
 
 
