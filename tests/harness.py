@@ -10,6 +10,7 @@ processes use this interpreter and its packages. GLOO_SOCKET_IFNAME=lo: in a san
 may fail to pick a network interface on its own.
 """
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -40,10 +41,14 @@ def _run(cmd, timeout, env, cwd):
     full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.setdefault("PYTHONPATH", ROOT)
+    # A session of its own, so a timeout kills torchrun AND the ranks it started (killing
+    # only torchrun would leave hung ranks behind, holding ports and CPU).
+    p = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        p = subprocess.run(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
         raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{out}") from None
-    return Result(p.returncode, p.stdout)
+    return Result(p.returncode, out)
