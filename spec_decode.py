@@ -1,0 +1,700 @@
+"""
+spec_decode.py -- speculative decoding: several tokens per forward pass of the big model,
+with exactly the big model's output distribution. Six drafters, one verifier, measured.
+
+Run:  python spec_decode.py --method medusa --gamma 4 --temperature 0 | python spec_decode.py bench
+
+Decoding one token reads every weight for ~2Ψ FLOPs: memory- (GPU) or overhead- (this CPU)
+bound, so a pass over γ+1 tokens costs little more (here 13 tokens ≈ 1.35× one). A cheap
+drafter proposes γ tokens, the target scores them in ONE pass, and a rejection rule keeps
+its distribution exactly (Leviathan et al. 2023; Chen et al. 2023): accept draft x w.p.
+min(1, p(x)/q(x)); at the first rejection draw from norm(max(0, p − q)); if all γ pass, a
+bonus token from p. Acceptance α gives (1 − α^(γ+1))/(1 − α) tokens per target call, speedup
+that / (γc + 1), c = draft/target cost. Each drafter adds (+) and costs (−):
+  draft   small GPT (--preset draft), γ passes: + weights, KV cache; − large c on a CPU
+  tree    1 + γ·width nodes in one tree-masked pass (SpecInfer; EAGLE-2): − dead branches
+  medusa  heads on the target's top feature (Cai et al. 2024): no pass to draft; − blind
+          to the drafts before them
+  mtp     DeepSeek-V3's module (Sec. 2.2), chained: + one block and its KV cache
+  eagle   a block regressing the target's feature (Li et al. 2024): − γ small passes
+  dflash  a block drafter (z-lab 2025): one pass for all γ; − masks blind to each other
+All are verified by the same exact rule (Medusa's "typical acceptance" is not exact).
+Batch > 1: rows accept different numbers of tokens, so KV caches keep a length per row
+(RaggedCache), which gpt-fast and most small implementations skip. Drafters learn from the
+target's own outputs, cached in out/. Not covered: top-k/p, EAGLE-3's training-time test.
+"""
+import argparse
+import hashlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import data
+from model import Block, KVCache, RMSNorm, load_model
+from plumbing import UserError, fmt_bytes, print0, run_cli
+
+METHODS = ("draft", "tree", "medusa", "mtp", "eagle", "dflash")
+DEFAULT_WIDTH = {"tree": 3, "medusa": 3}           # others draft a chain (width 1)
+TRAIN = dict(pool=384, seq=96, batch=8, lr=3e-3)    # drafter training: self-distilled rows
+
+
+# -- A KV cache with a length per row, and the attention mask that goes with it ----------
+
+class RaggedCache(KVCache):
+    """model.KVCache whose rows have their own lengths `lens`: row b writes at lens[b]..;
+    later slots are stale, masked, overwritten later: a rollback is `lens[b] = n`."""
+
+    def __init__(self, cfg, batch_size, max_len, device="cpu", dtype=torch.float32):
+        super().__init__(cfg, batch_size, max_len, device, dtype)
+        self.lens = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    def update(self, layer, k, v):
+        B, H, T, D = k.shape
+        index = (self.lens[:, None] + torch.arange(T, device=k.device))[:, None, :, None]
+        self.k[layer].scatter_(2, index.expand(B, H, T, D), k)
+        self.v[layer].scatter_(2, index.expand(B, H, T, D), v)
+        end = int(self.lens.max()) + T
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, n):
+        self.lens += n
+
+    def keep(self, b, base, nodes):
+        """Row b: kept tree nodes (slots base + nodes) move to base, base+1, ... where plain
+        decoding puts them (RoPE positions were already base + depth); the rest is dropped."""
+        if nodes != list(range(len(nodes))):       # a chain is already in place
+            src = base + torch.tensor(nodes, device=self.lens.device)
+            dst = base + torch.arange(len(nodes), device=self.lens.device)
+            for buf in (self.k, self.v):
+                buf[:, b].index_copy_(2, dst, buf[:, b].index_select(2, src))
+        self.lens[b] = base + len(nodes)
+
+
+def attend_mask(base, vis):
+    """(B, 1, Nq, S) mask: row b's prefix (slots < base[b]) is seen by all; new entry j sits at
+    slot base[b] + j, seen by query i iff vis[b, i, j] (causal, tree ancestors, block)."""
+    B, Nq, Nk = vis.shape
+    rel = torch.arange(int(base.max()) + Nk, device=base.device)[None, :] - base[:, None]
+    seen = vis.gather(2, rel.clamp(0, Nk - 1)[:, None, :].expand(B, Nq, -1))
+    return ((seen & ((rel >= 0) & (rel < Nk))[:, None]) | (rel < 0)[:, None])[:, None]
+
+
+def pad_rows(rows, device):
+    """Ragged lists of token ids -> right-padded (B, N) tensor, lengths (B,), causal vis
+    (B, N, N). Pads sit after each row's tokens, so causal queries never see them."""
+    n = torch.tensor([len(r) for r in rows], device=device)
+    N = int(n.max())
+    toks = torch.tensor([r + [0] * (N - len(r)) for r in rows], device=device)
+    tril = torch.ones(N, N, dtype=torch.bool, device=device).tril()
+    return toks, n, tril.expand(len(rows), N, N)
+
+
+def rows_at(x, idx):
+    """x: (B, S, d), idx: (B, N) -> (B, N, d) with x[b, idx[b, i]] (clamped into range)."""
+    return x.gather(1, idx.clamp(0, x.shape[1] - 1)[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def feed(model, cache, rows):
+    """Append ragged token rows to a GPT's RaggedCache (prefill, or catching a drafter up)."""
+    (toks, n, vis), base = pad_rows(rows, cache.lens.device), cache.lens.clone()
+    pos = (base[:, None] + torch.arange(toks.shape[1], device=toks.device)).clamp(
+        max=model.config.block_size - 1)
+    logits, _, h = model(toks, positions=pos, mask=attend_mask(base, vis), cache=cache,
+                         return_hidden=True)
+    cache.lens = base + n
+    return logits, h, n
+
+
+# -- Draft trees: node 0 = the root (last committed token, unseen by the target), then ---
+# breadth-first, `width` nodes per depth (a chain: width 1).
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor          # (B, N) token ids
+    parents: torch.Tensor         # (B, N) parent node, -1 for the root
+    vis: torch.Tensor             # (B, N, N) vis[b, i, j]: j is i or an ancestor of i
+    score: torch.Tensor           # (B, N) drafter log-probability of the path to the node
+    depth: list                   # (N,) depth of each node, the same in every row
+    q: dict = field(default_factory=dict)  # node -> q it was SAMPLED from (else one-hot)
+
+    def add(self, tok, par, score, d):
+        (B, w), N = tok.shape, self.tokens.shape[1]
+        vis = torch.zeros(B, N + w, N + w, dtype=torch.bool, device=tok.device)
+        vis[:, :N, :N] = self.vis
+        vis[:, N:, :N] = self.vis.gather(1, par[:, :, None].expand(B, w, N))  # ancestors
+        vis[:, N:, N:] = torch.eye(w, dtype=torch.bool, device=tok.device)   # and itself
+        self.tokens, self.parents, self.vis = (torch.cat([self.tokens, tok], 1),
+                                               torch.cat([self.parents, par], 1), vis)
+        self.score, self.depth = torch.cat([self.score, score], 1), self.depth + [d] * w
+
+
+def grow_tree(drafter, roots, depth, width, temperature, gen):
+    """`depth` levels of `width` nodes. T = 0: the `width` best paths by summed log q
+    (EAGLE-2's dynamic tree). T > 0: `width` i.i.d. samples from q of the first node of the
+    level above, which alone grows further (SpecInfer: exact for i.i.d. siblings)."""
+    B, dev = roots.shape[0], roots.device
+    tree = Tree(roots[:, None], torch.full((B, 1), -1, device=dev), torch.ones(
+        B, 1, 1, dtype=torch.bool, device=dev), torch.zeros(B, 1, device=dev), [0])
+    logits, lo = drafter.start(roots, depth).float(), 0
+    for d in range(1, depth + 1):
+        hi = tree.tokens.shape[1]
+        if d > 1:                                  # (B, hi - lo, V): children of lo..hi-1
+            logits = drafter.extend(tree, lo, hi).float()
+        if temperature > 0:
+            q = (logits[:, 0] / temperature).softmax(-1)
+            tok = torch.multinomial(q, width, replacement=True, generator=gen)
+            tree.q.update({hi + j: q for j in range(width)})
+            par, score = torch.full_like(tok, lo), q.gather(1, tok).log()
+        else:
+            cand = logits.log_softmax(-1) + tree.score[:, lo:hi, None]
+            score, idx = cand.flatten(1).topk(width)
+            par, tok = lo + idx // logits.shape[-1], idx % logits.shape[-1]
+        tree.add(tok, par, score, d)
+        lo = hi
+    return tree
+
+
+# -- Verification: the exact rule, one row at a time (numpy: tiny ops, no dispatch) -------
+
+def residual(p, q, x):
+    """After rejecting x: norm(max(0, p − q)); q None = one-hot at x: p without x, renormed."""
+    r = np.maximum(p - q, 0.0) if q is not None else np.where(np.arange(len(p)) == x, 0.0, p)
+    total = r.sum()
+    return r / total if total > 0 else p       # 0 only if p = q, when x was surely accepted
+
+
+def draw(p, u):
+    """Inverse-CDF sample from a normalised p with a uniform u."""
+    return min(int(np.searchsorted(np.cumsum(p), u, side="right")), len(p) - 1)
+
+
+def verify(P, tokens, parents, q, rand):
+    """One row. P: (N, V) target distribution after each node (one-hot at T = 0: then only
+    drafts equal to the argmax pass); q: node -> the draft distribution it was sampled from.
+    From the root, try the current node's children in draft order: accept x w.p. min(1,
+    p(x)/q(x)), else p ← residual and try the next sibling (SpecInfer's multi-round rule;
+    one child: Leviathan's). -> (accepted path of nodes, next token, depth steps tried)."""
+    kids = [[i for i in range(1, len(tokens)) if parents[i] == n] for n in range(len(tokens))]
+    node, path, tries = 0, [], 0
+    while kids[node]:
+        tries, p = tries + 1, P[node]
+        for c in kids[node]:
+            x, qc = tokens[c], q.get(c)
+            if rand() < (p[x] if qc is None else p[x] / qc[x]):
+                break
+            p = residual(p, qc, x)
+        else:                                   # every child rejected: draw from residual
+            return path, draw(p, rand()), tries
+        path, node = path + [c], c
+    return path, draw(P[node], rand()), tries   # reached a leaf: the bonus token, from p
+
+
+@dataclass
+class Stats:              # α = accepted / tries; τ = tokens per target call, per row
+    rounds: int = 0       # target forward passes (one per step, whatever the batch)
+    row_rounds: int = 0   # (row, step) verifications
+    tries: int = 0        # depth steps tested (a node whose children were tried)
+    accepted: int = 0     # draft tokens accepted
+    drafter_calls: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    alpha = property(lambda s: s.accepted / max(s.tries, 1))
+    tau = property(lambda s: (s.accepted + s.row_rounds) / max(s.row_rounds, 1))
+
+
+@torch.no_grad()
+def speculative_generate(target, drafter, prompts, max_new_tokens, gamma=4, width=1,
+                         temperature=0.0, seed=0, stats=None):
+    """prompts: lists of token ids (lengths may differ). -> (new tokens per row, target
+    RaggedCache). Between steps the target's cache holds every committed token but the last
+    (the root of the next tree), and feats[b, j + 1] = its top feature at position j."""
+    if gamma < 1 or width < 1 or not prompts or min(map(len, prompts)) < 1:
+        raise UserError(f"gamma must be at least 1 (draft tokens per step), got {gamma}" if gamma
+                        < 1 else "every prompt needs at least one token, and width at least 1")
+    if max(map(len, prompts)) + max_new_tokens + gamma > target.config.block_size:
+        raise UserError(f"prompt ({max(map(len, prompts))} tokens) + max_new_tokens "
+                        f"({max_new_tokens}) + gamma ({gamma}) exceeds the context "
+                        f"(block_size={target.config.block_size})")
+    stats = Stats() if stats is None else stats
+    dev, dtype = target.output.weight.device, target.output.weight.dtype
+    cap = max(map(len, prompts)) + max_new_tokens + 3 * (gamma + 1) + gamma * width + 8
+    gen, rand = torch.Generator(device=dev).manual_seed(seed), np.random.default_rng(seed).random
+    seqs, goal = [list(p) for p in prompts], [len(p) + max_new_tokens for p in prompts]
+    cache = RaggedCache(target.config, len(seqs), cap, dev, dtype)
+    feats = torch.zeros(len(seqs), cap + 1, target.config.n_embd, device=dev, dtype=dtype)
+    if max(map(len, seqs)) > 1:                 # prefill all but the last prompt token
+        h = feed(target, cache, [s[:-1] for s in seqs])[1]
+        feats[:, 1:h.shape[1] + 1] = h
+    drafter.reset(target, seqs, feats, cap)
+    while any(len(s) < g for s, g in zip(seqs, goal)):
+        t0 = time.perf_counter()
+        tree = grow_tree(drafter, torch.tensor([s[-1] for s in seqs], device=dev), gamma,
+                         width, temperature, gen)
+        t1, base = time.perf_counter(), cache.lens.clone()
+        pos = (base[:, None] + torch.tensor(tree.depth, device=dev)).clamp(  # finished rows
+            max=target.config.block_size - 1)                              # may run past
+        logits, _, h = target(tree.tokens, positions=pos, mask=attend_mask(base, tree.vis),
+                              cache=cache, return_hidden=True)
+        P = (F.one_hot(logits.argmax(-1), logits.shape[-1]).double() if temperature == 0
+             else (logits.double() / temperature).softmax(-1)).cpu().numpy()  # T=0: one-hot
+        Q = {n: q.double().cpu().numpy() for n, q in tree.q.items()}
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        for b, start in enumerate(base.tolist()):
+            if len(seqs[b]) >= goal[b]:         # finished: undo this step for the row
+                cache.lens[b] = start
+                drafter.rollback(b)
+                continue
+            path, x, tries = verify(P[b], tokens[b], parents[b], {n: q[b] for n, q in Q.items()},
+                                    rand)
+            cache.keep(b, start, [0] + path)
+            feats[b, start + 1:start + 2 + len(path)] = h[b, [0] + path]
+            seqs[b] += [tokens[b][n] for n in path] + [x]
+            drafter.commit(b, path)
+            stats.row_rounds, stats.tries, stats.accepted = (
+                stats.row_rounds + 1, stats.tries + tries, stats.accepted + len(path))
+        stats.rounds, stats.draft_s = stats.rounds + 1, stats.draft_s + t1 - t0
+        stats.verify_s += time.perf_counter() - t1
+    stats.drafter_calls += drafter.calls
+    return [s[len(p):g] for s, p, g in zip(seqs, prompts, goal)], cache
+
+
+# -- Drafters: start(roots, depth) catches up, -> the root's child logits (B, 1, V); ------
+# extend(tree, lo, hi) -> those of nodes lo..hi-1; commit(b, path) / rollback(b) after it.
+
+class Drafter:
+    def reset(self, target, seqs, feats, cap):
+        self.seqs, self.feats, self.calls = seqs, feats, 0
+
+    def rollback(self, b):                     # forget this step's entries (root included)
+        self.cache.lens[b] = self.base[b]
+
+
+class ModelDrafter(Drafter):
+    """A small GPT with its own RaggedCache (draft, tree); tree passes as the target's."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def reset(self, target, seqs, feats, cap):
+        super().reset(target, seqs, feats, cap)
+        w = self.model.output.weight
+        self.cache = RaggedCache(self.model.config, len(seqs), cap, w.device, w.dtype)
+
+    def start(self, roots, depth):             # pending: committed tokens not seen yet
+        lens = self.cache.lens.tolist()
+        logits, _, n = feed(self.model, self.cache, [s[l:] for s, l in zip(self.seqs, lens)])
+        self.base, self.fed, self.calls = self.cache.lens - 1, 1, self.calls + 1
+        return rows_at(logits, (n - 1)[:, None])
+
+    def extend(self, tree, lo, hi):
+        pos = self.base[:, None] + torch.tensor(tree.depth[lo:hi], device=self.base.device)
+        logits, _ = self.model(tree.tokens[:, lo:hi], positions=pos, cache=self.cache,
+                               mask=attend_mask(self.base, tree.vis[:, lo:hi, :hi]))
+        self.fed, self.calls = hi, self.calls + 1
+        return logits
+
+    def commit(self, b, path):                 # accepted drafts it has seen stay valid
+        self.cache.keep(b, int(self.base[b]), [0] + [n for n in path if n < self.fed])
+
+
+class PerDepth(Drafter):
+    """Depth-d distribution blind to the drafts before it (Medusa, DFlash): the tree is the
+    best paths of a Cartesian product; nothing speculative is cached (no-op commit)."""
+
+    def extend(self, tree, lo, hi):
+        d = tree.depth[lo]
+        return self.depth_logits[:, d:d + 1].expand(-1, hi - lo, -1)
+
+    def commit(self, b, path=None):
+        pass
+
+    rollback = commit
+
+
+class MedusaHeads(nn.Module, PerDepth):
+    """Head k = the target's LM head at h + SiLU(W_k h) (Medusa's ResBlock on the frozen top
+    feature h) predicts the token k+1 ahead; W_k = 0 at init. Medusa's heads have LM heads
+    of their own (model.ExtraHead); sharing one lets ONE matmul serve all heads, which
+    matters here: a 4096×192 projection costs ~1/8 of a target step on this CPU."""
+
+    def __init__(self, target, n_heads=4):
+        super().__init__()
+        d = target.config.n_embd
+        self.proj = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(n_heads))
+        for w in self.proj:
+            nn.init.zeros_(w.weight)
+        self.shared = (target,)                # a tuple: not registered as our submodule
+
+    def heads(self, h, k):                      # (…, d) -> (…, k, V): heads 1..k at once
+        return self.shared[0].output(torch.stack([h + F.silu(w(h)) for w in self.proj[:k]], -2))
+
+    def loss(self, target, x, y, h):
+        K = len(self.proj)
+        want = torch.stack([y[:, k:y.shape[1] - K + k] for k in range(1, K + 1)], -1)
+        return F.cross_entropy(self.heads(h[:, :-K], K).flatten(0, 2), want.flatten())
+
+    def start(self, roots, depth):
+        if depth > len(self.proj):
+            raise UserError(f"gamma={depth} needs {depth} Medusa heads, there are {len(self.proj)}")
+        ends = torch.tensor([len(s) for s in self.seqs], device=self.feats.device)
+        self.depth_logits = self.heads(rows_at(self.feats, ends[:, None] - 1)[:, 0], depth)
+        self.calls += 1
+        return self.depth_logits[:, :1]
+
+
+class FeatureDrafter(nn.Module, Drafter):
+    """MTP, EAGLE (and DFlash's body): block(s) on the frozen target, borrowing its embedding
+    and output head, with their own KV cache. Entry k = (feature f_k-1, token t_k) at
+    position k predicts t_k+1 (EAGLE: regresses f_k); drafting feeds its output back."""
+
+    def __init__(self, target, kind="eagle", n_layer=1, n_in=2):
+        super().__init__()
+        self.kind, self.cfg = kind, replace(target.config, n_layer=n_layer, n_expert=0)
+        d = self.cfg.n_embd                     # the target's width
+        self.fc = nn.Linear(n_in * d, d, bias=False)
+        self.layers = nn.ModuleList(Block(self.cfg) for _ in range(n_layer))
+        self.norm = RMSNorm(d, self.cfg.norm_eps)
+        if kind == "mtp":
+            self.norm_f, self.norm_e = RMSNorm(d), RMSNorm(d)
+        self.shared = (target,)
+
+    def body(self, x, pos, mask=None, cache=None):
+        cos, sin = self.shared[0].rope(pos.clamp(max=self.cfg.block_size - 1))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i)
+        if cache is not None:                   # drafting (training passes no cache)
+            cache.advance(x.shape[1])
+            self.calls += 1
+        return x
+
+    def reset(self, target, seqs, feats, cap):
+        super().reset(target, seqs, feats, cap)
+        self.cache = RaggedCache(self.cfg, len(seqs), cap, feats.device, feats.dtype)
+
+    def inputs(self, f, tok):
+        e = self.shared[0].tok_embeddings(tok)
+        if self.kind == "mtp":                  # DeepSeek-V3 eq. 21: normalise both halves
+            f, e = self.norm_f(f), self.norm_e(e)
+        return self.fc(torch.cat([f, e], -1))
+
+    def logits(self, out):                      # EAGLE predicts the LM head's input itself
+        return self.shared[0].output(out if self.kind == "eagle" else self.norm(out))
+
+    def loss(self, target, x, y, h):
+        f = h[:, :-1]
+        if self.kind == "eagle":                # EAGLE: U(-0.1, 0.1) noise on the features
+            f = f + (torch.rand_like(f) - 0.5) * 0.2
+        out = self.body(self.inputs(f, x[:, 1:]), torch.arange(1, x.shape[1], device=x.device))
+        ce = F.cross_entropy(self.logits(out).flatten(0, 1), y[:, 1:].flatten())
+        return ce if self.kind == "mtp" else F.smooth_l1_loss(out, h[:, 1:]) + 0.1 * ce
+
+    def start(self, roots, depth):
+        lens = self.cache.lens.clone()          # entries lens.. up to the root's
+        toks, n, vis = pad_rows([s[l:] for s, l in zip(self.seqs, lens.tolist())], lens.device)
+        pos = lens[:, None] + torch.arange(toks.shape[1], device=lens.device)
+        out = self.body(self.inputs(rows_at(self.feats, pos), toks), pos,  # feats[k] = f_k-1
+                        attend_mask(lens, vis), self.cache)
+        self.cache.lens = lens + n
+        self.base, self.node_out = self.cache.lens - 1, rows_at(out, (n - 1)[:, None])
+        return self.logits(self.node_out)
+
+    def extend(self, tree, lo, hi):
+        pos = self.base[:, None] + torch.tensor(tree.depth[lo:hi], device=self.base.device)
+        out = self.body(self.inputs(rows_at(self.node_out, tree.parents[:, lo:hi]),
+                                    tree.tokens[:, lo:hi]), pos,
+                        attend_mask(self.base, tree.vis[:, lo:hi, :hi]), self.cache)
+        self.node_out = torch.cat([self.node_out, out], 1)
+        return self.logits(out)
+
+    def commit(self, b, path):       # drafts were fed PREDICTED features: re-feed true ones
+        self.cache.lens[b] = self.base[b] + 1
+
+
+class DFlashDrafter(PerDepth, FeatureDrafter):
+    """Context fc(f_j) at positions j (causal, cached); a block [Emb(last token), masks] sees
+    it and itself bidirectionally, mask i predicts its own position's token. Unlike DFlash
+    (5 layers, features in every layer's K/V): an embedding per mask offset, fc_a([f_last;
+    Emb(last)]) added to the block (one layer's mask queries could not fetch them: α 0.15)."""
+
+    def __init__(self, target, block=5, n_layer=1):
+        super().__init__(target, "dflash", n_layer, n_in=1)
+        self.block, d = block, self.cfg.n_embd
+        self.mask_emb = nn.Parameter(torch.zeros(block - 1, d))
+        self.fc_a = nn.Linear(2 * d, d, bias=False)
+
+    def blocks(self, ctx_f, ctx_pos, n_ctx, roots, anchors, anchor_f, cache=None):
+        """ctx_f (B, N, d) features at ctx_pos, the first n_ctx[b] real; roots (B, A) at
+        positions anchors, anchor_f: the feature before each. -> outputs (B, A, G, d)."""
+        (B, N), A, G, dev = ctx_pos.shape, anchors.shape[1], self.block, ctx_pos.device
+        e = self.shared[0].tok_embeddings(roots)
+        blk = torch.cat([e[:, :, None], self.mask_emb.expand(B, A, -1, -1)], 2)
+        blk = blk + self.fc_a(torch.cat([anchor_f, e], -1))[:, :, None]
+        blk_pos = (anchors[..., None] + torch.arange(G, device=dev)).flatten(1)
+        i, bid = torch.arange(N, device=dev), torch.arange(A * G, device=dev) // G
+        real = i[None, :] < n_ctx[:, None]                                   # (B, N)
+        ctx_ctx = real[:, None, :] & (i[:, None] >= i[None, :])              # causal
+        before = ctx_pos[:, None, :] < anchors.repeat_interleave(G, 1)[:, :, None]
+        vis = torch.cat([torch.cat([ctx_ctx, ctx_ctx.new_zeros(B, N, A * G)], 2),
+                         torch.cat([real[:, None, :] & before,                # context
+                                    (bid[:, None] == bid[None, :]).expand(B, -1, -1)], 2)], 1)
+        vis |= torch.eye(N + A * G, dtype=torch.bool, device=dev)           # pads: themselves
+        mask = vis[:, None] if cache is None else attend_mask(cache.lens, vis)
+        out = self.body(torch.cat([self.fc(ctx_f), blk.flatten(1, 2)], 1),
+                        torch.cat([ctx_pos, blk_pos], 1), mask, cache)
+        return out[:, N:].view(B, A, G, -1)
+
+    def loss(self, target, x, y, h):
+        (B, T), G, dev = x.shape, self.block, x.device
+        anchors = torch.randint(1, T - G + 1, (B, max(1, T // (2 * G))), device=dev)
+        out = self.blocks(h, torch.arange(T, device=dev).expand(B, T), torch.full(
+            (B,), T, device=dev), x.gather(1, anchors), anchors, rows_at(h, anchors - 1))
+        want = x.gather(1, (anchors[..., None] + torch.arange(1, G, device=dev)).flatten(1))
+        return F.cross_entropy(self.logits(out[:, :, 1:]).flatten(0, 2), want.flatten())
+
+    def start(self, roots, depth):
+        if depth > self.block - 1:
+            raise UserError(f"gamma={depth} does not fit a DFlash block of {self.block}")
+        lens = self.cache.lens.clone()
+        root = torch.tensor([len(s) - 1 for s in self.seqs], device=lens.device)[:, None]
+        n = root[:, 0] - lens                   # context: committed positions before root
+        ctx_pos = lens[:, None] + torch.arange(int(n.max()), device=lens.device)
+        out = self.blocks(rows_at(self.feats, ctx_pos + 1), ctx_pos, n, roots[:, None], root,
+                          rows_at(self.feats, root), self.cache)   # feats[root] = f_root-1
+        self.cache.lens = lens + n              # keep the context, drop pads and the block
+        self.depth_logits = self.logits(out[:, 0, 1:depth + 1])
+        return self.depth_logits[:, :1]
+
+
+# -- Training the drafters on the frozen target's features (cached under out/) -----------
+
+@torch.no_grad()
+def distill_pool(target, corpus, n_seq, seq, seed=0, prompt_len=16, chunk=64):
+    """The target's own continuations of corpus prompts, half greedy, half at T = 1, and
+    its features: self-distillation (Medusa-2) -- drafters learn what the target WILL say."""
+    starts = np.random.default_rng(seed).integers(0, len(corpus.train) - prompt_len, n_seq)
+    x = torch.from_numpy(np.stack([corpus.train[s:s + prompt_len] for s in starts]).astype(
+        np.int64)).to(target.output.weight.device)
+    x = torch.cat([torch.cat([x[i:i + chunk], target.generate(
+        x[i:i + chunk], seq - prompt_len, temperature=float(i // chunk % 2), seed=seed + i)], 1)
+        for i in range(0, n_seq, chunk)])
+    return x, torch.cat([target(x[i:i + chunk], return_hidden=True)[2]
+                         for i in range(0, n_seq, chunk)])
+
+
+def train_drafters(drafters, target, pool, steps, batch, lr, seed=0):
+    """AdamW on each drafter (target frozen), `batch` pool rows a step, features precomputed."""
+    opts = {m: torch.optim.AdamW(d.parameters(), lr, weight_decay=0.0) for m, d in drafters.items()}
+    gen, t0 = torch.Generator().manual_seed(seed), time.perf_counter()
+    for step in range(steps):
+        rows = torch.randint(0, pool[0].shape[0], (batch,), generator=gen)
+        x, h, losses = pool[0][rows], pool[1][rows], []
+        for m, d in drafters.items():
+            for g in opts[m].param_groups:       # cosine decay to 10%
+                g["lr"] = lr * (0.55 + 0.45 * np.cos(np.pi * step / steps))
+            loss = d.train().loss(target, x[:, :-1], x[:, 1:], h[:, :-1])
+            opts[m].zero_grad(set_to_none=True)
+            loss.backward()
+            opts[m].step()
+            losses.append(f"{m} {loss.item():.3f}")
+        if step % 50 == 0 or step == steps - 1:
+            print0(f"  step {step:4d} | {' | '.join(losses)} | {time.perf_counter() - t0:.0f} s")
+    return {m: d.eval() for m, d in drafters.items()}
+
+
+def check_vocab(target, target_ckpt, draft, draft_ckpt):
+    if draft.config.vocab_size != target.config.vocab_size or (target_ckpt or {}).get(
+            "tokenizer", 0) != draft_ckpt.get("tokenizer", 0):
+        raise UserError(f"the drafter's vocabulary ({draft.config.vocab_size} tokens) differs from "
+                        f"the target's ({target.config.vocab_size}): p(x)/q(x) needs one tokenizer")
+
+
+def corpus_of(target, ckpt):                   # the target's corpus, same tokenizer
+    return data.load_corpus(ckpt.get("args", {}).get("data"), target.config.vocab_size)
+
+
+def build_drafters(methods, target, args, target_ckpt):
+    """Each method's drafter: the draft checkpoint (draft, tree), or a module trained on the
+    frozen target's features, loaded from --out-dir if one was trained for this target."""
+    dev, built, todo = target.output.weight.device, {}, {}
+    key = {k: getattr(args, k) for k in ("train_steps", "heads", "dflash_block", "drafter_layers")}
+    key.update(TRAIN, target=hashlib.sha1(target.output.weight.cpu().numpy().tobytes()).hexdigest())
+    for m in methods:
+        if m in ("draft", "tree"):
+            if not os.path.exists(args.draft_ckpt):
+                raise UserError(f"{args.draft_ckpt} not found: python train.py --preset draft "
+                                f"--ckpt {args.draft_ckpt} --sample-tokens 0")
+            model, ckpt = load_model(args.draft_ckpt, dev)
+            check_vocab(target, target_ckpt, model, ckpt)
+            built[m] = ModelDrafter(model.eval())
+            continue
+        built[m] = (MedusaHeads(target, args.heads) if m == "medusa" else DFlashDrafter(
+            target, args.dflash_block, args.drafter_layers) if m == "dflash" else
+            FeatureDrafter(target, m, args.drafter_layers)).to(dev).eval()
+        path = os.path.join(args.out_dir, f"spec_{m}.pt")
+        saved = torch.load(path, map_location=dev) if os.path.exists(path) else {}
+        if saved.get("key") == key:             # trained for this target and these settings
+            built[m].load_state_dict(saved["state"])
+        else:
+            todo[m] = built[m]
+    if todo:
+        print0(f"training {', '.join(todo)} on the frozen target's features ({args.train_steps}"
+               f" steps × {TRAIN['batch']}×{TRAIN['seq']} tokens), cached in {args.out_dir}/")
+        t0, corpus = time.perf_counter(), corpus_of(target, target_ckpt)
+        pool = distill_pool(target, corpus, TRAIN["pool"], TRAIN["seq"], args.seed)
+        print0(f"  self-distilled pool: {pool[0].numel():,} tokens in "
+               f"{time.perf_counter() - t0:.0f} s")
+        train_drafters(todo, target, pool, args.train_steps, TRAIN["batch"], TRAIN["lr"], args.seed)
+        os.makedirs(args.out_dir, exist_ok=True)
+        for m, d in todo.items():
+            torch.save({"key": key, "state": d.state_dict()},
+                       os.path.join(args.out_dir, f"spec_{m}.pt"))
+    return built
+
+
+# -- Measuring: plain decoding and each method on the same prompts, target and run -------
+
+def run_method(target, drafter, groups, args, T, gamma, width):
+    """Each group of prompts decoded as one batch (drafter None: plain). -> (outs, s, Stats)"""
+    stats, outs, t0 = Stats(), [], time.perf_counter()
+    for g in groups:
+        outs += target.generate(torch.tensor(g), args.max_new_tokens, temperature=T,
+                                seed=args.seed).tolist() if drafter is None else \
+            speculative_generate(target, drafter, g, args.max_new_tokens, gamma, width, T,
+                                 args.seed, stats)[0]
+    return outs, time.perf_counter() - t0, stats if drafter is not None else None
+
+
+def paired(target, drafter, groups, args, T, gamma, width):
+    """Plain decoding and the method alternated --repeats times, the best time of each
+    kept: on a shared CPU the least disturbed runs are compared. -> (plain row, row)."""
+    runs = [[run_method(target, d, groups, args, T, gamma, width) for d in (None, drafter)]
+            for _ in range(args.repeats)]
+    plain, best = (min((r[i] for r in runs), key=lambda x: x[1]) for i in (0, 1))
+    plain = ledger_row("plain", 0, 1, T, len(groups[0]), *plain)
+    return plain, ledger_row("", gamma, width, T, len(groups[0]), *best, plain)
+
+
+def ledger_row(name, gamma, width, T, B, outs, secs, st, plain=None):
+    """Measured α and tokens per target call τ next to (1 − α^(γ+1))/(1 − α); c = drafting
+    time per step ÷ one plain decode step; speedup = plain time ÷ this time."""
+    row = dict(method=name, g=gamma, w=width, T=T, B=B, tps=sum(map(len, outs)) / secs,
+               secs=secs, outs=outs, calls=len(outs) // B * max(map(len, outs)))
+    if st is not None:
+        a = st.alpha
+        row.update(alpha=a, tau=st.tau, formula=(1 - a ** (gamma + 1)) / (1 - a) if a < 1 else
+                   gamma + 1, calls=st.rounds, dfwd=st.drafter_calls / st.rounds,
+                   dms=1e3 * st.draft_s / st.rounds, vms=1e3 * st.verify_s / st.rounds,
+                   c=st.draft_s / st.rounds / (plain["secs"] / plain["calls"]),
+                   speedup=plain["secs"] / secs, same=T == 0 and (  # T = 0: == plain greedy?
+                       "yes" if outs == plain["outs"] else "NO") or "")
+    return row
+
+
+def print_ledger(rows, title):
+    print0(f"\n{title}\nmethod   γ  w   T  B |     α τ meas formula | calls  dfwd draft ms     c"
+           f" verify ms |  tok/s speedup  =greedy")
+    for r in rows:
+        if "alpha" in r:
+            mid = (f"{r['g']:>3}{r['w']:>3}{r['T']:>4g}{r['B']:>3} | {r['alpha']:>5.2f} "
+                   f"{r['tau']:>6.2f} {r['formula']:>7.2f} | {r['calls']:>5} {r['dfwd']:>5.1f} "
+                   f"{r['dms']:>8.2f} {r['c']:>5.2f} {r['vms']:>9.2f}")
+        else:                                   # plain decoding: one target call per token
+            mid = f"  -  -{r['T']:>4g}{r['B']:>3} | {1:>12.2f} {1:>7.2f} | {r['calls']:>5}"
+        print0(f"{r['method']:<7}{mid:<81} | {r['tps']:>6.0f} {r.get('speedup', 1):>6.2f}x  "
+               f"{r.get('same', '')}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target, ckpt = load_model(args.ckpt)
+    target.eval().requires_grad_(False)
+    enc = data.encoding_from_state(ckpt["tokenizer"])
+    methods = args.methods.split(",") if args.mode == "bench" else [args.method]
+    drafters = build_drafters(methods, target, args, ckpt)
+    width = lambda m: args.width or DEFAULT_WIDTH.get(m, 1)
+    size = sum({id(p): 4 * p.numel() for d in drafters.values()
+                for p in getattr(d, "model", d).parameters()}.values())
+    print0(f"target: {target.num_params():,} params | drafters: {fmt_bytes(size)} | "
+           f"{args.threads} thread(s); timings: wall clock on a shared CPU")
+    if args.mode == "generate":
+        prompts = [enc.encode_ordinary(args.prompt)] * args.batch_size
+        temps, batches = [args.temperature], [args.batch_size]
+    else:                                       # windows of held-out text as prompts
+        corpus = corpus_of(target, ckpt)
+        starts = np.random.default_rng(args.seed).integers(
+            0, len(corpus.val) - args.prompt_len, args.bench_prompts)
+        prompts = [corpus.val[s:s + args.prompt_len].astype(np.int64).tolist() for s in starts]
+        temps, batches = [float(t) for t in args.bench_temps.split(",")], [1, len(prompts)]
+    for m in [None] + methods:                  # warm-up: first calls allocate and dispatch
+        run_method(target, drafters.get(m), [prompts[:1]], args, 0.0, args.gamma, width(m))
+    rows = []
+    for T in temps:
+        for B in batches:
+            for m in methods:
+                plain, row = paired(target, drafters[m], [prompts[i:i + B] for i in range(
+                    0, len(prompts), B)], args, T, args.gamma, width(m))
+                rows += ([plain] if m == methods[0] else []) + [{**row, "method": m}]
+                if args.mode == "generate":
+                    print0(f"--- {m}, T={T:g}: {enc.decode(prompts[0] + row['outs'][0])!r}")
+    cmd = " ".join(["python spec_decode.py"] + (argv if argv is not None else sys.argv[1:]))
+    print_ledger(rows, f"ledger ({cmd}); speedup = plain time / method time, each the best "
+                       f"of {args.repeats} alternated runs:")
+    sweep = [m for m in ("draft", "eagle", "dflash") if m in methods and args.mode == "bench"]
+    if sweep and args.sweep:                    # drafting cost vs γ: sequential vs one block
+        print_ledger([{**paired(target, drafters[m], [prompts[:1]], args, 0.0, g, 1)[1],
+                       "method": m} for g in map(int, args.sweep.split(",")) for m in sweep],
+                     "drafting cost vs γ (T=0, B=1, prompt 0): the draft model and EAGLE pay "
+                     "one pass per draft token, DFlash one pass per step")
+    return rows
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Speculative decoding: six drafters, one exact "
+                                "verifier, a ledger.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("mode", nargs="?", default="generate", choices=["generate", "bench"],
+                   help="generate: one --method; bench: plain decoding and every --methods")
+    p.add_argument("--method", default="medusa", choices=METHODS, help="generate: drafter")
+    p.add_argument("--methods", default=",".join(METHODS), help="bench: methods to run")
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per step (tree depth)")
+    p.add_argument("--width", type=int, default=0, help=f"tree width, 0 = {DEFAULT_WIDTH} else 1")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--prompt", default="def ", help="generate: the prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt")
+    p.add_argument("--batch-size", type=int, default=1, help="generate: copies of the prompt")
+    p.add_argument("--seed", type=int, default=0, help="sampling and prompt seed")
+    g = p.add_argument_group("models and drafters")
+    g.add_argument("--ckpt", default="out/ckpt.pt", help="the target (train.py)")
+    g.add_argument("--draft-ckpt", default="out/draft.pt", help="draft model (--preset draft)")
+    g.add_argument("--out-dir", default="out", help="where trained drafters are cached")
+    g.add_argument("--heads", type=int, default=4, help="Medusa heads (max gamma)")
+    g.add_argument("--dflash-block", type=int, default=5, help="DFlash block (max gamma + 1)")
+    g.add_argument("--drafter-layers", type=int, default=1, help="MTP/EAGLE/DFlash blocks")
+    g.add_argument("--train-steps", type=int, default=400, help=f"drafter training, {TRAIN}")
+    g = p.add_argument_group("bench and run")
+    g.add_argument("--bench-prompts", type=int, default=4, help="prompts (the batch of B>1)")
+    g.add_argument("--prompt-len", type=int, default=32, help="bench: tokens per prompt")
+    g.add_argument("--bench-temps", default="0,1", help="bench: temperatures")
+    g.add_argument("--sweep", default="1,2,4", help="bench: gammas of the drafting-cost sweep")
+    g.add_argument("--repeats", type=int, default=3, help="timed runs per row (best kept)")
+    g.add_argument("--threads", type=int, default=1, help="torch CPU threads (steadier timing)")
+    args = p.parse_args(argv)
+    for name in ("gamma", "max_new_tokens", "batch_size", "heads", "train_steps", "repeats",
+                 "bench_prompts", "prompt_len", "drafter_layers"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got "
+                            f"{getattr(args, name)}")
+    if args.width < 0 or args.dflash_block < 2 or args.temperature < 0:
+        raise UserError("--width must be >= 0, --dflash-block >= 2, --temperature >= 0")
+    return args
+
+
+if __name__ == "__main__":
+    run_cli(main)

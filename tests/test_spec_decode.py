@@ -1,0 +1,271 @@
+# Tests for spec_decode.py: every method reproduces plain greedy decoding token for token;
+# at T > 0 the output distribution is the target's (a chi-square test that three broken
+# variants fail); KV caches after rejections equal a plain decode of the accepted tokens;
+# tree attention equals decoding each root-to-node path; bad inputs give one-line errors.
+# Tiny models built in-test, fp64 (no near-ties between batched and one-token passes).
+import copy
+import itertools
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import spec_decode as sd
+from harness import run_python
+from model import GPT, KVCache, get_config
+from plumbing import UserError
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14], [3]]   # ragged, batch 3
+
+
+def tiny(seed=1, **kw):
+    """vocab 64: greedy text of a random model soon cycles, so drafters can learn it."""
+    return GPT(get_config("tiny", init_std=0.3, vocab_size=64, **kw), seed=seed).double().eval()
+
+
+def perturbed(model, noise, seed=5):
+    """A drafter that agrees with the target often but not always."""
+    m = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * noise)
+    return m
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.set_num_threads(1)
+    return tiny(seed=1)
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    """Every kind of drafter; the feature drafters briefly trained (self-distillation) so
+    that they accept some drafts and every accept/reject path runs."""
+    corpus = types.SimpleNamespace(train=np.random.default_rng(0).integers(0, 64, 4000))
+    pool = sd.distill_pool(target, corpus, n_seq=48, seq=32, prompt_len=8, chunk=48)
+    trained = sd.train_drafters({"medusa": sd.MedusaHeads(target, 4).double(),
+                                 "mtp": sd.FeatureDrafter(target, "mtp").double(),
+                                 "eagle": sd.FeatureDrafter(target, "eagle").double(),
+                                 "dflash": sd.DFlashDrafter(target, 6).double()},
+                                target, pool, steps=40, batch=16, lr=3e-3)
+    return {"draft": sd.ModelDrafter(perturbed(target, 0.01)), **trained}
+
+
+def plain_greedy(model, prompts, n):
+    return [model.generate(p, n, temperature=0) for p in prompts]
+
+
+@pytest.mark.parametrize("method,width", [("draft", 1), ("draft", 3), ("medusa", 1),
+                                          ("medusa", 3), ("mtp", 1), ("mtp", 2),
+                                          ("eagle", 1), ("eagle", 3), ("dflash", 1),
+                                          ("dflash", 3)])
+def test_greedy_equals_plain(target, drafters, method, width):
+    want = plain_greedy(target, PROMPTS, 24)
+    st = sd.Stats()
+    got, _ = sd.speculative_generate(target, drafters[method], PROMPTS, 24, gamma=4,
+                                     width=width, temperature=0.0, stats=st)
+    assert got == want
+    assert 0 < st.accepted and st.row_rounds < 24 * len(PROMPTS)   # fewer target calls
+    assert st.tries >= st.accepted                 # ... and the bookkeeping is consistent
+
+
+def test_drafter_that_is_the_target_accepts_everything(target):
+    st = sd.Stats()
+    got, _ = sd.speculative_generate(target, sd.ModelDrafter(target), PROMPTS[:2], 20,
+                                     gamma=4, stats=st)
+    assert got == plain_greedy(target, PROMPTS[:2], 20)
+    assert st.alpha == 1.0 and st.tau == 5.0       # γ accepted + the bonus, every step
+
+
+def test_drafting_cost_vs_gamma(target, drafters):
+    """EAGLE runs one drafter pass per draft token, DFlash one pass per step."""
+    for gamma in (2, 5):
+        calls = {}
+        for m in ("eagle", "dflash"):
+            st = sd.Stats()
+            sd.speculative_generate(target, drafters[m], PROMPTS[:1], 12, gamma=gamma, stats=st)
+            calls[m] = st.drafter_calls / st.rounds
+        assert calls == {"eagle": gamma, "dflash": 1}
+
+
+@pytest.mark.parametrize("temperature,width", [(0.0, 1), (1.0, 1), (0.0, 3), (1.0, 3)])
+def test_kv_caches_equal_plain_decode_after_rejections(target, temperature, width):
+    """Target and draft caches (RaggedCache rows) equal a plain KVCache over the committed
+    tokens: rejected drafts (and tree branches) leave nothing behind."""
+    draft = perturbed(target, 0.02)
+    drafter, st = sd.ModelDrafter(draft), sd.Stats()
+    out, cache = sd.speculative_generate(target, drafter, PROMPTS, 20, gamma=3, width=width,
+                                         temperature=temperature, seed=3, stats=st)
+    assert st.tries > st.accepted > 0              # there were rejections
+    for b, p in enumerate(PROMPTS):
+        seq = p + out[b]
+        for model, c in ((target, cache), (draft, drafter.cache)):
+            n = int(c.lens[b])                     # the last step may commit past the
+            assert n >= len(seq) - (1 if model is target else 3)   # goal: compare the
+            n = min(n, len(seq))                   # tokens we know
+            ref = KVCache(model.config, 1, 64, dtype=torch.float64)
+            model(torch.tensor([seq[:n]]), cache=ref)
+            torch.testing.assert_close(c.k[:, b, :, :n], ref.k[:, 0, :, :n])
+            torch.testing.assert_close(c.v[:, b, :, :n], ref.v[:, 0, :, :n])
+
+
+def test_feature_drafter_caches_hold_true_features_only(target, drafters):
+    """EAGLE drafts from its own predicted features; after verification its cache must
+    hold only entries built from the target's true features (and DFlash: its context)."""
+    for m in ("eagle", "dflash"):
+        d = drafters[m]
+        out, cache = sd.speculative_generate(target, d, PROMPTS, 20, gamma=3, temperature=1.0,
+                                             seed=1)
+        for b, p in enumerate(PROMPTS):
+            seq = torch.tensor([p + out[b]])
+            h = target(seq, return_hidden=True)[2]
+            n = min(int(d.cache.lens[b]), seq.shape[1] - 1)
+            assert n >= seq.shape[1] - 5           # lags by at most γ + 2
+            ref = KVCache(d.cfg, 1, 64, dtype=torch.float64)
+            pos = torch.arange(n)
+            with torch.no_grad():
+                if m == "eagle":                   # entry k = (f_k-1, t_k), f_-1 = 0
+                    f = torch.cat([torch.zeros(1, 1, h.shape[-1], dtype=h.dtype), h], 1)
+                    d.body(d.inputs(f[:, :n], seq[:, :n]), pos, None, ref)
+                else:                              # context entry j = fc(f_j)
+                    d.body(d.fc(h[:, :n]), pos, None, ref)
+            torch.testing.assert_close(d.cache.k[:, b, :, :n], ref.k[:, 0, :, :n])
+
+
+def test_tree_attention_equals_decoding_each_path(target):
+    """One tree pass (mask: ancestors only; positions: depth) gives at every node the
+    logits of a plain forward over prompt + its root-to-node path."""
+    prompt = [5, 6, 7, 8]
+    drafter = sd.ModelDrafter(perturbed(target, 0.05))
+    drafter.reset(target, [prompt], None, 64)
+    tree = sd.grow_tree(drafter, torch.tensor([prompt[-1]]), 3, 3, 0.0, None)
+    cache = sd.RaggedCache(target.config, 1, 64, dtype=torch.float64)
+    sd.feed(target, cache, [prompt[:-1]])
+    base = cache.lens.clone()
+    logits, _ = target(tree.tokens, positions=base[:, None] + torch.tensor(tree.depth),
+                       mask=sd.attend_mask(base, tree.vis), cache=cache)
+    assert tree.tokens.shape[1] == 1 + 3 * 3
+    for i in range(tree.tokens.shape[1]):
+        path, n = [], i
+        while n >= 0:
+            path.insert(0, int(tree.tokens[0, n]))
+            n = int(tree.parents[0, n])
+        ref = target(torch.tensor([prompt[:-1] + path]))[0][0, -1]
+        torch.testing.assert_close(logits[0, i], ref)
+
+
+# ----------------------------------------------------------------------------------------
+# T > 0: the output distribution is exactly the target's
+
+V, K, N_SAMPLES = 5, 3, 2000
+
+
+def exact_joint(target, prompt):
+    """p(x1) p(x2|x1) p(x3|x1,x2) over all V^K outcomes, from the target directly."""
+    with torch.no_grad():
+        seqs = [list(s) for s in itertools.product(range(V), repeat=K - 1)]
+        logp = target(torch.tensor([prompt + s for s in seqs]))[0].log_softmax(-1)
+    joint = np.zeros([V] * K)
+    start = len(prompt) - 1
+    for s, lp in zip(seqs, logp):
+        pre = sum(lp[start + i, s[i]] for i in range(K - 1))
+        joint[tuple(s)] = (pre + lp[start + K - 1]).exp().numpy()
+    return joint
+
+
+def chi_square(joint, samples):
+    """Pearson's statistic, cells with expected count < 5 pooled into one; -> (statistic,
+    critical value at p = 1e-4 by the Wilson-Hilferty approximation)."""
+    counts = np.zeros_like(joint)
+    for s in samples:
+        counts[tuple(s[:K])] += 1
+    e, o = joint.flatten() * len(samples), counts.flatten()
+    small = e < 5
+    e = np.append(e[~small], e[small].sum())
+    o = np.append(o[~small], o[small].sum())
+    stat, df = ((o - e) ** 2 / e).sum(), len(e) - 1
+    return stat, df * (1 - 2 / (9 * df) + 3.719 * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def bad_residual_unnormalised(p, q, x):
+    r = p.copy()
+    if q is None:
+        r[x] = 0.0
+    else:
+        r = np.maximum(p - q, 0.0)
+    return r                                       # forgot "/ r.sum()"
+
+
+def bad_residual_p(p, q, x):
+    return p                                       # resample from p: forgot to subtract q
+
+
+def bad_bonus(verify):
+    def wrapped(P, tokens, parents, q, rand):
+        path, x, tries = verify(P, tokens, parents, q, rand)
+        if len(path) == len(tokens) - 1:           # chain fully accepted: the bonus token
+            x = sd.draw(P[len(tokens) - 2], rand())    # drawn one position too early
+        return path, x, tries
+    return wrapped
+
+
+@pytest.mark.slow
+def test_sampling_matches_target_distribution(monkeypatch):
+    cfg = dict(vocab_size=V, init_std=0.5)
+    target = GPT(get_config("tiny", **cfg), seed=1).double().eval()
+    draft = GPT(get_config("tiny", n_layer=1, **cfg), seed=7).double().eval()
+    prompt = [1, 2, 3]
+    joint = exact_joint(target, prompt)
+
+    def sample(width=1, seed=0):
+        st = sd.Stats()
+        out, _ = sd.speculative_generate(target, sd.ModelDrafter(draft), [prompt] * N_SAMPLES,
+                                         K, gamma=2, width=width, temperature=1.0, seed=seed,
+                                         stats=st)
+        assert 0.2 < st.alpha < 0.9                # both branches of the rule are exercised
+        return chi_square(joint, out)
+
+    for width in (1, 2):                           # sampled chain; deterministic tree
+        stat, crit = sample(width)
+        assert stat < crit, (width, stat, crit)
+    with monkeypatch.context() as m:
+        m.setattr(sd, "residual", bad_residual_unnormalised)
+        stat, crit = sample()
+        assert stat > crit, ("unnormalised residual", stat, crit)
+    with monkeypatch.context() as m:
+        m.setattr(sd, "residual", bad_residual_p)
+        stat, crit = sample()
+        assert stat > crit, ("residual = p", stat, crit)
+    with monkeypatch.context() as m:
+        m.setattr(sd, "verify", bad_bonus(sd.verify))
+        stat, crit = sample()
+        assert stat > crit, ("bonus from the wrong position", stat, crit)
+
+
+# ----------------------------------------------------------------------------------------
+# Bad input: one clear error
+
+def test_bad_inputs(target, drafters):
+    d = drafters["draft"]
+    with pytest.raises(UserError, match="gamma must be at least 1"):
+        sd.speculative_generate(target, d, PROMPTS, 4, gamma=0)
+    with pytest.raises(UserError, match="exceeds the context"):
+        sd.speculative_generate(target, d, [list(range(60))], 8, gamma=4)
+    with pytest.raises(UserError, match="at least one token"):
+        sd.speculative_generate(target, d, [[]], 4)
+    with pytest.raises(UserError, match="Medusa heads"):
+        sd.speculative_generate(target, drafters["medusa"], PROMPTS, 4, gamma=5)
+    other = GPT(get_config("tiny", vocab_size=300), seed=0)
+    with pytest.raises(UserError, match="vocabulary"):
+        sd.check_vocab(target, None, other, {})
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    r = run_python("spec_decode.py", ["--gamma", "0"], timeout=60)
+    assert r.returncode == 2 and r.output.strip() == \
+        "error: --gamma must be at least 1, got 0"
+    r = run_python("spec_decode.py", ["--ckpt", str(tmp_path / "none.pt")], timeout=60)
+    assert r.returncode == 2 and "not found" in r.output and "Traceback" not in r.output
