@@ -63,7 +63,23 @@ def decay_groups(tensors, weight_decay):
 # DDP by hand: gradients bucketed, each bucket all-reduced as soon as all its gradients
 # exist, while backward continues on earlier layers (overlap). Li et al. 2020 (PyTorch DDP).
 
-class DDP:
+class WholeParameters:
+    """What DDP and FSDP2 share: the optimizer steps the model's own parameters (whole in
+    DDP, DTensor shards in FSDP2), so gradients live in p.grad and nothing is left to do
+    after the step."""
+
+    def grads(self):
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def after_step(self):
+        pass
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
+class DDP(WholeParameters):
     def __init__(self, model, world, bucket_mb=1.0):
         self.model, self.world = model, world
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -121,16 +137,6 @@ class DDP:
 
     def grad_norm_sq(self):
         return sum(p.grad.float().pow(2).sum() for p in self.params if p.grad is not None)
-
-    def grads(self):
-        return [p.grad for p in self.params if p.grad is not None]
-
-    def after_step(self):
-        pass
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
 
     def state_bytes(self, optimizer):
         return dict(params=tensor_bytes(self.params), grads=tensor_bytes(self.grads()),
@@ -325,7 +331,7 @@ class ZeRO:
 # FSDP2: PyTorch's ZeRO-3 (`fully_shard`, per block then the root), the reference. Its
 # collectives run inside PyTorch, so the comm meter does not see them.
 
-class FSDP2:
+class FSDP2(WholeParameters):
     def __init__(self, model, world):
         from torch.distributed.fsdp import fully_shard
         self.model, self.world = model, world
@@ -349,16 +355,6 @@ class FSDP2:
         local = torch.as_tensor(local, dtype=torch.float32)
         comm.all_reduce(local)
         return local
-
-    def grads(self):
-        return [p.grad for p in self.params if p.grad is not None]
-
-    def after_step(self):
-        pass
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
 
     def state_bytes(self, optimizer):
         local = lambda ts: sum(t.to_local().numel() * t.element_size() for t in ts)
