@@ -50,7 +50,8 @@ import data
 from model import GPT, get_config, load_model, PRESETS
 from plumbing import (ActivationMeter, Runtime, StepTimer, UserError, comm, fmt_bytes,
                       fmt_count, model_state_bytes, print0, run_cli, seed_everything,
-                      setup_runtime, tensor_bytes)
+                      setup_runtime, tensor_bytes,
+                      require_at_least_one)
 
 METHODS = ("full", "lora", "loraplus", "qlora", "vera", "dora")
 DEFAULT_LR = {"full": 3e-4, "lora": 3e-3, "loraplus": 1e-3, "qlora": 3e-3, "vera": 5e-2,
@@ -685,10 +686,8 @@ def parse_args(argv=None):
     g.add_argument("--est-rank", type=int, default=64, help="--estimate: LoRA rank")
     g.add_argument("--est-seq", type=int, default=512, help="--estimate: tokens per step")
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "warmup", "log_interval", "n_train", "quant_block",
-                 "dq_block"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    require_at_least_one(args, ("steps", "batch_size", "warmup", "log_interval", "n_train",
+                                "quant_block", "dq_block"))
     if not 0 <= args.dropout < 1:
         raise UserError(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.quant_block % 2:

@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 import data
 from model import GPT, get_config
-from plumbing import StepTimer, UserError, comm, model_state_bytes, pick_device, run_cli
+from plumbing import (StepTimer, UserError, comm, model_state_bytes, pick_device,
+                      require_at_least_one, run_cli)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)   # Keller Jordan's quintic
 
@@ -679,10 +680,9 @@ def parse_args(argv=None):
                    "and fastest on a shared machine; 0: torch's default)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "warmup_steps", "eval_interval",
-                 "eval_iters", "bench_steps", "n_layer", "n_embd"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    require_at_least_one(args, ("steps", "batch_size", "seq_len", "warmup_steps",
+                                "eval_interval", "eval_iters", "bench_steps", "n_layer",
+                                "n_embd"))
     if min(args.lrs + args.muon_lrs) <= 0:
         raise UserError("learning rates must be > 0")
     return args

@@ -125,6 +125,14 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+def require_at_least_one(args, names):
+    """One clear message for a count flag (steps, batch size, ...) below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got "
+                            f"{getattr(args, name)}")
+
+
 def run_cli(main, argv=None):
     """Run main(argv); a UserError becomes one line on stderr and exit status 2 instead of a
     traceback from deep inside torch. The process group is torn down either way."""

@@ -56,7 +56,8 @@ import torch.nn.functional as F
 import data
 from model import GPT, KVCache, get_config, load_model, PRESETS
 from plumbing import (ActivationMeter, StepTimer, UserError, comm, fmt_bytes, fmt_count,
-                      model_state_bytes, print0, run_cli, setup_runtime, tensor_bytes)
+                      model_state_bytes, print0, run_cli, setup_runtime, tensor_bytes,
+                      require_at_least_one)
 
 RL_ALGOS = ("reinforce", "ppo", "grpo", "drgrpo")
 DISTILL_ALGOS = ("distill", "softkd", "seqkd")
@@ -685,10 +686,9 @@ def parse_args(argv=None):
     g.add_argument("--log-interval", type=int, default=5, help="steps between log lines")
     g.add_argument("--save", default="", help="write {algo: trained weights} here")
     args = p.parse_args(argv)
-    for name in ("steps", "prompts", "group", "epochs", "max_new", "eval_samples", "eval_interval",
-                 "log_interval", "n_train", "eval_problems", "threads", "sft_batch"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    require_at_least_one(args, ("steps", "prompts", "group", "epochs", "max_new",
+                                "eval_samples", "eval_interval", "log_interval", "n_train",
+                                "eval_problems", "threads", "sft_batch"))
     if args.norm and args.norm not in NORMS:
         raise UserError(f"unknown loss normalisation {args.norm!r}: choose from {', '.join(NORMS)}")
     if args.temperature < 0 or args.tau <= 0:

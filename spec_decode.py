@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import data
 from model import Block, KVCache, RMSNorm, load_model
-from plumbing import UserError, fmt_bytes, print0, run_cli
+from plumbing import UserError, fmt_bytes, print0, require_at_least_one, run_cli
 
 METHODS = ("draft", "tree", "medusa", "mtp", "eagle", "dflash")
 DEFAULT_WIDTH = {"tree": 3, "medusa": 3}           # others draft a chain (width 1)
@@ -686,11 +686,9 @@ def parse_args(argv=None):
     g.add_argument("--repeats", type=int, default=3, help="timed runs per row (best kept)")
     g.add_argument("--threads", type=int, default=1, help="torch CPU threads (steadier timing)")
     args = p.parse_args(argv)
-    for name in ("gamma", "max_new_tokens", "batch_size", "heads", "train_steps", "repeats",
-                 "bench_prompts", "prompt_len", "drafter_layers"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got "
-                            f"{getattr(args, name)}")
+    require_at_least_one(args, ("gamma", "max_new_tokens", "batch_size", "heads",
+                                "train_steps", "repeats", "bench_prompts", "prompt_len",
+                                "drafter_layers"))
     if args.width < 0 or args.dflash_block < 2 or args.temperature < 0:
         raise UserError("--width must be >= 0, --dflash-block >= 2, --temperature >= 0")
     return args

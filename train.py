@@ -47,7 +47,8 @@ import optim
 from model import GPT, GPTConfig, PRESETS, get_config
 from plumbing import (ActivationMeter, StepTimer, UserError, comm, fmt_bytes, fmt_count,
                       gpu_peak_flops, model_state_bytes, print0, rng_state, run_cli,
-                      seed_everything, set_rng_state, setup_runtime)
+                      seed_everything, set_rng_state, setup_runtime,
+                      require_at_least_one)
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -723,10 +724,8 @@ def parse_args(argv=None):
                    help="layers,hidden,heads,seq,batch for --estimate's activation rows")
     g.add_argument("--bench-steps", type=int, default=3, help="steps per bench row")
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "grad_accum", "log_interval", "eval_interval",
-                 "eval_iters", "warmup_steps"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    require_at_least_one(args, ("steps", "batch_size", "grad_accum", "log_interval",
+                                "eval_interval", "eval_iters", "warmup_steps"))
     if args.mode == "bench" and args.attn is None:
         args.attn = "math"     # so the s² attention scores show up in the activation column
     return args
