@@ -219,7 +219,6 @@ class ZeRO:
         # remembered now: ZeRO-3 frees the parameters, and an empty tensor is 1-D
         self.ndim = {name: p.dim() for u in self.units for name, p in u.named}
         self.numel = {name: p.numel() for u in self.units for name, p in u.named}
-        self.sync = True
         for u in self.units:
             full = u.flatten([p.detach() for p in u.params])
             # The shard of the parameters this rank updates. Stages 1-2 keep the full
@@ -271,8 +270,9 @@ class ZeRO:
 
     def set_sync(self, sync):
         # Stages 2-3 must reduce-scatter every micro-step (the full gradient is not kept);
-        # stage 1 communicates once, after the last micro-step (finish_grads).
-        self.sync = sync
+        # stage 1 communicates once, after the last micro-step (finish_grads). Nothing to
+        # switch, so `sync` is ignored.
+        pass
 
     def optimizer_groups(self, weight_decay):
         return decay_groups([(view, self.ndim[name]) for name, *_, view in self.pieces],
