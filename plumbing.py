@@ -135,16 +135,32 @@ def require_at_least_one(args, names):
 
 def run_cli(main, argv=None):
     """Run main(argv); a UserError becomes one line on stderr and exit status 2 instead of a
-    traceback from deep inside torch. The process group is torn down either way."""
+    traceback from deep inside torch. The process group is torn down either way.
+
+    After a run that joined a process group we leave with os._exit once our output is
+    flushed: gloo's worker threads can still hold finished work objects whose tensors need
+    the GIL, and releasing them during interpreter finalization aborts the process
+    ("terminate called without an active exception", SIGABRT) well after every result was
+    written — rare, but it failed whole torchrun jobs that had succeeded (see
+    pytorch/pytorch#179291). Any other exception still ends with its traceback."""
+    joined = False
     try:
-        return main(argv)
+        main(argv)
+        status = 0
     except UserError as e:
         # every rank meets the same error (the checks are deterministic): rank 0 says it
         if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        status = 2
     finally:
+        joined = dist.is_available() and dist.is_initialized()
         teardown_runtime()
+    if joined:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    if status:
+        sys.exit(status)
 
 
 # ----------------------------------------------------------------------------------------
