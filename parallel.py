@@ -43,6 +43,7 @@ import argparse
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -98,8 +99,8 @@ def check_layout(layout, cfg, world, batch_size, seq_len):
         if getattr(L, d) < 1:
             raise UserError(f"--{d} must be at least 1, got {getattr(L, d)}")
     if L.world != world:
-        raise UserError(f"the layout needs {' × '.join(str(getattr(L, d)) for d in DIMS)} = "
-                        f"{L.world} processes (dp·ep·pp·cp·tp), but {world} were launched")
+        raise UserError(f"the layout {' × '.join(f'{d} {getattr(L, d)}' for d in DIMS)} "
+                        f"needs {L.world} processes, but {world} were launched")
     for what, n in (("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head),
                     ("vocab_size", cfg.vocab_size), ("ffn_dim", cfg.ffn_dim)):
         if n % L.tp:
@@ -417,7 +418,7 @@ class ExpertParallelMoE(nn.Module):
         for p in self.experts.parameters():
             p.expert = True
         self.ep_group, self.stats_group, self.aux_scale = ep_group, stats_group, aux_scale
-        self.aux_loss = None
+        self.aux_loss, self.aux_seen, self.idle_experts = None, 0.0, 0
 
     def forward(self, x):
         B, T, D = x.shape
@@ -435,6 +436,8 @@ class ExpertParallelMoE(nn.Module):
         fraction, mean_prob = stats[:-1] / (stats[-1] * self.top_k), prob_sum / stats[-1]
         aux = self.n_expert * (fraction * mean_prob).sum()
         self.aux_loss = aux.detach()
+        self.aux_seen += self.aux_scale * aux.item()   # its share of the logged loss
+        self.idle_experts += int((stats[:-1] == 0).sum())   # experts that got no token
 
         # dispatch: (token, slot) pairs sorted by expert = grouped by destination rank
         flat_ids = ids.flatten()
@@ -562,15 +565,24 @@ def microbatches_for(shard, layout, x, y):
 
 def forward_backward(shard, layout, xs, ys, timeline=None):
     """Loss and gradients of this rank's share of the step. Returns the loss this rank saw
-    (a partial sum under cp; None on pipeline ranks without the last stage)."""
+    (a partial sum under cp, 0 on pipeline ranks without the last stage) plus its MoE
+    layers' share of the balance loss."""
+    moes = [m for m in shard.model.modules() if isinstance(m, ExpertParallelMoE)]
+    for moe in moes:
+        moe.aux_seen = 0.0
+    return _forward_backward(shard, layout, xs, ys, timeline) + sum(m.aux_seen for m in moes)
+
+
+def _forward_backward(shard, layout, xs, ys, timeline):
     if layout.pp > 1:
         P = layout.pp
         actions = pipeline.build_schedule(layout.schedule, P, layout.microbatches)
         T_local = xs[0].shape[1] // (layout.tp if layout.sp else 1)
         shape = (xs[0].shape[0], T_local, shard.model.config.n_embd)
-        return pipeline.run_schedule(shard.stages, actions[shard.coords["pp"]], xs, ys,
+        loss = pipeline.run_schedule(shard.stages, actions[shard.coords["pp"]], xs, ys,
                                      shard.groups["pp"], shape, torch.float32,
                                      xs[0].device, timeline)
+        return loss or 0.0
     stage = shard.stages[0]
     total = 0.0
     for x, y in zip(xs, ys):
@@ -582,10 +594,11 @@ def forward_backward(shard, layout, xs, ys, timeline=None):
 
 def _all_reduce_flat(tensors, group, scale=1.0):
     """One all-reduce for a list of gradients (one bucket), then copy back."""
-    if not tensors or dist.get_world_size(group) == 1:
+    if not tensors:
         return
     flat = torch.cat([t.flatten() for t in tensors])
-    comm.all_reduce(flat, group=group)
+    if dist.get_world_size(group) > 1:
+        comm.all_reduce(flat, group=group)
     if scale != 1.0:
         flat.mul_(scale)
     for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
@@ -599,7 +612,10 @@ def sync_gradients(shard, layout):
       data ranks, divide by the number of replicas dp·ep (the loss is a mean per replica);
     - an expert lives on one ep rank and already received the tokens of every ep rank:
       sum over dp and cp only, divide by dp·ep all the same."""
-    grads = [(p, p.grad) for _, p in shard.params if p.grad is not None]
+    for _, p in shard.params:       # an expert that received no token has no gradient:
+        if p.grad is None:          # zeros, so every rank's bucket has the same layout
+            p.grad = torch.zeros_like(p)
+    grads = [(p, p.grad) for _, p in shard.params]
     _all_reduce_flat([g for p, g in grads if getattr(p, "sequence_partial", False)],
                      shard.groups["tp"])
     replicas = layout.dp * layout.ep
@@ -693,7 +709,7 @@ def compare(shard, ref, what, tensor_of, atol, rtol=1e-4):
 def global_loss(local, layout):
     """The step's mean loss from the ranks' shares (bookkeeping, not metered as model
     traffic): last-stage ranks hold it, cp ranks partial sums, tp ranks copies."""
-    t = torch.tensor([local if local is not None else 0.0], dtype=torch.float64)
+    t = torch.tensor([local], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(t)
     return t.item() / (layout.tp * layout.dp * layout.ep)
@@ -762,10 +778,15 @@ def train(args, rt):
             if abs(loss - ref_loss) > 1e-5 or abs(norm - ref_norm) > 1e-4 * max(1, ref_norm):
                 raise AssertionError(f"step {step}: loss {loss:.6f} / grad norm {norm:.6f} "
                                      f"vs one process {ref_loss:.6f} / {ref_norm:.6f}")
+            idle = sum(m.idle_experts for m in shard.model.modules()
+                       if isinstance(m, ExpertParallelMoE))
             print0(f"CHECK step {step} {layout}: loss {loss:.6f} = {ref_loss:.6f}, every "
                    f"gradient (max |diff| {grad_diff:.1e}) and weight ({weight_diff:.1e}) "
-                   f"equal one process")
+                   f"equal one process" + (f" ({idle} experts got no token so far)"
+                                           if idle else ""))
     print0(ledger(shard, layout, cfg, args, rt, optimizer))
+    if args.check:
+        check_traffic(shard, layout, cfg, args)
     if layout.pp > 1:
         text = pipeline.format_timeline(timeline, layout.schedule, layout.pp,
                                         layout.microbatches)
@@ -839,6 +860,15 @@ def expected_traffic(shard, layout, cfg, batch_size, seq_len):
     return out
 
 
+def ring_traffic_formula(b, n_kv_head, s, head_dim, C):
+    """Sends of one ring-attention layer, forward + backward, per rank: (calls, bytes).
+    Forward C−1 K/V blocks; backward the K/V blocks again (C−1) and the dK/dV
+    accumulators (C hops, home included). One K/V block = 2·b·h_kv·s·d numbers (fp32)."""
+    block = 2 * b * n_kv_head * s * head_dim * 4
+    calls = (C - 1) + (C - 1) + C
+    return calls, calls * block
+
+
 def state_bytes(shard, optimizer):
     holder = type("Held", (), {"parameters": lambda self: [p for _, p in shard.params]})()
     return model_state_bytes(holder, optimizer)
@@ -852,7 +882,7 @@ def ledger(shard, layout, cfg, args, rt, optimizer):
     lines = [f"ledger ({layout}), rank {rt.rank}, per step:",
              f"  {'group':<7}{'collective':<15}{'calls':>6}{'payload':>12}{'formula':>12}"
              f"{'sent (wire)':>13}"]
-    for op, group, calls, payload, wire in comm.table():
+    for op, group, calls, payload, wire in sorted(comm.table(), key=lambda r: (r[1], r[0])):
         formula = want.get((op, group), (0, None))[1]
         lines.append(f"  {group:<7}{op:<15}{calls / steps:6.0f}{fmt_bytes(payload / steps):>12}"
                      f"{fmt_bytes(formula) if formula is not None else '-':>12}"
@@ -865,10 +895,17 @@ def ledger(shard, layout, cfg, args, rt, optimizer):
     return "\n".join(lines)
 
 
-def measured_traffic(steps):
-    """comm's table per step as (op, group) -> (calls, payload), for the tests."""
-    return {(op, g): (calls // steps, payload // steps)
-            for op, g, calls, payload, _ in comm.table()}
+def check_traffic(shard, layout, cfg, args):
+    """--check: every rank's measured calls and bytes per step equal the formulas (the
+    all-to-all sizes of expert parallelism depend on the routing and are left out)."""
+    want = expected_traffic(shard, layout, cfg, args.batch_size, args.seq_len)
+    got = {(op, g): (calls / args.steps, payload / args.steps)
+           for op, g, calls, payload, _ in comm.table() if op != "all_to_all"}
+    if got != want:
+        raise AssertionError(f"rank {dist.get_rank()}: traffic per step {got} != formulas "
+                             f"{want}")
+    print0(f"CHECK traffic {layout}: calls and bytes of every collective per step equal the "
+           f"formulas on every rank")
 
 
 # ----------------------------------------------------------------------------------------
@@ -938,7 +975,8 @@ def bench_tp(args, rt):
         # one more step to count the collectives: ours through the meter, DTensor's with
         # its CommDebugMode (which would slow the timed steps down)
         comm.reset()
-        with CommDebugMode() as counter:
+        with CommDebugMode() as counter, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook")  # its tracker's
             model.zero_grad(set_to_none=True)
             step(*batches[-1])
         calls = (sum(c for _, _, c, _, _ in comm.table()) if name == "hand"
@@ -948,7 +986,9 @@ def bench_tp(args, rt):
         if abs(a - b) > 1e-5:
             raise AssertionError(f"hand TP loss {a:.6f} != DTensor TP loss {b:.6f}")
     for (name, p), q in zip(hand.named_parameters(), theirs.parameters()):
-        theirs_local = q.grad.to_local() if hasattr(q.grad, "to_local") else q.grad
+        theirs_local = q.grad
+        if hasattr(q, "placements"):  # (DTensor may hand back the embedding's grad whole)
+            theirs_local = q.grad.redistribute(q.device_mesh, q.placements).to_local()
         if not torch.allclose(p.grad, theirs_local, atol=1e-6, rtol=1e-4):
             raise AssertionError(f"gradient of {name}: hand TP differs from DTensor TP")
     hand_t, their_t = results["hand"][1], results["DTensor"][1]

@@ -1,0 +1,54 @@
+"""Run under torchrun by tests/test_parallel.py: one launch trains several layouts of the
+same world size with parallel.py --check, so every step is compared with one process on
+the same global batch (loss, every gradient, every weight) and every collective's calls
+and bytes with the formulas; parallel.py raises on any mismatch. Each finished layout
+prints "LAYOUT OK <flags>".
+
+    torchrun --nproc_per_node=N tests/dist_parallel_check.py N DATA
+"""
+import os
+import sys
+
+import torch
+
+import parallel
+from plumbing import UserError, print0, setup_runtime
+
+world, data_path = int(sys.argv[1]), sys.argv[2]
+COMMON = ["--preset", "tiny", "--data", data_path, "--batch-size", "4", "--seq-len", "32",
+          "--steps", "2", "--warmup-steps", "1", "--check"]
+MHA4 = ["--n-head", "4", "--n-kv-head", "4"]          # 4 KV heads: tp=4 needs them
+LAYOUTS = {
+    2: [["--tp", "2"], ["--tp", "2", "--sp"], ["--cp", "2"], ["--cp", "2", "--cp-layout", "plain"],
+        ["--ep", "2", "--n-expert", "4"], ["--dp", "2"]],
+    4: [["--tp", "4", *MHA4], ["--tp", "4", "--sp", *MHA4], ["--cp", "4"],
+        ["--cp", "4", "--cp-layout", "plain"], ["--tp", "2", "--cp", "2"],
+        ["--tp", "2", "--cp", "2", "--sp"],
+        # 8 tokens × top-2 over 8 experts: some expert receives no token
+        ["--ep", "4", "--n-expert", "8", "--seq-len", "2"],
+        ["--dp", "2", "--ep", "2", "--n-expert", "4"], ["--cp", "2", "--ep", "2", "--n-expert", "4"]],
+    8: [["--dp", "2", "--pp", "2", "--tp", "2", "--steps", "3", "--microbatches", "2",
+         "--n-layer", "4"],
+        ["--pp", "2", "--cp", "2", "--tp", "2", "--sp", "--schedule", "zb", "--microbatches", "2",
+         "--n-layer", "4"]],
+}
+# bad layouts: every rank raises the same UserError before any collective
+BAD = {2: [["--tp", "4"], ["--tp", "2", "--n-kv-head", "1"], ["--cp", "2", "--seq-len", "30"],
+           ["--ep", "2", "--n-expert", "3"], ["--pp", "2", "--n-layer", "3"]]}
+
+rt = setup_runtime("cpu")
+for flags in LAYOUTS[world]:
+    parallel.train(parallel.parse_args(COMMON + flags), rt)
+    print0("LAYOUT OK " + " ".join(flags))
+for flags in BAD.get(world, []):
+    try:
+        parallel.train(parallel.parse_args(COMMON + flags), rt)
+    except UserError as e:
+        print0(f"REFUSED {' '.join(flags)}: {e}")
+    else:
+        raise AssertionError(f"{flags} should have been refused")
+if world == 2:
+    parallel.bench_tp(parallel.parse_args(["bench-tp"] + COMMON[:-1]), rt)
+torch.distributed.barrier()
+sys.stdout.flush()
+os._exit(0)   # skip interpreter teardown (see plumbing.run_cli)
