@@ -718,10 +718,11 @@ def global_loss(local, layout):
 def train(args, rt):
     layout = layout_from(args)
     cfg = model_config(args)
-    check_layout(layout, cfg, rt.world_size, args.batch_size, args.seq_len)
     if not rt.distributed:
-        raise UserError("parallel.py trains under torchrun: torchrun --standalone "
-                        "--nproc_per_node=N parallel.py --tp 2 ... (N = dp·ep·pp·cp·tp)")
+        raise UserError(f"parallel.py trains under torchrun: torchrun --standalone "
+                        f"--nproc_per_node={layout.world} parallel.py ... (dp·ep·pp·cp·tp "
+                        f"processes)")
+    check_layout(layout, cfg, rt.world_size, args.batch_size, args.seq_len)
     seed_everything(args.seed)
     corpus = data.load_corpus(args.data, vocab_size=cfg.vocab_size)
     mesh = build_mesh(layout, rt.device)

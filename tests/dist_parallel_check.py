@@ -14,9 +14,8 @@ import torch
 import parallel
 from plumbing import UserError, print0, setup_runtime
 
-world, data_path = int(sys.argv[1]), sys.argv[2]
-COMMON = ["--preset", "tiny", "--data", data_path, "--batch-size", "4", "--seq-len", "32",
-          "--steps", "2", "--warmup-steps", "1", "--check"]
+COMMON = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--steps", "2",
+          "--warmup-steps", "1", "--check"]
 MHA4 = ["--n-head", "4", "--n-kv-head", "4"]          # 4 KV heads: tp=4 needs them
 LAYOUTS = {
     2: [["--tp", "2"], ["--tp", "2", "--sp"], ["--cp", "2"], ["--cp", "2", "--cp-layout", "plain"],
@@ -36,19 +35,27 @@ LAYOUTS = {
 BAD = {2: [["--tp", "4"], ["--tp", "2", "--n-kv-head", "1"], ["--cp", "2", "--seq-len", "30"],
            ["--ep", "2", "--n-expert", "3"], ["--pp", "2", "--n-layer", "3"]]}
 
-rt = setup_runtime("cpu")
-for flags in LAYOUTS[world]:
-    parallel.train(parallel.parse_args(COMMON + flags), rt)
-    print0("LAYOUT OK " + " ".join(flags))
-for flags in BAD.get(world, []):
-    try:
-        parallel.train(parallel.parse_args(COMMON + flags), rt)
-    except UserError as e:
-        print0(f"REFUSED {' '.join(flags)}: {e}")
-    else:
-        raise AssertionError(f"{flags} should have been refused")
-if world == 2:
-    parallel.bench_tp(parallel.parse_args(["bench-tp"] + COMMON[:-1]), rt)
-torch.distributed.barrier()
-sys.stdout.flush()
-os._exit(0)   # skip interpreter teardown (see plumbing.run_cli)
+
+
+def main(world, data_path):
+    common = COMMON + ["--data", data_path]
+    rt = setup_runtime("cpu")
+    for flags in LAYOUTS[world]:
+        parallel.train(parallel.parse_args(common + flags), rt)
+        print0("LAYOUT OK " + " ".join(flags))
+    for flags in BAD.get(world, []):
+        try:
+            parallel.train(parallel.parse_args(common + flags), rt)
+        except UserError as e:
+            print0(f"REFUSED {' '.join(flags)}: {e}")
+        else:
+            raise AssertionError(f"{flags} should have been refused")
+    if world == 2:
+        parallel.bench_tp(parallel.parse_args(["bench-tp"] + [f for f in common if f != "--check"]), rt)
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    os._exit(0)   # skip interpreter teardown (see plumbing.run_cli)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2])

@@ -1,0 +1,90 @@
+"""parallel.py: tensor, sequence, context, expert and data parallelism (and their
+compositions with the pipeline) against one process, in real torchrun processes on the CPU.
+The per-step comparisons (loss, every gradient, every weight) and the traffic-vs-formula
+checks run inside parallel.py --check; dist_parallel_check.py runs every layout of one
+world size in one launch, and here we read the verdicts."""
+import pytest
+
+import parallel
+from dist_parallel_check import BAD, LAYOUTS
+from harness import run_python, torchrun
+from model import get_config
+from plumbing import UserError
+
+CHECK = "tests/dist_parallel_check.py"
+
+
+def launch(world, text_file):
+    result = torchrun(CHECK, [world, text_file], nproc=world, timeout=400)
+    assert result.returncode == 0, result.output[-4000:]
+    for flags in LAYOUTS[world]:
+        assert "LAYOUT OK " + " ".join(flags) in result.output, result.output[-4000:]
+    assert result.output.count("CHECK traffic") == len(LAYOUTS[world])
+    return result.output
+
+
+@pytest.mark.slow
+def test_two_ranks_every_dimension_alone_and_dtensor_tp(text_file):
+    out = launch(2, text_file)
+    for flags in BAD[2]:
+        assert "REFUSED " + " ".join(flags) in out
+    assert "CHECK hand TP = DTensor TP (tp=2)" in out
+
+
+@pytest.mark.slow
+def test_four_ranks_tp4_cp4_tp_x_cp_and_experts(text_file):
+    out = launch(4, text_file)
+    assert "experts got no token" in out       # the batch where an expert sat idle
+
+
+@pytest.mark.slow
+def test_eight_ranks_dp_x_pp_x_tp_and_pp_x_cp_x_tp(text_file):
+    out = launch(8, text_file)
+    assert "CHECK step 2 dp=2 × pp=2 × tp=2" in out     # 3 optimizer steps
+
+
+def check(cfg_overrides=None, world=2, batch=4, seq=32, **layout):
+    cfg = get_config("tiny", **(cfg_overrides or {}))
+    parallel.check_layout(parallel.Layout(**layout), cfg, world, batch, seq)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(world=2, tp=4), "needs 4 processes, but 2 were launched"),
+    (dict(world=3, tp=3), "does not divide n_head=4"),
+    (dict(world=4, tp=4), "does not divide n_kv_head=2"),  # tiny: 4 heads, 2 KV heads
+    (dict(world=2, tp=2, cfg_overrides=dict(n_kv_head=1)), "does not divide n_kv_head=1"),
+    (dict(world=2, cp=2, seq=30), "not divisible into 4 equal chunks"),
+    (dict(world=2, cp=2, seq=31, zigzag=False), "not divisible into 2 equal chunks"),
+    (dict(world=4, cp=2, tp=2, sp=True, seq=6, zigzag=False), "do not split evenly over tp=2"),
+    (dict(world=2, ep=2, cfg_overrides=dict(n_expert=3)), "does not divide the 3 experts"),
+    (dict(world=2, ep=2), "needs a mixture-of-experts model"),
+    (dict(world=2, tp=2, cfg_overrides=dict(n_expert=4)), "spread a mixture of experts with --ep"),
+    (dict(world=2, dp=2, batch=3), "not divisible into 2 data replicas"),
+    (dict(world=2, pp=2, cfg_overrides=dict(n_layer=3), microbatches=4), "not divisible"),
+    (dict(world=2, dp=0), "must be at least 1"),
+])
+def test_bad_layouts_get_one_clear_message(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        check(**kwargs)
+
+
+def test_good_layouts_pass():
+    check(world=8, dp=2, pp=2, tp=2, microbatches=2, cfg_overrides=dict(n_layer=4))
+    check(world=4, cp=2, tp=2, sp=True)
+    check(world=4, ep=4, cfg_overrides=dict(n_expert=8))
+
+
+def test_command_line(text_file, tmp_path):
+    result = run_python("parallel.py", ["--help"], timeout=60)
+    assert result.returncode == 0 and "--cp-layout" in result.output and "plan" in result.output
+    result = run_python("parallel.py", ["--tp", "2", "--data", text_file], timeout=60)
+    assert result.returncode == 2 and "trains under torchrun" in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.slow
+def test_bad_layout_under_torchrun_one_message_no_hang(text_file):
+    result = torchrun("parallel.py", ["--preset", "tiny", "--data", text_file, "--tp", "2",
+                                      "--n-kv-head", "1"], nproc=2, timeout=120)
+    assert result.returncode != 0
+    assert result.output.count("error: --tp 2 does not divide n_kv_head=1") == 1, result.output
