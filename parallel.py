@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 import data
 import pipeline
+import planner
 from model import GPT, MoE, get_config, repeat_kv
 from plumbing import (UserError, comm, fmt_bytes, model_state_bytes, print0,
                       require_at_least_one, run_cli, seed_everything, setup_runtime)
@@ -641,7 +642,6 @@ def make_ring_attn_fn(group, positions):
     return ring_attn_fn
 
 
-from plan_draft import add_plan_arguments, plan  # noqa: E402  (merge point)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1393,8 +1393,8 @@ def main(argv=None):
         p = argparse.ArgumentParser(prog="parallel.py plan", description=(
             "Per-GPU memory and communication of candidate (tp, cp, pp, dp) layouts for a "
             "big model, and the three-step cheat sheet that picks one."))
-        add_plan_arguments(p)
-        print(plan(p.parse_args(argv[1:])))
+        planner.add_plan_arguments(p)
+        print(planner.plan(p.parse_args(argv[1:])))
         return
     args = parse_args(argv)
     rt = setup_runtime(args.device)

@@ -1,0 +1,313 @@
+"""
+planner.py -- the layout planner: which TP × CP × PP × DP for a model that does not fit one GPU?
+
+  python parallel.py plan --params 405B --layers 126 --hidden 16384 --seq 8192 --gpus 16384
+
+Pure arithmetic, no process group. Every candidate (tp a power of two inside one node, pp
+and cp powers of two, dp = gpus/(tp·cp·pp)) is priced for one GPU: bytes held, bytes
+sent per optimizer step. Then the Ultra-Scale Playbook's three-step cheat sheet:
+  1. fit a step in memory: TP inside a node first (NVLink carries its per-layer
+     collectives), then PP across nodes (one point-to-point per stage boundary), CP when
+     the sequence is so long that activations overflow. As a search: for cp = 1, 2, ...:
+     for pp = 1, 2, ...: for tp = 1, 2, ... ≤ node: the first layout that fits wins;
+  2. reach the global batch with DP: m = tokens / (seq · micro_batch · dp) microbatches
+     per step (gradient accumulation). They are also the pipeline's microbatches, and
+     1F1B fills only with m ≥ pp (bubble (pp−1)/(m+pp−1)): a layout with m < pp is
+     rejected, so a short batch of long sequences pushes DP into CP;
+  3. the layout.
+
+Memory per GPU, mixed precision with Adam (2 + 2 + 12 B/param, REFERENCE.md), in decimal
+GB against --gpu-mem: an "80 GB" H100 has 80 GiB = 85.9 GB, the rest is the room for what
+is not counted (logits, temporaries, CUDA/NCCL buffers). A GPU holds a shard
+Ψ_s = Ψ/(tp·pp): stages balanced by parameters, as Llama 3's uneven split intends (one
+layer less on the first and last stage, see stage_layers: pp need not divide L). ZeRO
+shards over the n = dp·cp ranks holding the same shard (CP ranks share the weights and
+average gradients with DP):
+  weights 2Ψ_s (÷n at ZeRO-3), grads 2Ψ_s (÷n from ZeRO-2), optimizer 12Ψ_s (÷n from 1).
+Default ZeRO-2: Llama 3's FSDP sharded optimizer states and gradients but kept the
+weights whole between forward and backward; it sends what ZeRO-1 sends.
+Activations per layer and microbatch (Korthikanti et al. 2022, 16-bit; TP always with
+sequence parallelism, so every term ÷t; CP keeps s/c of the tokens on each GPU):
+  none       (s/c)·b·h/t·(34 + 5·a·s/h)   the a·(s/c)·s attention scores are stored
+  selective  (s/c)·b·h·34/t               scores recomputed: what FlashAttention does,
+                                          so Llama 3's "no activation checkpointing"
+  full       2·(s/c)·b·h/t                only each layer's input is kept
+1F1B (Narayanan et al. 2021): stage i runs pp−i warm-up forwards before its first
+backward, so it holds min(pp−i, m) microbatches: stage 0 holds pp × L/pp = all L layers'
+worth. PP divides the weights, never the activations: only CP (or TP) does.
+
+Sent per GPU per step, bf16 (a ring all-gather/reduce-scatter of N bytes over n ranks
+sends N·(n−1)/n from each), per layer and microbatch unless said:
+  TP  2 all-gathers + 2 reduce-scatters of (s/c)·b·h·2 forward, the same backward (=
+      Megatron's 4 all-reduces), 4 more for full recompute's second forward;
+  CP  ring attention: local K and V, (s/c)·b·kv·2 each, c−1 hops forward; K, V and dK, dV
+      round again backward;   PP  per microbatch, an activation forward and a gradient
+      back, (s/c)·b·h·2/t (each TP rank sends its sequence-parallel slice);
+  DP  per step, reduce-scatter grads + all-gather weights 2·2Ψ_s·(n−1)/n (DDP: the same
+      as one all-reduce; ZeRO-3 gathers the weights again for backward: 3·).
+
+Arithmetic only, no process group: split out of parallel.py by concept (choosing a layout,
+not running one); `python parallel.py plan` is its command line.
+"""
+import math
+from dataclasses import dataclass
+
+from plumbing import UserError, fmt_bytes
+
+TP_PASSES = {"none": 2, "selective": 2, "full": 3}        # forward, backward, recompute
+CP_LAPS = {"none": 3, "selective": 3, "full": 4}          # K/V forward, K/V + dK/dV backward
+
+
+def parse_quantity(text, flag, binary=False):
+    """'405B', '8.03B', '405e9' -> an int. binary: K, M, G = 2^10, 2^20, 2^30 (token counts:
+    Llama 3's "16M tokens" per step is 16·2^20)."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30} if binary else \
+        {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+    t = str(text).strip().upper()
+    try:
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        raise UserError(f"{flag}: cannot read a count from {text!r} (try 405B, 8.03B, 405e9"
+                        f"{', 16M' if binary else ''})") from None
+    if not 1 <= value < math.inf:
+        raise UserError(f"{flag} must be at least 1, got {text!r}")
+    return int(round(value))
+
+
+def add_plan_arguments(parser):
+    a = parser.add_argument
+    a("--params", help="parameter count Ψ: 405B, 8.03B, 405e9 (default: from the shape)")
+    a("--layers", type=int, default=32, help="layers (default 32: the Playbook's 7B)")
+    a("--hidden", type=int, default=4096, help="hidden size h (default 4096)")
+    a("--heads", type=int, help="attention heads (default hidden/128)")
+    a("--kv-heads", type=int, help="key/value heads (default 8 as in Llama 3, or --heads "
+      "if 8 does not divide them)")
+    a("--vocab", type=int, default=128256, help="vocabulary (default 128256, Llama 3)")
+    a("--ffn", type=int, help="SwiGLU width (default 8h/3 rounded up to 256, Llama's rule)")
+    a("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
+    a("--gpus", type=int, default=8, help="GPUs in all (default 8)")
+    a("--gpu-mem", type=float, default=80, help="GB (decimal) per GPU (default 80)")
+    a("--gpus-per-node", type=int, default=8, help="NVLink island, TP's limit (default 8)")
+    a("--global-batch-tokens", default="16M", help="tokens per optimizer step, K/M/G "
+      "binary (default 16M = 16·2^20, Llama 3's)")
+    a("--micro-batch", type=int, default=1, help="sequences per microbatch (default 1)")
+    a("--recompute", choices=("none", "selective", "full"), default="selective",
+      help="activation recomputation (default selective)")
+    a("--zero", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage over dp·cp "
+      "(default 2, Llama 3's FSDP; 0 = DDP)")
+
+
+def check_plan_args(args):
+    """Fill the defaults that depend on other flags, reject what cannot be planned;
+    -> (Ψ used, Ψ counted from the shape)."""
+    if args.heads is None and args.hidden % 128:
+        raise UserError(f"--hidden {args.hidden} is not a multiple of 128: pass --heads")
+    args.heads = args.hidden // 128 if args.heads is None else args.heads
+    if args.kv_heads is None:
+        args.kv_heads = 8 if args.heads % 8 == 0 else args.heads
+    if args.ffn is None:
+        args.ffn = 256 * math.ceil(8 * args.hidden // 3 / 256)
+    for flag in ("layers", "hidden", "heads", "kv_heads", "vocab", "ffn", "seq", "gpus",
+                 "gpus_per_node", "micro_batch"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got "
+                            f"{getattr(args, flag)}")
+    if not args.gpu_mem > 0:
+        raise UserError(f"--gpu-mem must be positive (GB), got {args.gpu_mem}")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        raise UserError(f"--heads {args.heads} must divide --hidden {args.hidden}, and "
+                        f"--kv-heads {args.kv_heads} must divide --heads")
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        raise UserError(f"--gpus {args.gpus} is not a whole number of nodes of "
+                        f"--gpus-per-node {args.gpus_per_node}")
+    args.tokens = parse_quantity(args.global_batch_tokens, "--global-batch-tokens", True)
+    if args.tokens < args.seq * args.micro_batch:
+        raise UserError(f"--global-batch-tokens {args.tokens:,} is less than one microbatch "
+                        f"(--seq {args.seq} × --micro-batch {args.micro_batch})")
+    h, kv = args.hidden, args.kv_heads * args.hidden // args.heads
+    # wq, wo: h·h each; wk, wv: h·kv each; w1, w2, w3: h·ffn each; untied embedding + head
+    shape = args.layers * (2 * h * h + 2 * h * kv + 3 * h * args.ffn) + 2 * args.vocab * h
+    return (parse_quantity(args.params, "--params") if args.params else shape), shape
+
+
+def stage_layers(layers, pp):
+    """Layers on each pipeline stage. Llama 3 took one layer off the first and the last
+    stage to make room for the embedding and the output head. Generalised: L + 2 slots
+    split as evenly as possible, at most ceil((L+2)/pp) per stage (the larger shares on the
+    later stages, which hold fewer microbatches); the embedding takes the first slot, the
+    head the last. 126 layers on 16 stages: 7, 8 × 14, 7."""
+    base, extra = divmod(layers + 2, pp)
+    slots = [base + (i >= pp - extra) for i in range(pp)]
+    slots[0] -= 1
+    slots[-1] -= 1
+    return slots
+
+
+def activation_bytes_per_layer(args, tp, cp):
+    """One layer, one microbatch, one GPU: the Korthikanti rows above."""
+    local = args.seq // cp * args.micro_batch * args.hidden / tp
+    if args.recompute == "none":
+        return local * (34 + 5 * args.heads * args.seq / args.hidden)
+    return local * (34 if args.recompute == "selective" else 2)
+
+
+@dataclass
+class PlannedLayout:
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    m: int              # microbatches per step and pipeline (gradient accumulation)
+    weights: float      # bytes held per GPU
+    grads: float
+    optimizer: float
+    acts: float         # on the busiest stage: `busiest` = (stage, layers, microbatches)
+    busiest: tuple
+    sent: dict          # bytes sent per GPU per step: TP, CP, PP, DP
+    status: str         # fits | over (memory) | m < pp | batch < dp (m = 0)
+
+    total = property(lambda self: self.weights + self.grads + self.optimizer + self.acts)
+    bubble = property(lambda self: (self.pp - 1) / max(self.m + self.pp - 1, 1))
+    name = property(lambda self: f"TP {self.tp} × CP {self.cp} × PP {self.pp} × DP {self.dp}")
+
+
+def evaluate_layout(args, psi, tp, cp, pp):
+    dp = args.gpus // (tp * cp * pp)
+    m = args.tokens // (args.seq * args.micro_batch * dp)
+    shard, n = psi / (tp * pp), dp * cp
+    weights = 2 * shard / (n if args.zero >= 3 else 1)
+    grads = 2 * shard / (n if args.zero >= 2 else 1)
+    optimizer = 12 * shard / (n if args.zero >= 1 else 1)
+    layers = stage_layers(args.layers, pp)
+    worth, stage = max((k * min(pp - i, m), i) for i, k in enumerate(layers))
+    acts = worth * activation_bytes_per_layer(args, tp, cp)
+    tokens = args.seq // cp * args.micro_batch              # on this GPU, per microbatch
+    kv_local = max(args.kv_heads // tp, 1) * args.hidden // args.heads
+    passes = max(layers) * m                                # layer passes per step
+    sent = {"TP": TP_PASSES[args.recompute] * 4 * (tp - 1) / tp * tokens * args.hidden * 2
+            * passes,
+            "CP": CP_LAPS[args.recompute] * (cp - 1) * 2 * tokens * kv_local * 2 * passes,
+            "PP": 2 * m * tokens * args.hidden * 2 / tp if pp > 1 else 0,
+            "DP": (3 if args.zero == 3 else 2) * 2 * shard * (n - 1) / n}
+    total = weights + grads + optimizer + acts
+    status = ("batch < dp" if m < 1 else "over" if total > args.gpu_mem * 1e9
+              else "m < pp" if m < pp else "fits")
+    return PlannedLayout(tp, cp, pp, dp, m, weights, grads, optimizer, acts,
+                         (stage, layers[stage], min(pp - stage, m)), sent, status)
+
+
+def powers_of_two(limit):
+    return [2**k for k in range(int(math.log2(limit)) + 1)]
+
+
+def plan_layouts(args):
+    """-> (Ψ, Ψ from the shape, every candidate in the cheat sheet's order, the first that
+    fits or None). The order IS step 1: least CP, then least PP, then least TP."""
+    psi, shape = check_plan_args(args)
+    tps = [t for t in powers_of_two(min(args.gpus_per_node, args.gpus))
+           if args.gpus_per_node % t == 0 and args.heads % t == 0
+           and (args.kv_heads % t == 0 or t % args.kv_heads == 0)]
+    cps = [c for c in powers_of_two(args.seq) if c == 1 or args.seq % (2 * c) == 0]  # zigzag
+    rows = [evaluate_layout(args, psi, tp, cp, pp)
+            for cp in cps for pp in powers_of_two(args.layers) for tp in tps
+            if args.gpus % (tp * cp * pp) == 0]
+    return psi, shape, rows, next((r for r in rows if r.status == "fits"), None)
+
+
+def why_not(r):
+    """Why the cheat sheet passed over row r, in a few words."""
+    if r.status == "over":
+        return f"needs {fmt_bytes(r.total)}"
+    if r.status == "m < pp":
+        return f"fits ({fmt_bytes(r.total)}) but m = {r.m} < pp = {r.pp} (bubble {r.bubble:.0%})"
+    return f"has more replicas ({r.dp}) than sequences per step"
+
+
+def plan(args):
+    psi, shape, rows, best = plan_layouts(args)
+    gb = lambda x: f"{x / 1e9:.1f}" if x < 99.95e9 else f"{x / 1e9:.0f}"
+    act = {"none": "(s/c)·b·h/t·(34+5as/h)", "selective": "(s/c)·b·h·34/t",
+           "full": "2·(s/c)·b·h/t"}[args.recompute]
+    zero = ["DDP over dp·cp: nothing sharded", "ZeRO-1 over dp·cp: optimizer sharded",
+            "ZeRO-2 over dp·cp: optimizer + grads sharded, weights whole (Llama 3's FSDP)",
+            "ZeRO-3 over dp·cp: weights, grads and optimizer sharded"][args.zero]
+    out = [f"plan: Ψ = {psi / 1e9:.1f}B (the shape gives {shape / 1e9:.1f}B), {args.layers} "
+           f"layers, h {args.hidden}, {args.heads} heads ({args.kv_heads} KV), ffn {args.ffn}",
+           f"  seq {args.seq} × micro-batch {args.micro_batch}, {args.tokens:,} tokens per step,"
+           f" {args.gpus} × {args.gpu_mem:g} GB GPUs, {args.gpus_per_node} per node",
+           "assumptions: 16 B/param (bf16 weights 2, grads 2, fp32 master + Adam 12); TP + "
+           "sequence parallel;",
+           f"  {zero};",
+           f"  activations {args.recompute}: {act} per layer and microbatch (Korthikanti 2022);",
+           "  1F1B: stage i holds min(pp−i, m) microbatches; L+2 slots per pipeline (Llama 3: "
+           "embedding and",
+           "  head one each); weight shards Ψ/(tp·pp); not counted: logits, temporaries, "
+           "CUDA/NCCL buffers",
+           "  (room for them: an 80 GB H100 has 80 GiB = 85.9 GB)"]
+    if best is None:   # the least memory, to say how far off it is
+        shown = sorted((r for r in rows if r.m >= 1), key=lambda r: r.total)[:8]
+    else:              # its neighbours with less TP, PP or CP, the choice, the next fits
+        t, c, p = best.tp, best.cp, best.pp
+        less = {(t // 2, c, p), (t, c, p // 2), (t, c, p // 4), (t, c // 2, p), (t, c // 4, p)}
+        shown = [r for r in rows if (r.tp, r.cp, r.pp) in less] + \
+            [r for r in rows[rows.index(best):] if r.status == "fits"][:8]
+    out.append("candidates, in the cheat sheet's order (GB held | GB sent per step, per GPU):")
+    out.append(f"  {'tp':>3}{'cp':>4}{'pp':>4}{'dp':>6}{'m':>6}{'weights':>8}{'grads':>6}"
+               f"{'optim':>6}{'acts':>6}{'total':>7} |{'TP':>6}{'CP':>6}{'PP':>6}{'DP':>6} |"
+               f" bubble")
+    for r in shown:
+        held = "".join(f"{gb(x):>{w}}" for x, w in ((r.weights, 8), (r.grads, 6),
+                                                     (r.optimizer, 6), (r.acts, 6), (r.total, 7)))
+        sent = "".join(f"{gb(r.sent[k]):>6}" for k in ("TP", "CP", "PP", "DP"))
+        out.append(f"{'->' if r is best else '  '}{r.tp:>3}{r.cp:>4}{r.pp:>4}{r.dp:>6}{r.m:>6}"
+                   f"{held} |{sent} | {r.bubble:>5.0%}  {r.status}")
+    out.append("step 1 - fit: TP inside a node first, then PP across nodes, then CP")
+    out.append(f"  one replica holds 16 B/param × Ψ = {fmt_bytes(16 * psi)}; one layer's "
+               f"activations at tp 1, cp 1: {fmt_bytes(activation_bytes_per_layer(args, 1, 1))}")
+    if best is None:
+        out.append(f"  nothing fits {args.gpu_mem:g} GB with m ≥ pp; closest: {shown[0].name} "
+                   f"{why_not(shown[0])}")
+        short = any(r.status in ("m < pp", "batch < dp") for r in rows)
+        out.append("  try more GPUs" + ", --recompute full" * (args.recompute != "full")
+                   + ", a higher --zero" * (args.zero < 3 < args.gpus) + ", a shorter --seq"
+                   + ", more --global-batch-tokens (m ≥ pp)" * short)
+        out.append("step 3 - layout: none")
+        return "\n".join(out)
+    b = best
+    out.append(f"  -> {b.name} holds {fmt_bytes(b.total)} ≤ {args.gpu_mem:g} GB: weights "
+               f"{fmt_bytes(b.weights)}, grads {fmt_bytes(b.grads)},")
+    out.append(f"     optimizer {fmt_bytes(b.optimizer)}, activations {fmt_bytes(b.acts)}")
+    if b.pp > 1:
+        split, slots = stage_layers(args.layers, b.pp), args.layers + 2
+        listed = ", ".join(map(str, split)) if b.pp <= 4 else \
+            f"{split[0]}, {split[1]}, ..., {split[-2]}, {split[-1]}"
+        out.append(f"  {args.layers} layers + embedding + head = {slots} slots over {b.pp} "
+                   f"stages, at most ceil({slots}/{b.pp}) = {math.ceil(slots / b.pp)}:")
+        out.append(f"     layers {listed}; stage {b.busiest[0]} holds the most: "
+                   f"{b.busiest[1]} layers × {b.busiest[2]} microbatches in flight")
+    index = {(r.tp, r.cp, r.pp): r for r in rows}
+    for what, less in (("TP", (b.tp // 2, b.cp, b.pp)), ("PP", (b.tp, b.cp, b.pp // 2)),
+                       ("CP", (b.tp, b.cp // 2, b.pp))):
+        if less in index:
+            r = index[less]
+            out.append(f"  less {what}: {r.name} {why_not(r)}" + " (PP splits weights, not "
+                       "activations)" * (what == "PP" and r.status == "over"))
+    ddp = 16 * psi + b.acts
+    if b.tp == b.pp == b.cp == 1 and args.zero and ddp > args.gpu_mem * 1e9:
+        out.append(f"  no model parallelism: {zero.split(':')[0]} is enough (DDP would need "
+                   f"{fmt_bytes(ddp)})")
+    out.append("step 2 - reach the global batch with DP:")
+    out.append(f"  dp = {args.gpus}/({b.tp}·{b.cp}·{b.pp}) = {b.dp} replicas, each runs m "
+               f"microbatches per step (gradient accumulation):")
+    used = b.m * args.seq * args.micro_batch * b.dp
+    out.append(f"  m = {args.tokens:,} tokens / ({args.seq} seq × {args.micro_batch} × {b.dp} "
+               f"dp) = {b.m}" + f" (rounded down: {used:,} tokens)" * (used != args.tokens))
+    if b.pp > 1:
+        out.append(f"  1F1B bubble (pp−1)/(m+pp−1) = {b.pp - 1}/{b.m + b.pp - 1} = "
+                   f"{b.bubble:.0%}; interleaving v stages per GPU divides it by about v")
+    s = {k: fmt_bytes(v) for k, v in b.sent.items()}
+    out.append(f"  sent per GPU and step: TP {s['TP']}{' (NVLink)' * (b.tp > 1)}, CP "
+               f"{s['CP']}, PP {s['PP']}, DP {s['DP']} "
+               f"({'all-reduce' if args.zero == 0 else 'RS + AG'} over {b.dp * b.cp})")
+    out.append(f"step 3 - layout: {b.name}")
+    return "\n".join(out)
