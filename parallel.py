@@ -117,6 +117,9 @@ def check_layout(layout, cfg, world, batch_size, seq_len):
         raise UserError(f"--ep {L.ep} does not divide the {cfg.n_expert} experts")
     if cfg.n_extra_heads:
         raise UserError("extra next-token heads are not split by parallel.py")
+    if cfg.tie_embeddings and (L.tp > 1 or L.pp > 1):
+        raise UserError("tied embeddings would live on two tp slices / pipeline stages: "
+                        "parallel.py splits untied models only")
     chunks = L.cp * (2 if L.zigzag and L.cp > 1 else 1)
     if seq_len % chunks:
         raise UserError(f"--seq-len {seq_len} is not divisible into {chunks} equal chunks "
@@ -805,13 +808,10 @@ def build_shard(cfg, layout, mesh, seq_len, device):
             block.feed_forward = ExpertParallelMoE(block.feed_forward, groups["ep"],
                                                    groups["data"], scale)
     model.to(device)
-    n_stages = layout.pp * (2 if layout.schedule == "dualpipev" else 1)
-    where = pipeline.stage_ranks(layout.schedule, layout.pp) if layout.pp > 1 else {0: 0}
-    ranges = pipeline.split_layers(cfg.n_layer, n_stages)
     cos, sin = model.rope(positions)
     loss_fn = make_loss_fn(layout, groups, model, seq_len)
-    stages = {s: pipeline.Stage(model, s, n_stages, ranges[s], loss_fn, cos, sin)
-              for s, r in where.items() if r == coords["pp"]}
+    stages = pipeline.build_stages(model, layout.schedule, layout.pp, coords["pp"], loss_fn,
+                                   cos, sin)
     held = {id(p) for stage in stages.values() for p in stage.parameters()}
     params = [(_full_name(n, model), p) for n, p in model.named_parameters() if id(p) in held]
     return Shard(model, stages, params, groups, coords, positions)
@@ -1056,6 +1056,9 @@ def train(args, rt):
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         timeline.clear()
+        if layout.pp > 1:       # a common zero for the timeline (bookkeeping, unmetered)
+            dist.barrier(group=shard.groups["pp"])
+            t_pipe = time.perf_counter()
         local = forward_backward(shard, layout, xs, ys, timeline)
         sync_gradients(shard, layout)
         norm = clip_gradients(shard, layout, args.grad_clip)
@@ -1089,10 +1092,9 @@ def train(args, rt):
     print0(ledger(shard, layout, cfg, args, rt, optimizer))
     if args.check:
         check_traffic(shard, layout, cfg, args)
-    if layout.pp > 1:
-        text = pipeline.format_timeline(timeline, layout.schedule, layout.pp,
-                                        layout.microbatches)
-        print0(text)
+    if layout.pp > 1:           # the last step, as each pipeline rank of this column ran it
+        timelines = pipeline.gather_timelines(timeline, t_pipe, shard.groups["pp"])
+        print0(pipeline.format_timeline(timelines, layout.schedule, layout.microbatches))
     print0(f"trained {args.steps} steps in {elapsed:.1f} s")
 
 

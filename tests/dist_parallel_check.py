@@ -25,7 +25,10 @@ LAYOUTS = {
         ["--tp", "2", "--cp", "2", "--sp"],
         # 8 tokens × top-2 over 8 experts: some expert receives no token
         ["--ep", "4", "--n-expert", "8", "--seq-len", "2"],
-        ["--dp", "2", "--ep", "2", "--n-expert", "4"], ["--cp", "2", "--ep", "2", "--n-expert", "4"]],
+        ["--dp", "2", "--ep", "2", "--n-expert", "4"], ["--cp", "2", "--ep", "2", "--n-expert", "4"],
+        # experts inside a V-shaped pipeline: the balance loss joins each stage's backward
+        ["--pp", "2", "--ep", "2", "--n-expert", "4", "--n-layer", "4", "--schedule", "dualpipev",
+         "--microbatches", "4", "--batch-size", "8"]],
     8: [["--dp", "2", "--pp", "2", "--tp", "2", "--steps", "3", "--microbatches", "2",
          "--n-layer", "4"],
         ["--pp", "2", "--cp", "2", "--tp", "2", "--sp", "--schedule", "zb", "--microbatches", "2",
