@@ -55,7 +55,7 @@ import data
 import pipeline
 import planner
 from model import GPT, MoE, get_config, repeat_kv
-from plumbing import (UserError, comm, fmt_bytes, model_state_bytes, print0,
+from plumbing import (ActivationMeter, UserError, comm, fmt_bytes, model_state_bytes, print0,
                       require_at_least_one, run_cli, seed_everything, setup_runtime)
 
 DIMS = ("dp", "ep", "pp", "cp", "tp")     # outermost to innermost: tp talks the most,
@@ -785,6 +785,7 @@ class Shard:
     groups: dict              # "tp", "cp", "pp", "ep", "data", "expert_data" -> ProcessGroup
     coords: dict              # this rank's index along each mesh dimension
     positions: torch.Tensor   # global positions of this rank's tokens (context parallel)
+    activation_bytes: int = 0  # saved for backward by one microbatch (without pipeline)
 
 
 def build_shard(cfg, layout, mesh, seq_len, device):
@@ -887,7 +888,9 @@ def _forward_backward(shard, layout, xs, ys, timeline):
     stage = shard.stages[0]
     total = 0.0
     for x, y in zip(xs, ys):
-        loss = stage(x, y)
+        with ActivationMeter(shard.model) as meter:    # what autograd keeps for backward
+            loss = stage(x, y)
+        shard.activation_bytes = meter.bytes
         (loss / layout.microbatches).backward()
         total += loss.item() / layout.microbatches
     return total
@@ -1193,6 +1196,14 @@ def ledger(shard, layout, cfg, args, rt, optimizer):
                      f"{fmt_bytes(wire / steps):>13}")
     held = state_bytes(shard, optimizer)
     whole = GPT(cfg, seed=None).num_params() * 4
+    if shard.activation_bytes:  # one process, the same microbatch: b sequences of seq_len
+        one = GPT(cfg, seed=0).to(rt.device)
+        b = args.batch_size // (layout.dp * layout.ep * layout.microbatches)
+        ids = torch.zeros(b, args.seq_len, dtype=torch.long, device=rt.device)
+        with ActivationMeter(one) as meter:
+            one(ids, ids)
+        lines.append(f"  activations of one microbatch: {fmt_bytes(shard.activation_bytes)} "
+                     f"(one process: {fmt_bytes(meter.bytes)})")
     lines.append(f"  holds params {fmt_bytes(held['params'])}, grads {fmt_bytes(held['grads'])}, "
                  f"AdamW {fmt_bytes(held['optimizer'])} (one process: params {fmt_bytes(whole)}, "
                  f"AdamW {fmt_bytes(2 * whole)})")
