@@ -44,6 +44,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -203,7 +204,7 @@ def _gather_seq(x, group):
     x_sbh = x.transpose(0, 1).contiguous()
     out = torch.empty((x_sbh.shape[0] * n, *x_sbh.shape[1:]), dtype=x.dtype, device=x.device)
     comm.all_gather_into_tensor(out, x_sbh, group=group)
-    return out.transpose(0, 1)
+    return out.transpose(0, 1).contiguous()   # so the matmuls save it, not a copy of it
 
 
 def _reduce_scatter_seq(x, group):
@@ -219,7 +220,11 @@ class GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather_seq(x, group)
+        full = _gather_seq(x, group)
+        key = full.untyped_storage().data_ptr()
+        _GATHERED[key] = _Gathered(weakref.ref(full), x.detach(), group, [None])
+        weakref.finalize(full, _GATHERED.pop, key, None)
+        return full
 
     @staticmethod
     def backward(ctx, grad):
@@ -235,6 +240,56 @@ class ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather_seq(grad, ctx.group), None
+
+
+# What makes sequence parallelism save memory: wq/wk/wv (w1/w3, the head) save their input
+# for backward, and under sp that input is the all-gathered (b, s, h) tensor -- as big as
+# without sp. Megatron-LM keeps only this rank's (b, s/t, h) shard and all-gathers again in
+# backward (Korthikanti et al. 2022, Sec. 4.2.2: one more all-gather per region, hidden
+# behind the weight-gradient matmul on a GPU). Here: autograd's saved-tensor hooks swap a
+# gathered tensor for its shard when it is saved and gather it again when backward needs
+# it; the three projections that saved it share one re-gather.
+_GATHERED = {}        # storage of a live gathered tensor -> _Gathered
+
+
+@dataclass
+class _Gathered:
+    full: weakref.ref     # the gathered tensor, while it lives
+    shard: torch.Tensor   # this rank's piece: all that backward needs to keep
+    group: object
+    again: list           # [the re-gathered tensor], shared by everyone who saved it
+
+
+class _Regather:
+    """Stands in, inside the autograd graph, for a saved view of a gathered tensor."""
+
+    def __init__(self, gathered, t):
+        self.gathered, self.view = gathered, (t.size(), t.stride(), t.storage_offset())
+
+    def tensor(self):
+        g = self.gathered
+        if g.again[0] is None:
+            g.again[0] = _gather_seq(g.shard, g.group)        # the backward all-gather
+        return torch.as_strided(g.again[0], *self.view)
+
+
+class SavedActivations(ActivationMeter):
+    """The activation meter (plumbing.ActivationMeter: counts what autograd keeps), which
+    also applies the sp swap above. Wraps every pipeline stage's forward."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t):
+        g = _GATHERED.get(t.untyped_storage().data_ptr())
+        if g is None or g.full() is None:
+            return super()._pack(t)
+        super()._pack(g.shard)                                # what is really kept
+        return _Regather(g, t)
+
+    def _unpack(self, packed):
+        return packed.tensor() if isinstance(packed, _Regather) else packed
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -785,7 +840,11 @@ class Shard:
     groups: dict              # "tp", "cp", "pp", "ep", "data", "expert_data" -> ProcessGroup
     coords: dict              # this rank's index along each mesh dimension
     positions: torch.Tensor   # global positions of this rank's tokens (context parallel)
-    activation_bytes: int = 0  # saved for backward by one microbatch (without pipeline)
+
+    @property
+    def activation_bytes(self):
+        """Kept for backward by one microbatch's forward through this rank's stages."""
+        return sum(stage.activation_bytes for stage in self.stages.values())
 
 
 def build_shard(cfg, layout, mesh, seq_len, device):
@@ -813,9 +872,25 @@ def build_shard(cfg, layout, mesh, seq_len, device):
     loss_fn = make_loss_fn(layout, groups, model, seq_len)
     stages = pipeline.build_stages(model, layout.schedule, layout.pp, coords["pp"], loss_fn,
                                    cos, sin)
+    for stage in stages.values():
+        measure_and_keep_shards(stage, model)
     held = {id(p) for stage in stages.values() for p in stage.parameters()}
     params = [(_full_name(n, model), p) for n, p in model.named_parameters() if id(p) in held]
     return Shard(model, stages, params, groups, coords, positions)
+
+
+def measure_and_keep_shards(stage, model):
+    """Every forward of the stage runs under SavedActivations: sp keeps shards only, and
+    the bytes autograd keeps for one microbatch are recorded on the stage."""
+    forward = stage.forward
+    stage.activation_bytes = 0
+
+    def forward_keeping_shards(*args, **kwargs):
+        with SavedActivations(model) as saved:
+            out = forward(*args, **kwargs)
+        stage.activation_bytes = saved.bytes
+        return out
+    stage.forward = forward_keeping_shards
 
 
 def _full_name(name, model):
@@ -888,9 +963,7 @@ def _forward_backward(shard, layout, xs, ys, timeline):
     stage = shard.stages[0]
     total = 0.0
     for x, y in zip(xs, ys):
-        with ActivationMeter(shard.model) as meter:    # what autograd keeps for backward
-            loss = stage(x, y)
-        shard.activation_bytes = meter.bytes
+        loss = stage(x, y)
         (loss / layout.microbatches).backward()
         total += loss.item() / layout.microbatches
     return total
@@ -1112,7 +1185,8 @@ def expected_traffic(shard, layout, cfg, batch_size, seq_len):
                embedding (g) and 1 for the head's input (f), + 3 of b·s numbers in the
                vocabulary-parallel cross-entropy;
       tp + sp  the same bytes as 4 all-gathers of b·s·h/t and 4 reduce-scatters of b·s·h
-               per layer; norm-weight gradients all-reduced once per step;
+               per layer, + 2 all-gathers per layer in backward to rebuild the inputs that
+               were saved as shards; norm-weight gradients all-reduced once per step;
       cp       ring attention: ring_traffic_formula (K/V blocks round the ring);
       pp       one b·s·h activation forward and one gradient backward per stage boundary;
       data     the gradients once per step (dp, ep and cp ranks sum them)."""
@@ -1133,8 +1207,9 @@ def expected_traffic(shard, layout, cfg, batch_size, seq_len):
 
     if t > 1:
         if layout.sp:
-            add("all_gather", "tp", M * (4 * layers + first + last),
-                M * (4 * layers + first + last) * act // t)
+            # + the backward re-gathers of the saved shards: 2 per layer, 1 for the head
+            gathers = M * (4 * layers + first + last) + M * (2 * layers + last)
+            add("all_gather", "tp", gathers, gathers * act // t)
             add("reduce_scatter", "tp", M * (4 * layers + first + last),
                 M * (4 * layers + first + last) * act)
             norms = [p for _, p in shard.params if getattr(p, "sequence_partial", False)]
@@ -1196,14 +1271,15 @@ def ledger(shard, layout, cfg, args, rt, optimizer):
                      f"{fmt_bytes(wire / steps):>13}")
     held = state_bytes(shard, optimizer)
     whole = GPT(cfg, seed=None).num_params() * 4
-    if shard.activation_bytes:  # one process, the same microbatch: b sequences of seq_len
+    if shard.activation_bytes:  # one process running the step's whole microbatch
         one = GPT(cfg, seed=0).to(rt.device)
-        b = args.batch_size // (layout.dp * layout.ep * layout.microbatches)
+        b = args.batch_size // layout.microbatches
         ids = torch.zeros(b, args.seq_len, dtype=torch.long, device=rt.device)
         with ActivationMeter(one) as meter:
             one(ids, ids)
-        lines.append(f"  activations of one microbatch: {fmt_bytes(shard.activation_bytes)} "
-                     f"(one process: {fmt_bytes(meter.bytes)})")
+        lines.append(f"  activations of one microbatch, this rank's stages: "
+                     f"{fmt_bytes(shard.activation_bytes)} (one process, all {b} sequences "
+                     f"and layers: {fmt_bytes(meter.bytes)})")
     lines.append(f"  holds params {fmt_bytes(held['params'])}, grads {fmt_bytes(held['grads'])}, "
                  f"AdamW {fmt_bytes(held['optimizer'])} (one process: params {fmt_bytes(whole)}, "
                  f"AdamW {fmt_bytes(2 * whole)})")

@@ -163,6 +163,9 @@ class LinearWithDeferredWeightGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
+        # the Parameter itself, to put W's result in its .grad: what saved_tensors hands
+        # back may be another tensor object on the same storage (with saved-tensor hooks)
+        ctx.parameter = weight
         return F.linear(x, weight)
 
     @staticmethod
@@ -172,7 +175,7 @@ class LinearWithDeferredWeightGrad(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             return grad_x, None
         if WEIGHT_GRADS.deferring:
-            WEIGHT_GRADS.defer(weight, x, grad_out)
+            WEIGHT_GRADS.defer(ctx.parameter, x, grad_out)
             return grad_x, None
         return grad_x, grad_out.flatten(0, -2).t() @ x.flatten(0, -2)
 
