@@ -1172,6 +1172,8 @@ def train(args, rt):
         timelines = pipeline.gather_timelines(timeline, t_pipe, shard.groups["pp"])
         print0(pipeline.format_timeline(timelines, layout.schedule, layout.microbatches))
     print0(f"trained {args.steps} steps in {elapsed:.1f} s")
+    return dict(loss=loss, activation_bytes=shard.activation_bytes,
+                state_bytes=state_bytes(shard, optimizer)["total"], seconds=elapsed)
 
 
 # ----------------------------------------------------------------------------------------

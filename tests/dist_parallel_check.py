@@ -18,8 +18,8 @@ COMMON = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--steps",
           "--warmup-steps", "1", "--check"]
 MHA4 = ["--n-head", "4", "--n-kv-head", "4"]          # 4 KV heads: tp=4 needs them
 LAYOUTS = {
-    2: [["--tp", "2"], ["--tp", "2", "--sp"], ["--cp", "2"], ["--cp", "2", "--cp-layout", "plain"],
-        ["--ep", "2", "--n-expert", "4"], ["--dp", "2"]],
+    2: [["--dp", "2"], ["--tp", "2"], ["--tp", "2", "--sp"], ["--cp", "2"],
+        ["--cp", "2", "--cp-layout", "plain"], ["--ep", "2", "--n-expert", "4"]],
     4: [["--tp", "4", *MHA4], ["--tp", "4", "--sp", *MHA4], ["--cp", "4"],
         ["--cp", "4", "--cp-layout", "plain"], ["--tp", "2", "--cp", "2"],
         ["--tp", "2", "--cp", "2", "--sp"],
@@ -44,8 +44,10 @@ def main(world, data_path):
     common = COMMON + ["--data", data_path]
     rt = setup_runtime("cpu")
     for flags in LAYOUTS[world]:
-        parallel.train(parallel.parse_args(common + flags), rt)
+        result = parallel.train(parallel.parse_args(common + flags), rt)
         print0("LAYOUT OK " + " ".join(flags))
+        print0(f"MEMORY {' '.join(flags)} | activations {result['activation_bytes']} | "
+               f"state {result['state_bytes']}")
     for flags in BAD.get(world, []):
         try:
             parallel.train(parallel.parse_args(common + flags), rt)

@@ -23,12 +23,27 @@ def launch(world, text_file):
     return result.output
 
 
+def memory(out, flags):
+    line = next(l for l in out.splitlines() if l.startswith("MEMORY " + flags + " |"))
+    return [int(part.split()[-1]) for part in line.split("|")[1:]]   # activations, state
+
+
 @pytest.mark.slow
 def test_two_ranks_every_dimension_alone_and_dtensor_tp(text_file):
     out = launch(2, text_file)
     for flags in BAD[2]:
         assert "REFUSED " + " ".join(flags) in out
     assert "CHECK hand TP = DTensor TP (tp=2)" in out
+    # what each split saves on a rank, same global batch of 4 sequences:
+    dp_act, dp_state = memory(out, "--dp 2")
+    tp_act, tp_state = memory(out, "--tp 2")
+    sp_act, sp_state = memory(out, "--tp 2 --sp")
+    cp_act, cp_state = memory(out, "--cp 2")
+    assert tp_state < 0.55 * dp_state and sp_state == tp_state       # weights, grads, Adam ÷2
+    assert cp_state == dp_state                                       # cp replicates them
+    assert sp_act < tp_act          # sp keeps the norm and residual activations as shards
+    assert cp_act < tp_act and abs(cp_act - dp_act) < 0.1 * dp_act     # half the tokens,
+    # like dp's half of the batch (tp leaves the norms' and the residual's replicated)
 
 
 @pytest.mark.slow
