@@ -603,20 +603,23 @@ def torch_pipeline_step(schedule, stages, pp_group, M, device):
 
 
 def timed(step, args, model, device):
-    """Median wall time of a step (barrier to barrier), the last step's result and start."""
-    times = []
+    """Median wall time of a step (barrier to barrier), the last step's result, and each
+    timed step's start (step(t0) may use it, e.g. to keep that step's timeline)."""
+    times, starts = [], []
     for i in range(args.warmup + args.steps):
         model.zero_grad(set_to_none=True)
         if dist.is_initialized():
             dist.barrier()
         t0 = time.perf_counter()
+        if i >= args.warmup:
+            starts.append(t0)
         result = step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if dist.is_initialized():
             dist.barrier()
         times.append(time.perf_counter() - t0)
-    return sorted(times[args.warmup:])[args.steps // 2], result, t0
+    return sorted(times[args.warmup:])[args.steps // 2], result, starts
 
 
 def bench(args, rt):
@@ -641,14 +644,21 @@ def bench(args, rt):
         stages = build_stages(model, schedule, P, rt.rank, cross_entropy_loss, cos, sin)
         actions, timeline, wire = build_schedule(schedule, P, M)[rt.rank], [], comm.total_wire
 
+        steps_run = []
+
         def hand_step():
-            timeline.clear()
+            timeline = []
+            steps_run.append(timeline)
             return run_schedule(stages, actions, xs, ys, pp_group,
                                 (args.microbatch_size, T, cfg.n_embd), torch.float32, device,
                                 timeline)
-        hand_s, hand_loss, t0 = timed(hand_step, args, model, device)
+        hand_s, hand_loss, starts = timed(hand_step, args, model, device)
         sent = (comm.total_wire - wire) / (args.warmup + args.steps)
-        timelines = gather_timelines(timeline, t0)
+        # every timed step's timeline: the bubble is the median over steps (one step on a
+        # shared CPU is noisy), the picture is the last step's
+        per_step = [gather_timelines(tl, t0) for tl, t0 in zip(steps_run[args.warmup:], starts)]
+        timelines = per_step[-1]
+        bubbles = sorted(sum(measured_bubbles(tls)) / P for tls in per_step)
         torch_s, torch_loss = None, None
         note = "needs torchrun" if not rt.distributed else "skipped" if args.no_torch else ""
         if not note:
@@ -657,7 +667,7 @@ def bench(args, rt):
                 torch_s, torch_loss, _ = timed(lambda: step(xs, ys), args, model, device)
             except Exception as e:   # a schedule torch cannot drive here: say so, no number
                 note = f"torch failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
-        f, b, w = mean_times(timelines)
+        f, b, w = mean_times([tl for tls in per_step for tl in tls])
         mine = (hand_loss, torch_loss, sent)        # losses live where the last stage is
         everyone = [mine] * P
         if rt.distributed:
@@ -667,7 +677,7 @@ def bench(args, rt):
                          hand_loss=next(e[0] for e in everyone if e[0] is not None),
                          torch_loss=next((e[1] for e in everyone if e[1] is not None), None),
                          sent=max(e[2] for e in everyone),
-                         bubble=sum(measured_bubbles(timelines)) / P,
+                         bubble=bubbles[len(bubbles) // 2],
                          theory=theory_bubble(schedule, P, M, f, b, w)))
         pictures.append(format_timeline(timelines, schedule, M))
     print0(f"{'schedule':<10} {'hand ms':>8} {'torch ms':>9} {'hand/torch':>10} {'bubble':>7} "
