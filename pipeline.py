@@ -642,8 +642,7 @@ def bench(args, rt):
         model = GPT(cfg, seed=0).to(device)
         cos, sin = model.rope(torch.arange(T, device=device))
         stages = build_stages(model, schedule, P, rt.rank, cross_entropy_loss, cos, sin)
-        actions, timeline, wire = build_schedule(schedule, P, M)[rt.rank], [], comm.total_wire
-
+        actions, wire = build_schedule(schedule, P, M)[rt.rank], comm.total_wire
         steps_run = []
 
         def hand_step():
