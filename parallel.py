@@ -1087,10 +1087,10 @@ def compare(shard, ref, what, tensor_of, atol, rtol=1e-4):
 # ----------------------------------------------------------------------------------------
 # Training
 
-def global_loss(local, layout):
+def global_loss(local, layout, device):
     """The step's mean loss from the ranks' shares (bookkeeping, not metered as model
     traffic): last-stage ranks hold it, cp ranks partial sums, tp ranks copies."""
-    t = torch.tensor([local], dtype=torch.float64)
+    t = torch.tensor([local], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(t)
     return t.item() / (layout.tp * layout.dp * layout.ep)
@@ -1151,7 +1151,7 @@ def train(args, rt):
         if dist.is_initialized() and rt.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed += time.perf_counter() - t0
-        loss = global_loss(local, layout)
+        loss = global_loss(local, layout, rt.device)
         tokens = args.batch_size * args.seq_len
         print0(f"step {step:4d} | loss {loss:.4f} | grad norm {norm:.3f} | lr {lr:.2e} | "
                f"{tokens / (time.perf_counter() - t0) / 1e3:.1f}k tok/s | state "
