@@ -173,6 +173,14 @@ def group_over(mesh, dims, name):
 # (all-reduce = reduce-scatter + all-gather, so the bytes are the same; what changes is
 # that the activations between the regions exist only as sequence shards.)
 
+def _summed(t, group):
+    """A copy of t summed over the group's ranks (the all-reduce of f, g and the MoE
+    statistics below)."""
+    t = t.contiguous().clone()
+    comm.all_reduce(t, group=group)
+    return t
+
+
 class CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -181,17 +189,13 @@ class CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        comm.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _summed(grad, ctx.group), None
 
 
 class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        comm.all_reduce(x, group=group)
-        return x
+        return _summed(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -731,15 +735,11 @@ class AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        x = x.clone()
-        comm.all_reduce(x, group=group)
-        return x
+        return _summed(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        comm.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _summed(grad, ctx.group), None
 
 
 class AttachAuxLoss(torch.autograd.Function):

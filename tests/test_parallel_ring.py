@@ -140,16 +140,22 @@ def test_a_ring_of_one_is_full_causal_attention(H, H_kv):
     assert torch.allclose(half.float(), ref.detach(), atol=3e-2)
 
 
+def ring_verdicts(label):
+    """The lines every launch must print: errors refused, the ring equal to full
+    attention, the work per rank, bf16, and a whole GPT in both layouts."""
+    return [f"CHECK {label}: uneven sequence, bad heads, explicit mask -> UserError",
+            f"CHECK {label}: ring attention == full causal attention (out, dq, dk, dv)",
+            f"CHECK {label}: work per rank",
+            f"CHECK {label}: bf16 in -> bf16 out",
+            f"CHECK {label} zigzag: GPT with ring attention",
+            f"CHECK {label} plain: GPT with ring attention"]
+
+
 @pytest.mark.slow
 def test_two_ranks_ring_equals_full_attention():
     result = torchrun(CHECK, nproc=2, timeout=120)
     assert result.returncode == 0, result.output[-4000:]
-    for line in ("CHECK C=2 cp: uneven sequence, bad heads, explicit mask -> UserError",
-                 "CHECK C=2 cp: ring attention == full causal attention (out, dq, dk, dv)",
-                 "CHECK C=2 cp: work per rank",
-                 "CHECK C=2 cp: bf16 in -> bf16 out",
-                 "CHECK C=2 cp zigzag: GPT with ring attention",
-                 "CHECK C=2 cp plain: GPT with ring attention"):
+    for line in ring_verdicts("C=2 cp"):
         assert line in result.output, result.output[-4000:]
 
 
@@ -157,12 +163,7 @@ def test_two_ranks_ring_equals_full_attention():
 def test_four_ranks_and_two_rings_of_two():
     result = torchrun(CHECK, nproc=4, timeout=180)
     assert result.returncode == 0, result.output[-4000:]
-    for line in ("CHECK C=4 cp: uneven sequence, bad heads, explicit mask -> UserError",
-                 "CHECK C=4 cp: ring attention == full causal attention (out, dq, dk, dv)",
-                 "CHECK C=4 cp: work per rank",
-                 "CHECK C=4 cp: bf16 in -> bf16 out",
-                 "CHECK C=4 cp zigzag: GPT with ring attention",
-                 "CHECK C=4 cp plain: GPT with ring attention",
-                 "CHECK C=2 cp2: ring attention == full causal attention (out, dq, dk, dv)",
-                 "CHECK C=2 cp2 zigzag: GPT with ring attention"):
+    for line in ring_verdicts("C=4 cp") + [
+            "CHECK C=2 cp2: ring attention == full causal attention (out, dq, dk, dv)",
+            "CHECK C=2 cp2 zigzag: GPT with ring attention"]:
         assert line in result.output, result.output[-4000:]
