@@ -1142,22 +1142,21 @@ def train(args, rt):
         local = forward_backward(shard, layout, xs, ys, timeline)
         sync_gradients(shard, layout)
         norm = clip_gradients(shard, layout, args.grad_clip)
-        if ref is not None:
+        optimizer.step()
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        elapsed += seconds
+        loss = global_loss(local, layout, rt.device)
+        print0(f"step {step:4d} | loss {loss:.4f} | grad norm {norm:.3f} | lr {lr:.2e} | "
+               f"{args.batch_size * args.seq_len / seconds / 1e3:.1f}k tok/s | state "
+               f"{fmt_bytes(state_bytes(shard, optimizer)['total'])}/rank | sent "
+               f"{fmt_bytes(comm.total_wire / (step + 1))}/step")
+        if ref is not None:     # the same step on one process (.grad still holds ours)
             ref_optimizer.zero_grad(set_to_none=True)
             ref_loss = reference_step(ref, layout, x, y)
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), args.grad_clip).item()
             grad_diff = compare(shard, ref, "gradient", lambda p: p.grad, atol=1e-6)
-        optimizer.step()
-        if dist.is_initialized() and rt.device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed += time.perf_counter() - t0
-        loss = global_loss(local, layout, rt.device)
-        tokens = args.batch_size * args.seq_len
-        print0(f"step {step:4d} | loss {loss:.4f} | grad norm {norm:.3f} | lr {lr:.2e} | "
-               f"{tokens / (time.perf_counter() - t0) / 1e3:.1f}k tok/s | state "
-               f"{fmt_bytes(state_bytes(shard, optimizer)['total'])}/rank | sent "
-               f"{fmt_bytes(comm.total_wire / (step + 1))}/step")
-        if ref is not None:
             ref_optimizer.step()
             weight_diff = compare(shard, ref, "weight", lambda p: p.detach(), atol=1e-5)
             if abs(loss - ref_loss) > 1e-5 or abs(norm - ref_norm) > 1e-4 * max(1, ref_norm):
