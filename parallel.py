@@ -44,7 +44,6 @@ the bytes each group sent per step next to the formulas.
 import argparse
 import math
 import time
-import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -52,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import data
 import pipeline
@@ -1325,10 +1325,29 @@ def dtensor_tp_model(cfg, tp_mesh, device):
     return parallelize_module(model, tp_mesh, plan)
 
 
+class CollectivesSeen(TorchDispatchMode):
+    """Counts the collectives DTensor issues (its functional c10d ops pass through the
+    dispatcher) and the bytes handed to each: the same "payload" plumbing.comm counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.payload = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if "c10d" in name.split("::")[0] and any(
+                op in name for op in ("reduce", "gather", "scatter", "to_all", "broadcast")):
+            first = args[0] if args else None
+            tensors = first if isinstance(first, (list, tuple)) else [first]
+            self.calls += 1
+            self.payload += sum(t.numel() * t.element_size() for t in tensors
+                                if isinstance(t, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
 def bench_tp(args, rt):
     """Forward + backward of the same batches through both; losses and gradients must
     agree (asserted), then the step-time ratio and what each sent."""
-    from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import loss_parallel
     if not rt.distributed:
         raise UserError("bench-tp compares tensor-parallel runs: launch it with torchrun "
@@ -1368,16 +1387,16 @@ def bench_tp(args, rt):
             losses.append(step(x, y))
             if i:                   # the first step warms up (allocations, DTensor caches)
                 seconds += time.perf_counter() - t0
-        # one more step to count the collectives: ours through the meter, DTensor's with
-        # its CommDebugMode (which would slow the timed steps down)
+        # one more step to count the collectives: ours with the meter, DTensor's as they
+        # pass the dispatcher (counting would slow the timed steps down)
         comm.reset()
-        with CommDebugMode() as counter, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Full backward hook")  # its tracker's
+        with CollectivesSeen() as seen:
             model.zero_grad(set_to_none=True)
             step(*batches[-1])
-        calls = (sum(c for _, _, c, _, _ in comm.table()) if name == "hand"
-                 else sum(counter.get_comm_counts().values()))
-        results[name] = (losses, seconds / args.steps, calls, comm.total_wire)
+        if name == "hand":
+            seen.calls = sum(calls for _, _, calls, _, _ in comm.table())
+            seen.payload = sum(payload for _, _, _, payload, _ in comm.table())
+        results[name] = (losses, seconds / args.steps, seen.calls, seen.payload)
     for (a, b) in zip(results["hand"][0], results["DTensor"][0]):
         if abs(a - b) > 1e-5:
             raise AssertionError(f"hand TP loss {a:.6f} != DTensor TP loss {b:.6f}")
@@ -1390,11 +1409,11 @@ def bench_tp(args, rt):
     hand_t, their_t = results["hand"][1], results["DTensor"][1]
     print0(f"CHECK hand TP = DTensor TP (tp={rt.world_size}): losses "
            f"{', '.join(f'{v:.5f}' for v in results['hand'][0])} and every gradient equal")
-    print0(f"{'':10}{'step time':>12}{'collectives/step':>18}{'sent/step':>12}\n"
-           f"{'hand':10}{hand_t * 1e3:10.1f}ms{results['hand'][2]:18d}"
-           f"{fmt_bytes(results['hand'][3]):>12}\n"
-           f"{'DTensor':10}{their_t * 1e3:10.1f}ms{results['DTensor'][2]:18d}{'-':>12}\n"
-           f"hand / DTensor step time: {hand_t / their_t:.2f}")
+    print0(f"{'':10}{'step time':>12}{'collectives/step':>18}{'payload/step':>14}")
+    for name, t in (("hand", hand_t), ("DTensor", their_t)):
+        print0(f"{name:10}{t * 1e3:10.1f}ms{results[name][2]:18d}"
+               f"{fmt_bytes(results[name][3]):>14}")
+    print0(f"hand / DTensor step time: {hand_t / their_t:.2f}")
 
 
 def _run_layers(model, x):
