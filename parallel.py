@@ -43,6 +43,7 @@ the bytes each group sent per step next to the formulas.
 """
 import argparse
 import math
+import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -1440,7 +1441,7 @@ def model_config(args):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        prog="parallel.py",
+        prog="parallel.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Train the shared GPT split along a (dp, ep, pp, cp, tp) DeviceMesh, by "
                     "hand; --check compares every step with one process. Other modes: "
                     "`parallel.py bench-tp` (hand TP vs DTensor TP, under torchrun) and "
@@ -1500,9 +1501,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    import sys
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["plan"]:
+    if argv[:1] == ["plan"]:                # arithmetic only: planner.py, no torchrun
         p = argparse.ArgumentParser(prog="parallel.py plan", description=(
             "Per-GPU memory and communication of candidate (tp, cp, pp, dp) layouts for a "
             "big model, and the three-step cheat sheet that picks one."))
