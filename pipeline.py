@@ -628,6 +628,7 @@ def bench(args, rt):
     if pp_group is not None:
         comm.name_group(pp_group, "pp")
     cfg = get_config(args.preset, n_layer=args.n_layer or 2 * P, n_embd=args.n_embd,
+                     vocab_size=args.vocab_size,
                      block_size=max(T, get_config(args.preset).block_size))
     for schedule in args.schedules:                 # every UserError before any P2P
         build_schedule(schedule, P, M)
@@ -636,7 +637,8 @@ def bench(args, rt):
                          generator=torch.Generator().manual_seed(args.seed))
     xs, ys = [d[:, :-1].to(device) for d in data], [d[:, 1:].to(device) for d in data]
     print0(f"pipeline bench: P={P} ranks, M={M} microbatches of {args.microbatch_size}x{T} "
-           f"tokens, {args.preset} with n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, {device}")
+           f"tokens, {args.preset} with n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
+           f"vocab {cfg.vocab_size}, {device}")
     rows, pictures = [], []
     for schedule in args.schedules:
         model = GPT(cfg, seed=0).to(device)
@@ -710,6 +712,10 @@ def parse_args(argv=None):
                    help="bench: layers (None: 2·P, which the 2P stages of dualpipev divide)")
     p.add_argument("--n-embd", type=int, default=128,
                    help="bench: model width (tiny's own 32 leaves too little to compute)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="bench: vocabulary (None: the preset's). The head and the loss make "
+                        "the last stage heavier; a small vocabulary balances the stages, as "
+                        "the bubble formulas assume")
     p.add_argument("--seq-len", type=int, default=64, help="bench: tokens per sequence")
     p.add_argument("--microbatch-size", type=int, default=4, help="bench: sequences per microbatch")
     p.add_argument("--steps", type=int, default=5, help="bench: timed steps (median reported)")
