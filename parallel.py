@@ -871,7 +871,7 @@ def build_shard(cfg, layout, mesh, seq_len, device):
                                                    groups["data"], scale)
     model.to(device)
     cos, sin = model.rope(positions)
-    loss_fn = make_loss_fn(layout, groups, model, seq_len)
+    loss_fn = make_loss_fn(layout, groups, model)
     stages = pipeline.build_stages(model, layout.schedule, layout.pp, coords["pp"], loss_fn,
                                    cos, sin)
     for stage in stages.values():
@@ -908,7 +908,7 @@ def _full_name(name, model):
     return ".".join(parts)
 
 
-def make_loss_fn(layout, groups, model, seq_len):
+def make_loss_fn(layout, groups, model):
     """Cross-entropy of the microbatch, as the part this rank contributes: with context
     parallelism each rank sums over its tokens and divides by the microbatch's tokens on
     ALL cp ranks, so the cp ranks' losses (and gradients) add up to the mean."""
