@@ -1,4 +1,4 @@
-"""Run under torchrun (2 or 4 ranks) by tests/test_parallel_ring.py. Every rank builds the
+"""Run under torchrun (2 or 4 ranks) by tests/test_ring_attention.py. Every rank builds the
 same full q, k, v (seeded), computes the reference right here (model.math_attention on the
 whole sequence, one process), takes its context-parallel shard, runs ring attention over
 the cp group and asserts that its output and dq, dk, dv equal the reference's, sharded the
@@ -16,8 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from parallel import (cp_positions, cp_shard, cp_unshard, make_ring_attn_fn,
-                      ring_attention, ring_attention_stats)
+from ring_attention import (cp_positions, cp_shard, cp_unshard, make_ring_attn_fn,
+                            ring_attention, ring_attention_stats)
 from model import GPT, get_config, math_attention
 from plumbing import UserError, comm, print0, setup_runtime
 

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from parallel import (_merge_partial_attention, _ring_block_forward, _visible_rectangle,
-                      cp_chunk_ids, cp_positions, cp_shard, cp_unshard, make_ring_attn_fn,
-                      ring_attention, ring_attention_stats)
+from ring_attention import (_merge_partial_attention, _ring_block_forward,
+                            _visible_rectangle, cp_chunk_ids, cp_positions, cp_shard,
+                            cp_unshard, make_ring_attn_fn, ring_attention,
+                            ring_attention_stats)
 from harness import torchrun
 from model import math_attention
 from plumbing import UserError
