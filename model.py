@@ -519,6 +519,11 @@ def load_model(path, device="cpu"):
     if not os.path.exists(path):
         raise UserError(f"checkpoint {path!r} not found (train one first: python train.py)")
     ckpt = torch.load(path, map_location=device, weights_only=False)
+    if "quantization" in ckpt:
+        # A checkpoint written by `quantize.py --save` stores integer codes + scales, a format
+        # only quantize.py knows: it rebuilds a plain GPT with the dequantized weights.
+        import quantize
+        return quantize.model_from_checkpoint(ckpt, device), ckpt
     cfg = GPTConfig(**ckpt["config"]).validate()
     model = GPT(cfg, seed=None).to(device)
     model.load_state_dict(ckpt["model"])
