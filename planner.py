@@ -16,7 +16,7 @@ sent per optimizer step. Then the Ultra-Scale Playbook's three-step cheat sheet:
      rejected, so a short batch of long sequences pushes DP into CP;
   3. the layout.
 
-Memory per GPU, mixed precision with Adam (2 + 2 + 12 B/param, REFERENCE.md), in decimal
+Memory per GPU, mixed precision with Adam (2 + 2 + 12 B/param: Rajbhandari et al. 2020, ZeRO), in decimal
 GB against --gpu-mem: an "80 GB" H100 has 80 GiB = 85.9 GB, the rest is the room for what
 is not counted (logits, temporaries, CUDA/NCCL buffers). A GPU holds a shard
 Ψ_s = Ψ/(tp·pp): stages balanced by parameters, as Llama 3's uneven split intends (one

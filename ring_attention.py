@@ -12,7 +12,7 @@ The partial results are merged with the online-softmax rule (Milakov & Gimelshei
 FlashAttention, Dao et al. 2022), so the answer equals full causal attention exactly.
 
   saves: activations ∝ T/C per rank (the long-context wall: Llama 3 trained 128K-token
-         sequences with cp 16, REFERENCE.md); the T×T score matrix never exists, only a
+         sequences with cp 16: Llama 3 paper, Table 4); the T×T score matrix never exists, only a
          (T/C)×(T/C) block at a time, and none is kept for backward (recomputed from
          q, k, v, out and the log-sum-exp, as FlashAttention does).
   adds:  forward, per layer, each rank sends C−1 K/V blocks = (C−1)/C of the full K and V
