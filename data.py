@@ -29,10 +29,10 @@ import argparse
 import glob
 import hashlib
 import heapq
+import json
 import math
 import os
 import pathlib
-import pickle
 import random
 import re
 import sysconfig
@@ -181,7 +181,8 @@ def make_encoding(ranks: dict[bytes, int], pat_str: str = SPLIT_PATTERN) -> tikt
 
 
 def encoding_to_state(enc: tiktoken.Encoding) -> dict:
-    """Plain picklable dict (goes into checkpoints): rebuilds enc anywhere, no corpus.
+    """Plain data (strings, bytes -> int, str -> int) that goes into checkpoints and that
+    torch.load(weights_only=True) reads back: rebuilds enc anywhere, no corpus.
     (tiktoken keeps its constructor arguments as these underscore attributes.)"""
     return {"name": enc.name, "pat_str": enc._pat_str,
             "mergeable_ranks": dict(enc._mergeable_ranks),
@@ -274,10 +275,11 @@ def _tokenizer_from_docs(docs: list[str], vocab_size: int) -> tuple[tiktoken.Enc
         train_docs.append(d[: budget - n])  # slices characters: budget is approximate
         n += len(train_docs[-1].encode("utf-8"))
     key = _hash(EOT.join(train_docs), vocab_size, SPLIT_PATTERN)
-    path = os.path.join(cache_dir(), f"tokenizer-{key}.pkl")
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            saved = pickle.load(f)
+    # JSON, not a pickle: reading a cache must never run code. (A tokenizer-*.pkl left by an
+    # older version is simply never opened: the tokenizer is trained again, once.)
+    path = os.path.join(cache_dir(), f"tokenizer-{key}.json")
+    saved = _read_tokenizer_cache(path)
+    if saved is not None:
         return encoding_from_state(saved["state"]), saved["train_seconds"]
     print(f"[data] training BPE tokenizer: vocab {vocab_size} on {n / 1e6:.2f} MB ...", flush=True)
     t0 = time.perf_counter()
@@ -287,9 +289,32 @@ def _tokenizer_from_docs(docs: list[str], vocab_size: int) -> tuple[tiktoken.Enc
     if enc.n_vocab < vocab_size:
         print(f"[data] the text ran out of pairs: vocab is {enc.n_vocab}, not {vocab_size}")
     print(f"[data] trained {len(ranks) - 256} merges in {seconds:.1f} s -> {path}", flush=True)
-    state = {"state": encoding_to_state(enc), "train_seconds": seconds}
-    _atomic_write(path, lambda f: pickle.dump(state, f))
+    _atomic_write(path, lambda f: f.write(_tokenizer_cache_json(enc, seconds)))
     return enc, seconds
+
+
+def _tokenizer_cache_json(enc: tiktoken.Encoding, seconds: float) -> bytes:
+    """The cache file: the tokenizer's state with each token's bytes as hex, rank order."""
+    state = encoding_to_state(enc)
+    ranks = sorted(state["mergeable_ranks"].items(), key=lambda kv: kv[1])
+    return json.dumps({"name": state["name"], "pat_str": state["pat_str"],
+                       "special_tokens": state["special_tokens"],
+                       "mergeable_ranks": [[b.hex(), r] for b, r in ranks],
+                       "train_seconds": seconds}).encode("utf-8")
+
+
+def _read_tokenizer_cache(path: str) -> dict | None:
+    """{'state', 'train_seconds'} from the cache, or None if absent or unreadable (then the
+    tokenizer is simply trained again and the file rewritten)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        state = {"name": saved["name"], "pat_str": saved["pat_str"],
+                 "special_tokens": dict(saved["special_tokens"]),
+                 "mergeable_ranks": {bytes.fromhex(h): r for h, r in saved["mergeable_ranks"]}}
+        return {"state": state, "train_seconds": float(saved["train_seconds"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def get_tokenizer(data_path: str | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE) -> tiktoken.Encoding:

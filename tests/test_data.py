@@ -2,7 +2,6 @@
 round trips, cache), corpus, batches, baseline, the arithmetic task, errors, CLI."""
 import math
 import os
-import pickle
 import random
 import re
 import subprocess
@@ -156,8 +155,10 @@ def test_roundtrip_unicode_and_random(small_enc):
     assert enc.eot_token in ids and enc.decode(ids) == "a<|endoftext|>b"
 
 
-def test_encoding_state_roundtrip(small_enc):
-    state = pickle.loads(pickle.dumps(data.encoding_to_state(small_enc)))
+def test_encoding_state_roundtrip(small_enc, tmp_path):
+    # through a checkpoint file read the safe way: the state must be plain data
+    torch.save(data.encoding_to_state(small_enc), tmp_path / "tok.pt")
+    state = torch.load(tmp_path / "tok.pt", weights_only=True)
     enc2 = data.encoding_from_state(state)
     assert enc2.n_vocab == small_enc.n_vocab and enc2.name == small_enc.name
     assert enc2.special_tokens_set == small_enc.special_tokens_set
@@ -199,6 +200,32 @@ def test_custom_corpus_and_cache_hit(tmp_path, monkeypatch, small_text):
     assert data.get_tokenizer(path, 400).encode(small_text) == c.enc.encode(small_text)
     with pytest.raises(AssertionError, match="cache miss"):  # other vocab: another key
         data.get_tokenizer(path, 401)
+
+
+def test_tokenizer_cache_is_json_and_an_old_pickle_is_never_opened(tmp_path, monkeypatch, small_text):
+    """The cache holds data only; a planted tokenizer-*.pkl (what older versions wrote) is
+    not unpickled: nothing it asks for runs, and the tokenizer is trained again."""
+    import json
+    import pickle
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("NANOSCALE_CACHE", str(cache))
+    path = write(tmp_path, "mine.txt", small_text)
+    enc = data.get_tokenizer(path, 300)
+    (tok_file,) = [f for f in os.listdir(cache) if f.startswith("tokenizer-")]
+    assert tok_file.endswith(".json")
+    saved = json.loads((cache / tok_file).read_text())
+    assert len(saved["mergeable_ranks"]) == enc.n_vocab - 1
+    marker = tmp_path / "unpickled"
+
+    class Evil:
+        def __reduce__(self):
+            return (exec, (f"open({str(marker)!r}, 'w').write('ran')",))
+    (cache / tok_file.replace(".json", ".pkl")).write_bytes(pickle.dumps(Evil()))
+    (cache / tok_file).write_text("{not json")        # a corrupt cache: rebuilt, not fatal
+    enc2 = data.get_tokenizer(path, 300)
+    assert not marker.exists()
+    assert enc2.encode(small_text) == enc.encode(small_text)
+    assert json.loads((cache / tok_file).read_text())["name"] == enc.name
 
 
 def test_default_corpus():
