@@ -4,6 +4,10 @@ measured against full fine-tuning on the same task for what it saves, adds and s
 
 Run:  python lora.py --method lora --rank 8     # fine-tune out/ckpt.pt, evaluate, ledger
       python lora.py compare                    # every method, same steps, one table
+      python lora.py --method vera --save out/lora/vera.pt     # write the adapter file
+      python lora.py --load out/lora/vera.pt --steps 100        # continue training it
+      python lora.py eval --load out/lora/vera.pt --export out/lora/merged.pt  # merge it
+      python serve.py --ckpt out/lora/merged.pt ...             # a plain GPT: serve it
       python lora.py --estimate 65B             # QLoRA's "65B on one 48 GB GPU", by arithmetic
       torchrun --standalone --nproc_per_node=2 lora.py --method qlora    # data parallel
 
@@ -33,13 +37,24 @@ and data parallelism all-reduces 4Ψ bytes of gradients every step.
     output row and a LoRA-updated direction. Adds out parameters per layer and, every step,
     the full W0 + sBA and its row norms (detached, Sec. 4.3). Costs: compute, activations.
 NF4 here: the 7 block linears (embedding, head stay fp32). Each run ends with its ledger.
+
+An adapter outlives its run as a file (`--save`): method, hyper-parameters, the adapter
+tensors (VeRA: with its shared frozen pair) and the base model's identity (sha256 of its
+weights: ΔW is a difference from ONE W0). `--load` checks all of it and refuses a mismatch;
+`merge_and_unload` folds ΔW into a plain GPT whose checkpoint (train.py's format) every
+script reads -- inference at exactly the base model's cost, the adapter no longer swappable.
 """
 import argparse
 import copy
+import hashlib
+import inspect
 import math
+import os
 import statistics
 import sys
 import time
+import warnings
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -153,8 +168,10 @@ class NF4Matmul(torch.autograd.Function):
 # The adapted linear layers. One base class holds the frozen W0 (fp32, or NF4 for QLoRA)
 # and the merge machinery; subclasses change only the adapter path.
 
-def kaiming(rows, cols, gen):
-    return nn.init.kaiming_uniform_(torch.empty(rows, cols), a=math.sqrt(5), generator=gen)
+def kaiming(rows, cols, gen, a=math.sqrt(5)):
+    """Kaiming-uniform: U(±gain·√(3/fan_in)), gain = √(2/(1+a²)), fan_in = cols.
+    a=√5 (nn.Linear's and peft's LoRA A): bound 1/√fan_in. a=0 (ReLU gain √2): √(6/fan_in)."""
+    return nn.init.kaiming_uniform_(torch.empty(rows, cols), a=a, generator=gen)
 
 
 class LoRALinear(nn.Module):
@@ -224,10 +241,14 @@ class LoRALinear(nn.Module):
 
 
 class DoRALinear(LoRALinear):
-    """W' = m ⊙ V/‖V‖, V = W0 + sBA, norms per output row (the rows of W, out×in).
-    m starts at ‖W0‖ so W' = W0 at step 0. The norm is detached (DoRA Sec. 4.3): gradient
-    flows to m and, through V, to A and B, but not through ‖V‖ -- it saves keeping V's
-    graph alive. Computed as (m/‖V‖)·(W0 x + sBA x), the peft form: x never meets V."""
+    """DoRA's Eq. (5): W' = m ⊙ (W0 + sBA)/‖W0 + sBA‖_c, norms per output row (the rows of
+    W, out×in). m starts at ‖W0‖ so W' = W0 at step 0. The norm is detached (DoRA Sec. 4.3):
+    gradient flows to m and, through V = W0 + sBA, to A and B, but not through ‖V‖ -- it
+    saves keeping V's graph alive. Computed as (m/‖V‖)·(W0 x + sBA x): x never meets V.
+    With adapter dropout in training the paper says nothing; we follow peft, which drops
+    the input of everything the adapter adds to the frozen path W0 x:
+        y = W0 x + (m/‖V‖ - 1)·W0 drop(x) + (m/‖V‖)·sBA drop(x)
+    (= W' x when drop is the identity: eval mode or dropout 0)."""
 
     def init_adapter(self, gen):
         super().init_adapter(gen)
@@ -241,7 +262,12 @@ class DoRALinear(LoRALinear):
         if self.merged:
             return F.linear(x, self.weight)
         scale = self.magnitude / self.weight_norm()
-        return scale * (self.base_forward(x) + self.adapter_forward(x))
+        base = self.base_forward(x)
+        if not (self.training and self.dropout.p > 0):
+            return scale * (base + self.adapter_forward(x))
+        dropped = self.dropout(x)                    # ONE mask for both adapter terms
+        lora = self.scale * F.linear(F.linear(dropped, self.lora_A), self.lora_B)
+        return base + (scale - 1) * self.base_forward(dropped) + scale * lora
 
     def merged_weight(self, w0):
         v = w0 + self.delta_weight()
@@ -258,8 +284,13 @@ class VeRAShared(nn.Module):
 
     def __init__(self, rank, max_in, max_out, gen):
         super().__init__()
-        self.register_buffer("A", kaiming(rank, max_in, gen))    # peft's VeRA init
-        self.register_buffer("B", kaiming(max_out, rank, gen))
+        # Kaiming-uniform with the ReLU gain, bound √(6/fan_in), as peft's VeRA
+        # (tuners/vera `_kaiming_init`: gain √2, bound √3·gain/√fan_in), NOT LoRA's 1/√fan_in:
+        # the VeRA paper (Sec. 3) picks Kaiming init so that BA keeps the same variance at
+        # every rank; and the same learnt d and b then move W as far as they do in peft
+        # (√6 times more than with LoRA's bound, per matrix).
+        self.register_buffer("A", kaiming(rank, max_in, gen, a=0))
+        self.register_buffer("B", kaiming(max_out, rank, gen, a=0))
 
 
 class VeRALinear(LoRALinear):
@@ -286,29 +317,51 @@ class VeRALinear(LoRALinear):
 ADAPTER_CLASS = {"dora": DoRALinear, "vera": VeRALinear}     # LoRA, LoRA+, QLoRA: LoRALinear
 
 
+def target_names(targets):
+    """'wq,wv' or ['wq', 'wv'] -> ['wq', 'wv']: peft's target_modules takes either."""
+    if isinstance(targets, str):
+        targets = targets.split(",")
+    elif isinstance(targets, (set, frozenset)):
+        targets = sorted(targets)
+    if not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
+        raise UserError(f"targets must be a comma-separated string or a list of layer names, "
+                        f"got {targets!r}")
+    names = [t.strip() for t in targets if t.strip()]
+    if not names:
+        raise UserError("no targets: name the linear layers to adapt (e.g. wq,wv)")
+    return names
+
+
 def target_linears(model, targets):
     """(name, nn.Linear) whose qualified name equals a target or ends with '.' + target:
-    'wq' picks every layer's query projection, 'layers.0.attention.wq' only layer 0's."""
-    wanted = [t.strip() for t in targets.split(",") if t.strip()]
-    found = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)
-             and any(n == t or n.endswith("." + t) for t in wanted)]
-    if not found:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                        if isinstance(m, nn.Linear)})
-        raise UserError(f"--targets {targets!r} match no linear layer (names: {', '.join(names)})")
-    return found
+    'wq' picks every layer's query projection, 'layers.0.attention.wq' only layer 0's.
+    A target that matches nothing is refused (peft too): a typo would adapt less, silently."""
+    wanted = target_names(targets)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    hits = lambda t: [(n, m) for n, m in linears if n == t or n.endswith("." + t)]
+    unknown = [t for t in wanted if not hits(t)]
+    if unknown:
+        names = sorted({n.rsplit(".", 1)[-1] for n, _ in linears})
+        raise UserError(f"unknown target(s) {', '.join(map(repr, unknown))}: the linear layers "
+                        f"are {', '.join(names)} (or a full name such as {linears[0][0]})")
+    return [(n, m) for n, m in linears if any(n == t or n.endswith("." + t) for t in wanted)]
 
 
 def apply_adapters(model, method, targets=ALL_LINEARS, rank=8, alpha=16.0, rslora=False,
                    dropout=0.0, seed=0, quant_block=64, double_quant=True, dq_block=256,
                    vera_rank=0, vera_d_init=0.1):
     """Freeze the model and swap the target nn.Linear layers for adapted ones, in place.
-    'full' trains everything and swaps nothing. Same seed -> same A on every rank."""
+    'full' trains everything and swaps nothing. Same seed -> same A on every rank.
+    -> the adapter's spec (plain dict): method, hyper-parameters as resolved, the adapted
+    layers' names and the base's identity, which save_adapter writes into the file."""
     if method not in METHODS:
         raise UserError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
+    if adapters(model):
+        raise UserError("this model already carries adapters: adapt a fresh base model")
+    spec = dict(method=method, base_sha256=base_fingerprint(model), targets=[])
     if method == "full":
         model.requires_grad_(True)
-        return []
+        return spec
     found = target_linears(model, targets)
     if method == "vera":   # default rank: the largest every target layer allows
         rank = vera_rank or min(min(m.in_features, m.out_features) for _, m in found)
@@ -319,6 +372,10 @@ def apply_adapters(model, method, targets=ALL_LINEARS, rank=8, alpha=16.0, rslor
         if method == "qlora" and m.weight.numel() % quant_block:
             raise UserError(f"QLoRA: {name} has {m.weight.numel()} weights, not a multiple "
                             f"of the NF4 block ({quant_block})")
+    spec.update(targets=[n for n, _ in found], hparams=dict(
+        targets=target_names(targets), rank=rank, alpha=alpha, rslora=rslora, dropout=dropout,
+        seed=seed, quant_block=quant_block, double_quant=double_quant, dq_block=dq_block,
+        vera_rank=vera_rank, vera_d_init=vera_d_init))
     model.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)
     kw = dict(rank=rank, alpha=alpha, rslora=rslora, dropout=dropout, gen=gen)
@@ -333,7 +390,7 @@ def apply_adapters(model, method, targets=ALL_LINEARS, rank=8, alpha=16.0, rslor
         parent, _, child = name.rpartition(".")
         new = ADAPTER_CLASS.get(method, LoRALinear)(m, **kw).to(m.weight.device)
         setattr(model.get_submodule(parent) if parent else model, child, new)
-    return found
+    return spec
 
 
 def adapters(model):
@@ -343,6 +400,134 @@ def adapters(model):
 def merge_all(model, merge=True):                 # merge=False: unmerge
     for m in adapters(model):
         m.merge() if merge else m.unmerge()
+
+
+# ----------------------------------------------------------------------------------------
+# An adapter outside its run: a file complete enough to rebuild the adapted model, checked
+# on load; merge-and-unload into a plain GPT that every other script reads.
+
+ADAPTER_FORMAT, ADAPTER_VERSION = "nanoscale-lora-adapter", 1
+ADAPTER_TENSORS = ("lora_A", "lora_B", "magnitude", "vera_d", "vera_b")   # per layer
+VERA_PAIR = ("vera_shared.A", "vera_shared.B")                           # once per model
+
+
+def base_fingerprint(model):
+    """sha256 of the base model's state (names, dtypes, shapes, bytes): its identity. An
+    adapter is a difference from ONE W0; added to another base it is noise."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def adapter_state(model):
+    """What an adapter file holds: each layer's adapter tensors and, for VeRA, the shared
+    frozen pair (without it, d and b scale random matrices nobody can rebuild)."""
+    return {n: t.detach().cpu() for n, t in model.state_dict().items()
+            if n in VERA_PAIR or n.rsplit(".", 1)[-1] in ADAPTER_TENSORS}
+
+
+def save_adapter(model, spec, path, training=None):
+    """One file, plain types only (loads with torch.load(weights_only=True)): the spec
+    apply_adapters returned, the adapter tensors, the base config; written atomically."""
+    if spec["method"] == "full":
+        raise UserError("full fine-tuning changes every weight: there is no adapter to save; "
+                        "write the model with --export instead")
+    payload = dict(format=ADAPTER_FORMAT, version=ADAPTER_VERSION, method=spec["method"],
+                   hparams=spec["hparams"], targets=spec["targets"],
+                   base=dict(sha256=spec["base_sha256"], config=asdict(model.config)),
+                   tensors=adapter_state(model), training=training or {})
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save(payload, path + ".tmp")
+    os.replace(path + ".tmp", path)            # a crash mid-save never leaves half a file
+
+
+def read_adapter(path):
+    """-> the adapter file's dict, or one UserError line: missing, unreadable (corrupt, or
+    not plain data: nothing a user hands us is unpickled), or not an adapter file."""
+    if not os.path.exists(path):
+        raise UserError(f"adapter file {path!r} not found (write one with lora.py --save)")
+    try:
+        with warnings.catch_warnings():        # e.g. "pickle protocol 4": the error says it
+            warnings.simplefilter("ignore")
+            ad = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:     # zip, pickle, or "unsupported global": all mean "not ours"
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise UserError(f"cannot read adapter file {path!r}: {why}") from None
+    keys = ("method", "hparams", "targets", "base", "tensors")
+    if not isinstance(ad, dict) or ad.get("format") != ADAPTER_FORMAT or \
+            not all(k in ad for k in keys) or not isinstance(ad["tensors"], dict) or \
+            not all(isinstance(t, torch.Tensor) for t in ad["tensors"].values()):
+        raise UserError(f"{path!r} is not a lora.py adapter file (write one with --save)")
+    if ad.get("version") != ADAPTER_VERSION:
+        raise UserError(f"adapter file {path!r} has version {ad.get('version')!r}; this "
+                        f"lora.py reads version {ADAPTER_VERSION}")
+    unknown = set(ad["hparams"]) - set(inspect.signature(apply_adapters).parameters)
+    if ad["method"] not in METHODS or ad["method"] == "full" or unknown:
+        raise UserError(f"adapter file {path!r}: unknown method {ad['method']!r} or "
+                        f"settings {sorted(unknown)}")
+    return ad
+
+
+def load_adapter(model, ad, path="adapter"):
+    """Rebuild the adapted model on `model` (the base) from read_adapter's dict, in place.
+    Refused, in one line: another base, a tensor missing, extra or reshaped, and a VeRA
+    pair that is missing or is not the one its seed makes. -> the spec."""
+    mine, theirs = base_fingerprint(model), ad["base"]["sha256"]
+    if mine != theirs:
+        raise UserError(f"adapter {path!r} was trained on another base model (weights sha256 "
+                        f"{theirs[:12]}…, this base {mine[:12]}…): load it on its own base")
+    try:
+        spec = apply_adapters(model, ad["method"], **ad["hparams"])
+    except UserError:
+        raise
+    except (TypeError, ValueError) as e:      # settings of the wrong type in the file
+        raise UserError(f"adapter file {path!r} has unusable settings: {e}") from None
+    want, got = adapter_state(model), ad["tensors"]
+    if ad["method"] == "vera":                 # the frozen pair: present, and the right one
+        if not all(k in got for k in VERA_PAIR):
+            raise UserError(f"VeRA adapter {path!r} lacks its shared frozen pair "
+                            f"({', '.join(VERA_PAIR)}): its d and b cannot be used without it")
+        for k in VERA_PAIR:
+            if got[k].shape != want[k].shape or not torch.equal(got[k], want[k]):
+                raise UserError(f"VeRA adapter {path!r}: {k} is not the pair that seed "
+                                f"{spec['hparams']['seed']} makes ({tuple(want[k].shape)})")
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    bad = [k for k in want if k in got and got[k].shape != want[k].shape]
+    if missing or extra or bad or spec["targets"] != ad["targets"]:
+        raise UserError(f"adapter {path!r} does not fit: missing {missing[:3]}, unexpected "
+                        f"{extra[:3]}, other shape {bad[:3]}")
+    model.load_state_dict(got, strict=False)   # strict=False: the base's keys are not in it
+    return spec
+
+
+@torch.no_grad()
+def merge_and_unload(model):
+    """-> a plain GPT (no adapter module, no adapter tensor) whose adapted weights are the
+    merged W0 + ΔW: its checkpoint is train.py's, read by load_model, serve.py, every
+    script. `model` is left as it was (merged or not: it can still unmerge). QLoRA: the
+    merged W is fp32 (4 bits cannot hold W0 + ΔW)."""
+    plain = GPT(model.config, seed=None).to(model.output.weight.device)
+    have = model.state_dict()
+    state = {k: have[k] for k in plain.state_dict() if k in have}
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            state[name + ".weight"] = m.weight if m.merged else m.merged_weight(m.base_weight())
+    plain.load_state_dict(state)               # strict: exactly a plain GPT's keys
+    return plain.train(model.training)
+
+
+def export_checkpoint(plain, enc, path, spec):
+    """train.py's checkpoint format (config, model, tokenizer) + where it came from."""
+    ckpt = dict(config=asdict(plain.config), tokenizer=data.encoding_to_state(enc),
+                model={k: v.detach().cpu() for k, v in plain.state_dict().items()},
+                merged_from=dict(method=spec["method"], base_sha256=spec["base_sha256"],
+                                 targets=spec["targets"]))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save(ckpt, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def make_optimizer(model, method, lr, loraplus_ratio=16.0, weight_decay=0.0):
@@ -592,6 +777,52 @@ def adapter_kwargs(args):
                 vera_rank=args.vera_rank, vera_d_init=args.vera_d_init)
 
 
+def adapt(model, method, args, loaded=None):
+    """Adapt `model` in place: from the --load file (checked) or from the flags. -> spec."""
+    if loaded is not None:
+        return load_adapter(model, loaded, args.load)
+    return apply_adapters(model, method, **adapter_kwargs(args))
+
+
+def merge_error(model, pairs, device):
+    """max |logits of merge_and_unload's plain GPT - logits of the adapted model|."""
+    model.eval()
+    with torch.no_grad():
+        x, _ = collate(pairs, device)
+        err = (merge_and_unload(model)(x)[0] - model(x)[0]).abs().max().item()
+    model.train()
+    return err
+
+
+def write_outputs(model, spec, enc, args, rt):
+    """--save: the adapter file; --export: the merged, unloaded model as a checkpoint."""
+    if not rt.is_main:
+        return
+    if args.save:
+        save_adapter(model, spec, args.save, training=dict(
+            steps=args.steps if args.mode == "train" else 0, lr=args.lr or DEFAULT_LR[
+                spec["method"]], loraplus_ratio=args.loraplus_ratio, loaded_from=args.load))
+        print0(f"adapter ({spec['method']}, {len(spec['targets'])} layers) written to {args.save}")
+    if args.export:
+        plain = model if spec["method"] == "full" else merge_and_unload(model)
+        export_checkpoint(plain, enc, args.export, spec)
+        print0(f"merged model (a plain GPT, train.py's checkpoint format) written to "
+               f"{args.export}: python serve.py --ckpt {args.export}")
+
+
+def evaluate_loaded(args, rt, base, enc, loaded):
+    """eval mode: the --load adapter on its base, evaluated, merge-checked, exported."""
+    model = copy.deepcopy(base)
+    spec = adapt(model, None, args, loaded)
+    _, test, test_pairs = task_data(enc, args)
+    acc, loss = evaluate(model, enc, test, test_pairs, rt.device)
+    err = merge_error(model, test_pairs, rt.device) if test_pairs else float("nan")
+    print0(f"{args.load}: {spec['method']} adapter on {len(spec['targets'])} layers of "
+           f"{args.ckpt} (base sha256 {spec['base_sha256'][:12]}…) | test exact match "
+           f"{acc:.1%} | answer loss {loss:.3f} | merged-model logits differ by {err:.1e}")
+    write_outputs(model, spec, enc, args, rt)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.estimate:
@@ -599,9 +830,13 @@ def main(argv=None):
     rt = setup_runtime(args.device)
     torch.set_num_threads(args.threads)
     base, enc = build_base(args, rt.device)
-    methods = args.methods.split(",") if args.mode == "compare" else [args.method]
-    for m in methods:                              # fail on bad flags before any training
-        apply_adapters(copy.deepcopy(base), m, **adapter_kwargs(args))
+    loaded = read_adapter(args.load) if args.load else None
+    if args.mode == "eval":
+        return evaluate_loaded(args, rt, base, enc, loaded)
+    methods = (args.methods.split(",") if args.mode == "compare" else
+               [loaded["method"] if loaded else args.method])
+    for m in methods:                 # fail on bad flags or a bad file before any training
+        adapt(copy.deepcopy(base), m, args, loaded)
     train_pairs, test, test_pairs = task_data(enc, args)
     t0 = time.perf_counter()
     base_quality = evaluate(base, enc, test, test_pairs, rt.device)
@@ -612,19 +847,13 @@ def main(argv=None):
     rows = []
     for method in methods:           # adapt a copy of the base, fine-tune, evaluate, merge
         model = copy.deepcopy(base)
-        apply_adapters(model, method, **adapter_kwargs(args))
+        spec = adapt(model, method, args, loaded)
         seed_everything(args.seed)                 # same dropout masks for every method
         comm.reset()
         run = finetune(model, method, train_pairs, args, rt)
         quality = evaluate(model, enc, test, test_pairs, rt.device)
-        if method != "full" and test_pairs:        # merged weights == unmerged adapter?
-            model.eval()
-            with torch.no_grad():
-                x, _ = collate(test_pairs, rt.device)
-                before = model(x)[0]
-                merge_all(model)
-                run["merge_err"] = (model(x)[0] - before).abs().max().item()
-                merge_all(model, False)
+        if method != "full" and test_pairs:        # the merged plain GPT == the adapter?
+            run["merge_err"] = merge_error(model, test_pairs, rt.device)
         print0(f"{method}: trained {args.steps} steps in {run['seconds']:.1f} s | test exact match "
                f"{quality[0]:.1%} (base {base_quality[0]:.1%}) | answer loss "
                f"{quality[1]:.3f} (base {base_quality[1]:.3f})")
@@ -636,9 +865,7 @@ def main(argv=None):
     print_ledger(rows)
     nf4_bits_report(base, args.quant_block, args.dq_block, args.targets)
     print0(f"total {time.perf_counter() - t0:.0f} s")
-    if args.save and rt.is_main:
-        torch.save({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
-                   args.save)
+    write_outputs(model, spec, enc, args, rt)
     return rows
 
 
@@ -647,8 +874,9 @@ def parse_args(argv=None):
         description="Fine-tune the base GPT on arithmetic with LoRA, LoRA+, QLoRA, VeRA, "
                     "DoRA or full fine-tuning, and print what each costs.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("mode", nargs="?", default="train", choices=["train", "compare"],
-                   help="train: one --method; compare: every method in --methods, one table")
+    p.add_argument("mode", nargs="?", default="train", choices=["train", "compare", "eval"],
+                   help="train: one --method (or continue --load); compare: every method in "
+                        "--methods, one table; eval: evaluate (and --export) the --load adapter")
     p.add_argument("--method", default="lora", help=f"one of {', '.join(METHODS)}")
     p.add_argument("--methods", default=",".join(METHODS), help="compare: methods to run")
     g = p.add_argument_group("adapters")
@@ -681,7 +909,12 @@ def parse_args(argv=None):
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matmuls)")
     g.add_argument("--log-interval", type=int, default=25, help="steps between log lines")
-    g.add_argument("--save", default="", help="write the trained parameters to this file")
+    g.add_argument("--save", default="", help="write the adapter file (method, settings, "
+                   "tensors, base identity) here, e.g. out/lora/adapter.pt")
+    g.add_argument("--load", default="", help="start from this adapter file: its method and "
+                   "settings replace the adapter flags; checked against --ckpt")
+    g.add_argument("--export", default="", help="write the merged, unloaded model here as a "
+                   "checkpoint that serve.py and every script read, e.g. out/lora/merged.pt")
     g.add_argument("--estimate", default="", help="memory arithmetic for 65B or 70B, exit")
     g.add_argument("--est-rank", type=int, default=64, help="--estimate: LoRA rank")
     g.add_argument("--est-seq", type=int, default=512, help="--estimate: tokens per step")
@@ -692,6 +925,12 @@ def parse_args(argv=None):
         raise UserError(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.quant_block % 2:
         raise UserError("--quant-block must be even (two 4-bit codes per byte)")
+    if args.mode == "eval" and not args.load:
+        raise UserError("eval mode evaluates an adapter file: give --load PATH")
+    if args.mode == "compare" and (args.load or args.save or args.export):
+        raise UserError("--load, --save and --export work on one adapter: use train or eval mode")
+    if args.method == "full" and args.save and not args.load:
+        raise UserError("full fine-tuning has no adapter to --save: write the model with --export")
     return args
 
 

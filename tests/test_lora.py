@@ -1,19 +1,28 @@
 # Tests for lora.py: every adapter starts exactly at the base model, merging equals the
 # unmerged adapter, only adapter parameters get gradients, LoRA+ learning rates, NF4
 # (codebook, nearest level, error bound, packing, bits/param), DoRA == LoRA when m = ‖W0+ΔW‖,
-# VeRA's shared pair stored once, data parallelism == one process, and the user errors.
+# VeRA's shared pair stored once (and peft's init), DoRA's dropout as peft's, data
+# parallelism == one process, the user errors; adapter files (save -> reload in a fresh
+# process, refusals), merge_and_unload -> a plain GPT that load_model and the serving
+# engine read.
 import argparse
 import copy
+import math
+import pickle
+from dataclasses import asdict
 
 import pytest
 import torch
 
+import data
 import lora
 from harness import run_python, torchrun
-from model import GPT, get_config
+from model import GPT, get_config, load_model
 from plumbing import UserError
+from serve import Engine, SamplingParams
 
-# The NF4 levels as typed in REFERENCE.md (bitsandbytes), not copied from lora.py.
+# The NF4 levels as bitsandbytes defines them (QLoRA, Dettmers et al. 2023, Appendix E),
+# typed here, not copied from lora.py.
 NF4_REFERENCE = [
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
@@ -274,14 +283,20 @@ def test_vera_shared_pair_is_stored_once():
 def test_user_errors():
     with pytest.raises(UserError, match="rank 17 is impossible"):
         adapted("lora", rank=17)                              # wk is 16×32 in tiny
-    with pytest.raises(UserError, match="match no linear layer"):
+    valid = "output, w1, w2, w3, wk, wo, wq, wv"
+    with pytest.raises(UserError, match=f"unknown target.*'q_proj'.*are {valid}"):
         adapted("lora", targets="q_proj,v_proj")
+    with pytest.raises(UserError, match="unknown target.*'v_proj'"):   # one typo of two
+        adapted("lora", targets=["wq", "v_proj"])
     with pytest.raises(UserError, match="multiple of the NF4 block"):
         lora.apply_adapters(tiny(n_embd=40), "qlora", rank=2)  # wk: 20×40 = 800 weights
     with pytest.raises(UserError, match="unknown method"):
         adapted("ia3")
-    targets = lora.apply_adapters(tiny(), "lora", targets="layers.1.attention.wq", rank=2)
-    assert [n for n, _ in targets] == ["layers.1.attention.wq"]
+    spec = lora.apply_adapters(tiny(), "lora", targets="layers.1.attention.wq", rank=2)
+    assert spec["targets"] == ["layers.1.attention.wq"]
+    model = adapted("lora")
+    with pytest.raises(UserError, match="already carries adapters"):
+        lora.apply_adapters(model, "lora")
     r = run_python("lora.py", ["--ckpt", "/nonexistent.pt"], timeout=60)
     assert r.returncode == 2 and r.output.strip().splitlines() == [
         "error: checkpoint '/nonexistent.pt' not found (train one first: python train.py)"]
@@ -317,10 +332,219 @@ def test_data_parallel_two_ranks_equal_one_process(tmp_path):
     model = copy.deepcopy(base)
     lora.apply_adapters(model, method, **lora.adapter_kwargs(args))
     lora.finetune(model, method, pairs, args, log=False)
-    dp = torch.load(out)
+    dp = lora.read_adapter(str(out))["tensors"]
     mine = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     assert dp.keys() == mine.keys()
     for n in mine:
         torch.testing.assert_close(dp[n], mine[n], rtol=1e-4, atol=2e-5)
     b = [m.lora_B for m in lora.adapters(model)]
     assert max(x.abs().max().item() for x in b) > 1e-3       # training did move B off 0
+
+
+# ---------------------------------------------------------------------------- conventions
+def test_targets_as_a_list_or_a_string():
+    """peft's target_modules takes a list; ours takes that or 'wq,wv': the same layers."""
+    names = {}
+    for targets in ("wq,wv", ["wq", "wv"], ("wv", "wq"), {"wv", "wq"}, " wq , wv "):
+        names[repr(targets)] = lora.apply_adapters(tiny(), "lora", targets=targets)["targets"]
+    assert len({tuple(v) for v in names.values()}) == 1
+    assert names["'wq,wv'"] == [f"layers.{i}.attention.{w}" for i in (0, 1) for w in ("wq", "wv")]
+    with pytest.raises(UserError, match="comma-separated string or a list"):
+        lora.apply_adapters(tiny(), "lora", targets=7)
+
+
+def test_vera_shared_pair_has_peft_kaiming_init():
+    """peft's VeRA _kaiming_init: U(±√3·√2/√fan_in) = U(±√(6/fan_in)), fan_in = columns:
+    A (r×in) with in, B (out×r) with r. LoRA's bound 1/√fan_in would be √6 times smaller."""
+    model = adapted("vera", vera_rank=8)
+    for t, fan_in in ((model.vera_shared.A, 96), (model.vera_shared.B, 8)):
+        bound = math.sqrt(6 / fan_in)
+        assert t.abs().max() <= bound
+        assert t.abs().max() > 0.95 * bound                     # not a smaller bound
+        assert t.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.1)   # uniform
+
+
+def test_dora_training_dropout_is_peft_formulation():
+    """In training with dropout p, peft's DoRA: y = W0 x + (m/‖V‖ - 1)·W0 drop(x) +
+    (m/‖V‖)·s·BA drop(x), the same mask in both terms; eval: W' x (DoRA's Eq. 5)."""
+    gen = torch.Generator().manual_seed(0)
+    layer = lora.DoRALinear(torch.nn.Linear(32, 16, bias=False), rank=4, alpha=8, dropout=0.5,
+                            gen=gen)
+    with torch.no_grad():
+        layer.lora_B.normal_(generator=gen)
+        layer.magnitude.mul_(1.5)
+    x = torch.randn(5, 32, generator=gen)
+    torch.manual_seed(123)
+    y = layer(x)
+    torch.manual_seed(123)
+    dropped = x * torch.nn.functional.dropout(torch.ones_like(x), 0.5)
+    w0, ba = layer.weight, 2.0 * layer.lora_B @ layer.lora_A
+    scale = layer.magnitude / (w0 + ba).norm(dim=1)
+    ref = x @ w0.T + (scale - 1) * (dropped @ w0.T) + scale * (dropped @ ba.T)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-5)
+    paper_form = scale * (x @ w0.T + dropped @ ba.T)     # what the scaled-sum form gave
+    assert (y - paper_form).abs().max() > 1e-2
+    layer.eval()
+    torch.testing.assert_close(layer(x), x @ (scale[:, None] * (w0 + ba)).T, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- adapter files
+def trained(method, seed=0):
+    """An adapted tiny model with non-trivial adapters (as after training), and its spec."""
+    model = tiny(seed)
+    spec = lora.apply_adapters(model, method, rank=4, seed=7, dropout=0.1, vera_rank=8)
+    randomize_adapters(model)
+    return model.eval(), spec
+
+
+def write_base(path, seed=0, **overrides):
+    """The base as a train.py-format checkpoint (config, model, tokenizer)."""
+    base = tiny(seed, **overrides)
+    torch.save(dict(config=asdict(base.config), model=base.state_dict(),
+                    tokenizer=data.encoding_to_state(BYTES)), path)
+    return base
+
+
+BYTES = data.make_encoding({bytes([i]): i for i in range(256)})
+RELOAD = """
+import sys, torch, lora
+from model import load_model
+torch.manual_seed(12345)                 # a different seed from the saving process
+base, x, out, *adapters = sys.argv[1:]
+logits = {}
+for path in adapters:
+    model, _ = load_model(base)
+    spec = lora.load_adapter(model, lora.read_adapter(path), path)
+    logits[spec["method"]] = model.eval()(torch.load(x))[0]
+torch.save(logits, out)
+"""
+
+
+def test_save_then_reload_in_a_fresh_process_gives_identical_outputs(tmp_path):
+    """All five methods: save, then a new process with another seed rebuilds each adapted
+    model from the base checkpoint + the adapter file alone: the same logits, bit for bit."""
+    write_base(tmp_path / "base.pt")
+    x = tokens()
+    torch.save(x, tmp_path / "x.pt")
+    want, files = {}, []
+    for method in ADAPTERS:
+        model, spec = trained(method)
+        want[method] = model(x)[0]
+        files.append(tmp_path / f"{method}.pt")
+        lora.save_adapter(model, spec, str(files[-1]))
+        ad = torch.load(files[-1], weights_only=True)              # plain data only
+        assert ad["method"] == method and ad["hparams"]["rank"] == (8 if method == "vera" else 4)
+        assert ad["base"]["sha256"] == lora.base_fingerprint(tiny())
+    (tmp_path / "reload.py").write_text(RELOAD)
+    r = run_python(tmp_path / "reload.py", [tmp_path / "base.pt", tmp_path / "x.pt",
+                                            tmp_path / "got.pt", *files], timeout=120)
+    assert r.returncode == 0, r.output
+    got = torch.load(tmp_path / "got.pt", weights_only=True)
+    assert set(got) == set(ADAPTERS)
+    for method in ADAPTERS:
+        torch.testing.assert_close(got[method], want[method], rtol=0, atol=0)
+        assert (want[method] - tiny()(x)[0]).abs().max() > 1e-3     # the adapter matters
+
+
+def test_vera_without_or_with_another_pair_is_refused(tmp_path):
+    model, spec = trained("vera")
+    lora.save_adapter(model, spec, str(tmp_path / "v.pt"))
+    ad = lora.read_adapter(str(tmp_path / "v.pt"))
+    lora.load_adapter(tiny(), ad)                                   # the right pair loads
+    for change, why in ((lambda t: t.pop("vera_shared.A"), "lacks its shared frozen pair"),
+                        (lambda t: t["vera_shared.B"].mul_(1.01), "not the pair that seed 7"),
+                        (lambda t: t.update({"vera_shared.A": t["vera_shared.A"][:4]}),
+                         "not the pair that seed 7")):
+        bad = copy.deepcopy(ad)
+        change(bad["tensors"])
+        with pytest.raises(UserError, match=why):
+            lora.load_adapter(tiny(), bad)
+    bad = copy.deepcopy(ad)
+    bad["tensors"].pop("layers.0.attention.wq.vera_b")
+    with pytest.raises(UserError, match="missing .'layers.0.attention.wq.vera_b'"):
+        lora.load_adapter(tiny(), bad)
+
+
+def test_adapter_on_another_base_is_refused(tmp_path):
+    model, spec = trained("lora")
+    lora.save_adapter(model, spec, str(tmp_path / "a.pt"))
+    ad = lora.read_adapter(str(tmp_path / "a.pt"))
+    with pytest.raises(UserError, match="trained on another base model"):
+        lora.load_adapter(tiny(seed=1), ad)                         # same shapes, other W0
+    nudged = tiny()
+    with torch.no_grad():
+        nudged.layers[1].feed_forward.w2.weight[0, 0] += 1e-6      # one weight, by 1e-6
+    with pytest.raises(UserError, match="trained on another base model"):
+        lora.load_adapter(nudged, ad)
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("unpickled!",))
+
+
+def test_bad_files_are_one_line_errors(tmp_path):
+    """Garbage, a pickle that would run code, a checkpoint that is not an adapter: each one
+    UserError (weights_only=True never runs the pickle), and exit 2 with one line."""
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file at all")
+    with open(tmp_path / "evil.pt", "wb") as f:
+        pickle.dump({"format": lora.ADAPTER_FORMAT, "x": Evil()}, f)
+    write_base(tmp_path / "base.pt")
+    for name, why in (("junk.pt", "cannot read adapter file"), ("evil.pt", "cannot read"),
+                      ("base.pt", "is not a lora.py adapter file"), ("none.pt", "not found")):
+        with pytest.raises(UserError, match=why):
+            lora.read_adapter(str(tmp_path / name))
+    r = run_python("lora.py", ["eval", "--ckpt", tmp_path / "base.pt", "--load",
+                               tmp_path / "evil.pt"], timeout=60)
+    assert r.returncode == 2 and "unpickled!" not in r.output
+    assert r.output.strip().splitlines()[-1].startswith("error: cannot read adapter file")
+    assert len(r.output.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------- merge, unload, serve
+@pytest.mark.parametrize("method", ADAPTERS)
+def test_merge_and_unload_is_a_plain_gpt_that_load_model_and_the_engine_read(method, tmp_path):
+    model, spec = trained(method)
+    x = tokens()
+    plain = lora.merge_and_unload(model)
+    assert type(plain) is GPT and not lora.adapters(plain)
+    assert set(plain.state_dict()) == set(tiny().state_dict())     # no adapter tensors
+    torch.testing.assert_close(plain.eval()(x)[0], model(x)[0], rtol=0, atol=1e-5)
+    lora.merge_all(model)                          # the adapted model can still merge ...
+    lora.merge_all(model, False)                   # ... and unmerge: it was not touched
+    lora.export_checkpoint(plain, BYTES, str(tmp_path / "merged.pt"), spec)
+    served, ckpt = load_model(str(tmp_path / "merged.pt"))
+    assert ckpt["merged_from"]["method"] == method
+    prompts = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38]]
+    want = [model.generate(p, 12, temperature=0) for p in prompts]
+    seqs = Engine(served.eval(), block_size=4, num_blocks=32).generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0))
+    assert [s.output_ids for s in seqs] == want
+
+
+@pytest.mark.slow
+def test_cli_save_continue_eval_export(tmp_path):
+    """The user's path: train + --save; --load continues training (from the file's
+    method and tensors); eval --load evaluates and --export writes the merged model."""
+    common = ["--ckpt", tmp_path / "base.pt", "--n-train", 200, "--eval-problems", 20,
+              "--batch-size", 4, "--warmup", 1, "--log-interval", 1]
+    write_base(tmp_path / "base.pt", vocab_size=BYTES.n_vocab)     # decodable answers
+    r = run_python("lora.py", [*common, "--method", "vera", "--steps", 2, "--save",
+                               tmp_path / "a.pt"], timeout=120)
+    assert r.returncode == 0, r.output
+    r = run_python("lora.py", [*common, "--load", tmp_path / "a.pt", "--steps", 2, "--seed", 3,
+                               "--save", tmp_path / "b.pt"], timeout=120)
+    assert r.returncode == 0, r.output
+    assert "step    2 | vera" in r.output
+    a, b = (lora.read_adapter(str(tmp_path / n)) for n in ("a.pt", "b.pt"))
+    assert b["training"]["loaded_from"] == str(tmp_path / "a.pt")
+    assert any((a["tensors"][k] - b["tensors"][k]).abs().max() > 0 for k in a["tensors"])
+    r = run_python("lora.py", ["eval", *common, "--load", tmp_path / "b.pt", "--export",
+                               tmp_path / "m.pt"], timeout=120)
+    assert r.returncode == 0, r.output
+    assert "vera adapter on 14 layers" in r.output and "written to" in r.output
+    merged, _ = load_model(str(tmp_path / "m.pt"))
+    model = tiny(vocab_size=BYTES.n_vocab)
+    lora.load_adapter(model, b)
+    x = tokens(vocab=BYTES.n_vocab)
+    torch.testing.assert_close(merged.eval()(x)[0], model.eval()(x)[0], rtol=0, atol=1e-5)
