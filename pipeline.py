@@ -111,11 +111,12 @@ class Stage(nn.Module):
         return logits if targets is None else self.loss_fn(logits, targets)
 
 
-def build_stages(model, schedule, n_ranks, pp_rank, loss_fn, cos, sin):
-    """stage id -> Stage for the stages this pp rank holds (1, or 2 for DualPipeV)."""
+def build_stages(model, schedule, n_ranks, pp_rank, loss_fn, cos, sin, make_stage=Stage):
+    """stage id -> Stage for the stages this pp rank holds (1, or 2 for DualPipeV).
+    make_stage: Stage or a subclass (parallel.py's ShardedStage meters each forward)."""
     n_stages = 2 * n_ranks if schedule == "dualpipev" else n_ranks
     owner = stage_ranks(schedule, n_ranks)
-    return {s: Stage(model, s, n_stages, layers, loss_fn, cos, sin)
+    return {s: make_stage(model, s, n_stages, layers, loss_fn, cos, sin)
             for s, layers in enumerate(split_layers(model.config.n_layer, n_stages))
             if owner[s] == pp_rank}
 
