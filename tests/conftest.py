@@ -1,5 +1,9 @@
 # Shared by every test file: the repo root on sys.path (the scripts are flat modules),
-# and the `slow` marker for tests that take more than a few seconds.
+# the `slow` marker for tests that take more than a few seconds, and the skips of the GPU
+# tiers (markers `gpu`: needs CUDA, `multigpu`: needs >= 2 CUDA devices; registered in
+# pytest.ini). Where the hardware is missing those tests are skipped with the reason shown
+# (-ra prints it), so a CPU-only CI runs what it ran before; `python -m pytest -m gpu`
+# selects the GPU tier.
 import glob
 import os
 import sys
@@ -13,6 +17,28 @@ sys.path.insert(0, ROOT)
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than a few seconds (still run by default)")
+
+
+def _missing_hardware():
+    """-> (reason the gpu tier skips or None, reason the multigpu tier skips or None)."""
+    import torch                      # here, not at import: collecting stays torch-free
+    if not torch.cuda.is_available():
+        why = (f"needs CUDA: torch {torch.__version__} sees no GPU"
+               + ("" if torch.version.cuda else " (a CPU-only build: see docs/gpu.md)"))
+        return why, why.replace("needs CUDA", "needs >= 2 GPUs")
+    n = torch.cuda.device_count()
+    return None, (f"needs >= 2 GPUs, found {n}" if n < 2 else None)
+
+
+def pytest_collection_modifyitems(config, items):
+    marked = [it for it in items if "gpu" in it.keywords or "multigpu" in it.keywords]
+    if not marked:
+        return
+    no_gpu, no_multi = _missing_hardware()
+    for item in marked:
+        reason = no_multi if "multigpu" in item.keywords else no_gpu
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")
