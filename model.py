@@ -15,8 +15,12 @@ A Llama-style decoder (Touvron et al. 2023), small enough to train on two CPU co
   - an untied output head by default (the embedding and the head are separate matrices).
 
 The attention math is ONE replaceable function per layer (`Attention.attn_fn`, signature
-`attn_fn(q, k, v, mask) -> out`), so ring attention (parallel.py), paged attention
+`attn_fn(q, k, v, mask) -> out`), so ring attention (ring_attention.py), paged attention
 (kvcache.py) and tree attention (spec_decode.py) plug in without copying the block.
+
+Checkpoints (end of file) are data only: torch.load(weights_only=True), so opening one
+never runs code; a folder in the Hugging Face Llama layout loads too (llama_format.py),
+and `python model.py export|convert` writes that layout / converts an old pickle.
 
 Costs to keep in mind while reading (Ψ = parameters, L layers, d width, T tokens):
   - parameters: ≈ L·(4d² · (1+g)/2 + 3·d·ffn) + 2·V·d with g = n_kv_head/n_head;
@@ -25,10 +29,16 @@ Costs to keep in mind while reading (Ψ = parameters, L layers, d width, T token
   - the KV cache costs 2·L·n_kv_head·head_dim·bytes per token of context: it is what
     makes decoding fast (no recomputation) and what serving runs out of.
 """
+import argparse
 import math
 import os
-from dataclasses import dataclass, fields
+import pickle
+import re
+import warnings
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Optional
+
+import numpy as np
 
 import torch
 import torch.nn as nn
@@ -319,7 +329,16 @@ class ExtraHead(nn.Module):
 
 class KVCache:
     """Contiguous per-layer buffers of shape (B, n_kv_head, max_len, head_dim). All rows of
-    the batch share one length (serve.py's paged cache lifts that restriction)."""
+    the batch share one length (kvcache.py's paged cache lifts that restriction).
+
+    The cache protocol -- all that GPT.forward asks of a cache object, so the caches of
+    kvcache.py (paged blocks) and spec_decode.py (a length per row) plug in:
+      - `length`: positions already filled (an int). forward() starts its default
+        positions and causal mask there; a cache that passes explicit positions and masks
+        may keep it at 0. Rolling back rejected tokens = setting it lower;
+      - `update(layer, k, v) -> (k_all, v_all)`: store this step's (B, H_kv, T, D) keys
+        and values of that layer, return every key and value to attend to;
+      - `advance(n)`: called once per forward after all layers, with T new tokens."""
 
     def __init__(self, cfg: GPTConfig, batch_size, max_len=None, device="cpu",
                  dtype=torch.float32, n_kv_head=None):
@@ -338,10 +357,6 @@ class KVCache:
 
     def advance(self, n):
         self.length += n
-
-    def truncate(self, length):
-        """Forget positions >= length (speculative decoding rolls back rejected drafts)."""
-        self.length = min(self.length, length)
 
     @property
     def nbytes(self):
@@ -511,21 +526,151 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 
 
 # ----------------------------------------------------------------------------------------
-# Checkpoints: one file with everything needed to rebuild the model anywhere.
+# Checkpoints: one file with everything needed to rebuild the model anywhere, holding data
+# only (dicts, lists, numbers, strings, tensors), so that torch.load(weights_only=True)
+# reads it. A pickle may name any Python callable and unpickling calls it: a checkpoint
+# from someone else, opened with weights_only=False, can run anything.
+
+CONVERT_HINT = "python model.py convert {path} NEW.pt"
+
+
+def load_checkpoint(path, map_location="cpu", what="checkpoint"):
+    """torch.load(path, weights_only=True), every failure one UserError naming the file.
+    Shared by every script that opens a .pt file a user named (or a cache it wrote)."""
+    if not os.path.exists(path):
+        raise UserError(f"{what} {path!r} not found")
+    if os.path.isdir(path):
+        raise UserError(f"{what} {path!r} is a folder, not a file")
+    try:
+        with warnings.catch_warnings():      # "pickle protocol 4" chatter from plain pickles
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if refused:
+            raise UserError(
+                f"{path} asks to run {refused[1]} when opened, which safe loading refuses "
+                f"(weights_only=True). If it is an older checkpoint of this repo and you trust "
+                f"its source, convert it once: {CONVERT_HINT.format(path=path)}") from None
+        raise UserError(f"{path} is not a PyTorch checkpoint (not a pickle of plain data)") \
+            from None
+    except EOFError:
+        raise UserError(f"{path} is empty or truncated (not a PyTorch checkpoint)") from None
+    except (RuntimeError, KeyError, ValueError, OSError) as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0][:120]
+        raise UserError(f"{path} is not a readable PyTorch checkpoint (truncated or another "
+                        f"format: {first})") from None
+
 
 def load_model(path, device="cpu"):
-    """-> (model, checkpoint dict). The checkpoint carries its config and its tokenizer
-    (`ckpt["tokenizer"]`, rebuilt with data.encoding_from_state), so no corpus is needed."""
+    """-> (model, checkpoint dict). The checkpoint carries its config (a plain dict) and its
+    tokenizer (`ckpt["tokenizer"]`, rebuilt with data.encoding_from_state), so no corpus is
+    needed. `path` may also be a Hugging Face Llama folder (config.json, model.safetensors,
+    tokenizer.json): the same (model, ckpt) comes back, so every script runs on it."""
     if not os.path.exists(path):
         raise UserError(f"checkpoint {path!r} not found (train one first: python train.py)")
-    ckpt = torch.load(path, map_location=device, weights_only=False)
+    if os.path.isdir(path):
+        # The seam for the Hugging Face layout; imported here because it imports this file.
+        import llama_format
+        model, ckpt = llama_format.load_folder(path, device)
+        return model, ckpt
+    ckpt = load_checkpoint(path, map_location=device)
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("config"), dict) \
+            or not isinstance(ckpt.get("model"), dict):
+        kind = type(ckpt).__name__ if not isinstance(ckpt, dict) else "a dict without " \
+            "'config' and 'model'"
+        raise UserError(f"{path} holds {kind}, not a checkpoint of this repo (train.py writes "
+                        "one dict with 'config', 'model', 'tokenizer')")
     if "quantization" in ckpt:
         # A checkpoint written by `quantize.py --save` stores integer codes + scales, a format
         # only quantize.py knows: it rebuilds a plain GPT with the dequantized weights.
         import quantize
         return quantize.model_from_checkpoint(ckpt, device), ckpt
-    cfg = GPTConfig(**ckpt["config"]).validate()
+    try:
+        cfg = GPTConfig(**ckpt["config"]).validate()
+    except TypeError as e:
+        raise UserError(f"{path}: its config does not fit this GPTConfig ({e})") from None
     model = GPT(cfg, seed=None).to(device)
-    model.load_state_dict(ckpt["model"])
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else "mismatch"
+        raise UserError(f"{path}: the weights do not match its config ({first[:160]})") from None
     return model, ckpt
 
+
+# ----------------------------------------------------------------------------------------
+# `python model.py export | convert`
+
+def plain(obj, where="checkpoint"):
+    """An old checkpoint's contents as plain data: dataclasses and argparse namespaces to
+    dicts, numpy arrays to tensors, numpy scalars to numbers; anything else is refused."""
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.Tensor)):
+        return obj
+    if isinstance(obj, dict):
+        return {k: plain(v, f"{where}[{k!r}]") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    if is_dataclass(obj):
+        return plain(asdict(obj), where)
+    if isinstance(obj, argparse.Namespace):
+        return plain(vars(obj), where)
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.astype(np.int64) if obj.dtype == np.uint32 else obj.copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise UserError(f"cannot convert {where}: a {type(obj).__module__}.{type(obj).__name__}")
+
+
+def convert(old, new):
+    """Rewrite a trusted old checkpoint as plain data. The ONE place in this repo that
+    unpickles with weights_only=False, and only because the user typed this command."""
+    if not os.path.isfile(old):
+        raise UserError(f"checkpoint {old!r} not found")
+    print(f"convert: opening {old} with weights_only=False -- this runs whatever code the "
+          "file contains; do it only for a file you trust")
+    try:
+        ckpt = torch.load(old, map_location="cpu", weights_only=False)
+    except Exception as e:      # any failure of an arbitrary pickle: report it, one line
+        raise UserError(f"{old} could not be read at all ({type(e).__name__}: {e})") from None
+    converted = plain(ckpt)
+    tmp = new + ".tmp"
+    os.makedirs(os.path.dirname(new) or ".", exist_ok=True)
+    torch.save(converted, tmp)
+    torch.load(tmp, weights_only=True)           # the point of it: prove it reads safely
+    os.replace(tmp, new)
+    print(f"convert: wrote {new} ({os.path.getsize(new) / 1e6:.1f} MB), loadable with "
+          "weights_only=True")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Checkpoint formats of the shared GPT: export "
+                                "to the Hugging Face Llama layout, convert an old pickle.")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="checkpoint -> Hugging Face Llama folder",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    e.add_argument("--checkpoint", default="out/ckpt.pt",
+                   help="a checkpoint of this repo (train.py, quantize.py) or a folder")
+    e.add_argument("--to", default="out/model/hf", help="folder to write")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the exported weights")
+    c = sub.add_parser("convert", help="old checkpoint (pickled objects) -> plain data; "
+                       "unpickles OLD with weights_only=False: only for files you trust")
+    c.add_argument("old", help="the old checkpoint")
+    c.add_argument("new", help="where to write the converted one")
+    args = p.parse_args(argv)
+    if args.command == "convert":
+        return convert(args.old, args.new)
+    import llama_format            # imports this file: a top-level import would be a cycle
+    model, ckpt = load_model(args.checkpoint)
+    if "tokenizer" not in ckpt:
+        raise UserError(f"{args.checkpoint} carries no tokenizer to export")
+    sizes = llama_format.export_model(model, ckpt["tokenizer"], args.to, args.dtype)
+    for name, n in sizes.items():
+        print(f"{os.path.join(args.to, name)}: {n / 1e6:.2f} MB")
+
+
+if __name__ == "__main__":
+    from plumbing import run_cli
+    run_cli(main)

@@ -38,13 +38,14 @@ import shutil
 import time
 from dataclasses import asdict
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import data
 import data_parallel
 import optim
-from model import GPT, GPTConfig, PRESETS, get_config
+from model import GPT, GPTConfig, PRESETS, get_config, load_checkpoint
 from plumbing import (ActivationMeter, StepTimer, UserError, comm, fmt_bytes, fmt_count,
                       gpu_peak_flops, model_state_bytes, print0, rng_state, run_cli,
                       seed_everything, set_rng_state, setup_runtime,
@@ -261,13 +262,44 @@ def save_checkpoint(path, model, optimizer, scaler, master, step, args, corpus, 
         weights = {**weights, **{n: p.detach() for n, p in zip(names, master.params)}}
     weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
     ckpt = dict(config=asdict(model.config), model=weights, optimizer=optimizer.state_dict(),
-                scaler=scaler.state_dict(), step=step, args=vars(args), rng=rng_state(),
+                scaler=scaler.state_dict(), step=step, args=vars(args), rng=plain_rng_state(),
                 tokenizer=data.encoding_to_state(corpus.enc), corpus=corpus.name,
                 history=history)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".tmp"
     torch.save(ckpt, tmp)
     os.replace(tmp, path)      # atomic: a crash mid-save never leaves half a checkpoint
+
+
+def plain_rng_state():
+    """plumbing.rng_state() as plain data: numpy's state is a tuple holding an ndarray (a
+    pickled numpy object, which torch.load(weights_only=True) refuses), so its MT19937 key
+    travels as an int64 tensor and the rest as numbers."""
+    state = rng_state()
+    name, key, pos, has_gauss, cached = state["numpy"]
+    state["numpy"] = [name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss),
+                      float(cached)]
+    return state
+
+
+def restore_rng_state(state):
+    """The inverse of plain_rng_state (also reads `python model.py convert`'s output)."""
+    name, key, pos, has_gauss, cached = state["numpy"]
+    key = np.asarray(key.tolist() if torch.is_tensor(key) else key, dtype=np.uint32)
+    set_rng_state({**state, "numpy": (name, key, int(pos), int(has_gauss), float(cached))})
+
+
+def load_resume(path, what):
+    """A checkpoint to resume from, read safely (weights_only=True), or one clear error."""
+    resume = load_checkpoint(path, map_location="cpu", what=what)
+    if isinstance(resume, dict) and "exported_from" in resume and "optimizer" not in resume:
+        raise UserError(f"{path} is a model export of a --dp run; resume it with "
+                        "--dp (from its sharded checkpoint)")
+    needed = ("config", "step", "rng", "tokenizer", "history", "scaler")
+    if not isinstance(resume, dict) or any(k not in resume for k in needed):
+        raise UserError(f"{path} is not a training checkpoint of this repo (needs "
+                        f"{', '.join(needed)})")
+    return resume
 
 
 # ----------------------------------------------------------------------------------------
@@ -363,14 +395,11 @@ def build(args, rt):
         if latest_shards(args) is None:
             raise UserError(f"--resume --dp: no sharded checkpoint in {shards_dir(args)!r} "
                             "(written by a --dp run with --save-interval)")
-        resume = torch.load(os.path.join(latest_shards(args), "meta.pt"), weights_only=False)
+        resume = load_resume(os.path.join(latest_shards(args), "meta.pt"), "--resume --dp: meta")
     elif args.resume:
         if not os.path.exists(args.ckpt):
             raise UserError(f"--resume: checkpoint {args.ckpt!r} not found")
-        resume = torch.load(args.ckpt, map_location="cpu", weights_only=False)
-        if "optimizer" not in resume:
-            raise UserError(f"{args.ckpt} is a model export of a --dp run; resume it with "
-                            "--dp (from its sharded checkpoint)")
+        resume = load_resume(args.ckpt, "--resume: checkpoint")
     if resume:
         cfg = GPTConfig(**resume["config"]).validate()
     else:
@@ -426,7 +455,7 @@ def build(args, rt):
             optimizer.load_state_dict(resume["optimizer"])
         scaler.load_state_dict(resume["scaler"])
         step, history = resume["step"], resume["history"]
-        set_rng_state(resume["rng"])
+        restore_rng_state(resume["rng"])
     return model, optimizer, scaler, master, corpus, step, history, dp
 
 
@@ -438,7 +467,8 @@ def save(args, rt, model, optimizer, scaler, master, dp, step, corpus, history):
     # it. A crash mid-save leaves `latest` on the previous complete checkpoint.
     folder = os.path.join(shards_dir(args), f"step_{step}")
     meta = dict(config=asdict(model.config), scaler=scaler.state_dict(), step=step,
-                args=vars(args), rng=rng_state(), tokenizer=data.encoding_to_state(corpus.enc),
+                args=vars(args), rng=plain_rng_state(),
+                tokenizer=data.encoding_to_state(corpus.enc),
                 corpus=corpus.name, history=history, world_size=rt.world_size, mode=args.dp)
     data_parallel.save_shards(folder, dp, optimizer, rt.rank, meta if rt.is_main else None)
     weights = data_parallel.full_state_dict(model, dp)   # collective for zero3 / fsdp

@@ -27,7 +27,7 @@ def test_kv_cache_decode_equals_full_forward(kw):
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=2e-5)
 
 
-def test_cache_truncate_rolls_back():
+def test_cache_rollback_by_length():
     cfg = tiny()
     model = GPT(cfg).eval()
     idx = torch.randint(0, cfg.vocab_size, (1, 20))
@@ -35,7 +35,7 @@ def test_cache_truncate_rolls_back():
         full, _ = model(idx)
         cache = KVCache(cfg, 1)
         model(idx[:, :15], cache=cache)
-        cache.truncate(10)                         # pretend tokens 10..14 were rejected
+        cache.length = 10                          # pretend tokens 10..14 were rejected
         again, _ = model(idx[:, 10:20], cache=cache)
     torch.testing.assert_close(again, full[:, 10:], rtol=0, atol=2e-5)
 
