@@ -1,0 +1,1174 @@
+"""
+quantize.py -- make the trained GPT smaller after (or while) training it: round-to-nearest
+int8/int4/int3, GPTQ, AWQ, SmoothQuant W8A8, quantization-aware training (STE, LSQ) and
+pruning (magnitude, Wanda, 2:4), each written by hand, proven in tests/test_quantize.py and
+measured in one ledger: bits/param counted from the stored tensors, bytes, validation loss
+and perplexity vs fp32, top-1 agreement, greedy agreement, decode ms/token.
+
+Run:  python quantize.py rtn --bits 4 --group-size 32 --save out/quantize/ckpt-int4.pt
+      python quantize.py gptq --bits 3            # also: awq, smoothquant (W8A8)
+      python quantize.py qat --bits 4 --steps 100 [--lsq]
+      python quantize.py prune --sparsity 0.5 --pattern 2:4 --criterion wanda
+      python quantize.py compare                  # every method at 8, 4 and 3 bits
+Input: out/ckpt.pt, or, when there is none, a fresh tiny model trained for a few seconds.
+
+What each technique saves, adds and sacrifices (Ψ = weights of the block linears; the
+embedding, head and norms stay fp32 here, as most weight-only schemes keep them):
+  - Round-to-nearest (RTN). int8: symmetric per output row, scale = max|w|/127; int4/int3:
+    asymmetric per group of g inputs, scale = (max - min)/(2^b - 1), zero = round(-min/scale).
+    Saves 32 -> b + (16 + 8)/g bits/param (fp16 scale, 8-bit zero per group; int8: 8 + 16/in).
+    Adds a dequantization per matmul (unpack, subtract, multiply); sacrifices rounding error.
+  - GPTQ (Frantar et al. 2022): quantize one input column at a time and spread its error onto
+    the columns not yet quantized, weighted by the inverse Hessian of the layer's squared
+    output error, H = 2XX^T from calibration activations. Same bytes as RTN; adds one
+    calibration forward per group of layers and O(in^3) per layer; loses less than RTN.
+  - AWQ (Lin et al. 2023): scale up the input channels whose activations are large (s = mean|x|
+    ^alpha, alpha from a grid), fold 1/s into the previous norm or linear. Same bytes; adds a
+    calibration forward and a grid search; protects the salient channels.
+  - SmoothQuant (Xiao et al. 2023): s_j = max|X_j|^alpha / max|W_j|^(1-alpha) moves activation
+    outliers into the weights, so both can be int8 (W8A8). Adds an activation quantization per
+    matmul at run time; buys an int8 x int8 -> int32 matmul (torch._int_mm, used only where
+    measured faster).
+  - QAT: train through the quantizer (forward: dequantized weights; backward: straight-
+    through, gradient 0 where a weight is clipped). LSQ (Esser et al. 2019) also learns the
+    step sizes. Same bytes as PTQ; adds training steps; recovers part of the loss.
+  - Pruning: zero the weights with the lowest |W| (magnitude) or |W|·||X_j|| (Wanda, Sun et al.
+    2023), per output row, or 2 of every 4 along the input (2:4, Ampere sparse tensor cores).
+    Saves bytes and FLOPs only when stored sparse (2:4: values + 2-bit indices) and run by a
+    sparse kernel; here the weights stay dense: it saves nothing on this machine.
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import data
+from model import GPT, GPTConfig, MoE, RMSNorm, get_config, load_model
+from plumbing import (UserError, fmt_bytes, print0, require_at_least_one,
+                      run_cli, seed_everything)
+
+SUPPORTED_BITS = (3, 4, 8)
+FORMAT_VERSION = 1
+DEFAULT_CKPT = "out/ckpt.pt"
+SCALE_BITS = 16               # scales are stored as fp16, as GPTQ's and AWQ's kernels use
+ZERO_BITS = 8                 # zero points as uint8 (int3/int4 only; int8 is symmetric)
+
+
+# ----------------------------------------------------------------------------------------
+# Formats, stored for real
+
+def check_format(bits, group_size, in_features):
+    """group_size 0 = one group per output row (the per-channel case)."""
+    if bits not in SUPPORTED_BITS:
+        raise UserError(f"--bits {bits} is not supported: choose one of {SUPPORTED_BITS}")
+    if group_size < 0 or (group_size and in_features % group_size):
+        raise UserError(f"--group-size {group_size} does not divide the input dimension "
+                        f"{in_features} (groups run along the input of each row)")
+    return group_size or in_features
+
+
+def code_range(bits):
+    """int8: signed codes, symmetric, no zero point. int3/int4: unsigned, asymmetric."""
+    return (-127, 127) if bits == 8 else (0, 2 ** bits - 1)
+
+
+def group_params(w, bits, group_size):
+    """Scale and zero of every (row, group) of w (out, in), from the group's range. The
+    range always holds 0 (so 0 stays exact, as in GPTQ's quantizer). Scales are rounded to
+    fp16 here, because that is what is stored and what dequantization will multiply by."""
+    groups = w.reshape(w.shape[0], -1, group_size)
+    if bits == 8:
+        scale = groups.abs().amax(-1) / 127
+    else:
+        lo = groups.amin(-1).clamp(max=0)
+        hi = groups.amax(-1).clamp(min=0)
+        scale = (hi - lo) / (2 ** bits - 1)
+    scale = scale.clamp(min=1e-5).half().to(w.dtype)
+    if bits == 8:
+        return scale, torch.zeros_like(scale)
+    zero = torch.round(-lo / scale).clamp(0, 2 ** bits - 1)
+    return scale, zero
+
+
+def to_codes(w, scale, zero, bits):
+    """q = clamp(round(w/scale) + zero); scale/zero: one per element of w (expanded)."""
+    qmin, qmax = code_range(bits)
+    return torch.clamp(torch.round(w / scale) + zero, qmin, qmax)
+
+
+def expand(per_group, group_size):
+    return per_group.repeat_interleave(group_size, dim=1)
+
+
+def pack_codes(codes, bits):
+    """Eight b-bit codes -> b bytes: code i of eight sits at bits [b(7-i), b(8-i)) of a
+    big-endian word, so for int4 the first code is the high nibble (as bitsandbytes).
+    Pads to a multiple of 8 codes; -> 1-D uint8 of ceil(n·b/8) bytes."""
+    flat = codes.flatten().to(torch.int64)
+    flat = F.pad(flat, (0, (-flat.numel()) % 8)).view(-1, 8)
+    word = (flat << (bits * torch.arange(7, -1, -1))).sum(1)
+    byte_shift = 8 * torch.arange(bits - 1, -1, -1)
+    return ((word[:, None] >> byte_shift) & 0xFF).to(torch.uint8).flatten()
+
+
+def unpack_codes(packed, bits, n):
+    word = (packed.view(-1, bits).to(torch.int64) << (8 * torch.arange(bits - 1, -1, -1))).sum(1)
+    codes = (word[:, None] >> (bits * torch.arange(7, -1, -1))) & (2 ** bits - 1)
+    return codes.flatten()[:n]
+
+
+def store(codes, scale, zero, bits):
+    """The tensors a checkpoint holds for one weight: int8 codes as they are; int3/int4
+    codes packed, fp16 scales, uint8 zeros."""
+    if bits == 8:
+        return {"codes": codes.to(torch.int8), "scales": scale.half()}
+    return {"codes": pack_codes(codes, bits), "scales": scale.half(),
+            "zeros": zero.to(torch.uint8)}
+
+
+def dequantize(stored, shape, bits, group_size):
+    """w_hat = (code - zero) · scale, per group along the input."""
+    out_f, in_f = shape
+    g = group_size or in_f
+    if bits == 8:
+        codes = stored["codes"].float()
+        zero = 0.0
+    else:
+        codes = unpack_codes(stored["codes"], bits, out_f * in_f).view(out_f, in_f).float()
+        zero = expand(stored["zeros"].float(), g)
+    return (codes - zero) * expand(stored["scales"].float(), g)
+
+
+def rtn(w, bits, group_size):
+    """Round-to-nearest: each weight to its nearest level, nothing else."""
+    g = group_size or w.shape[1]
+    scale, zero = group_params(w, bits, g)
+    return store(to_codes(w, expand(scale, g), expand(zero, g), bits), scale, zero, bits)
+
+
+def format_bits_per_param(bits, group_size, in_features):
+    """The formula: b + (scale bits + zero bits) / g."""
+    g = group_size or in_features
+    return bits + (SCALE_BITS + (0 if bits == 8 else ZERO_BITS)) / g
+
+
+def stored_nbytes(stored):
+    return sum(t.numel() * t.element_size() for t in stored.values())
+
+
+# ----------------------------------------------------------------------------------------
+# The quantized layer: holds the codes, dequantizes in every forward
+
+def measure_int_mm(in_features, out_features, rows=(1, 16, 64, 256), repeats=20):
+    """Time torch._int_mm (int8 x int8 -> int32) against the fp32 matmul it would replace.
+    -> (smallest row count from which int8 wins at every measured size, or None; lines)."""
+    if not hasattr(torch, "_int_mm"):
+        return None, ["torch._int_mm: not in this torch build"]
+    lines, wins = [], []
+    w = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
+    for m in rows:
+        x = torch.randint(-127, 128, (m, in_features), dtype=torch.int8)
+        try:
+            t_int = _best_time(lambda: torch._int_mm(x, w.t()), repeats)
+        except RuntimeError as e:
+            return None, [f"torch._int_mm fails here: {str(e).splitlines()[0]}"]
+        xf, wf = x.float(), w.float()
+        t_fp = _best_time(lambda: xf @ wf.t(), repeats)
+        wins.append(t_int < t_fp)
+        lines.append(f"  rows {m:4d} x {in_features}x{out_features}: int8 {t_int * 1e6:7.1f} us"
+                     f" | fp32 {t_fp * 1e6:7.1f} us")
+    first = next((m for i, m in enumerate(rows) if all(wins[i:])), None)
+    return first, lines
+
+
+def _best_time(fn, repeats):
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+class QuantLinear(nn.Module):
+    """A bias-free linear whose weight lives as codes + scales (+ zeros). Weight-only: the
+    weight is dequantized to fp32 in every forward (the cost of saving the bytes). act_bits
+    = 8 (SmoothQuant W8A8): activations are quantized per token at run time and the matmul
+    runs on integers; int_mm_rows: from this many rows torch._int_mm does it (measured)."""
+
+    def __init__(self, stored, shape, bits, group_size, act_bits=0, int_mm_rows=None):
+        super().__init__()
+        self.shape, self.bits, self.group_size = tuple(shape), bits, group_size
+        self.act_bits, self.int_mm_rows = act_bits, int_mm_rows
+        if act_bits and (bits != 8 or group_size not in (0, shape[1])):
+            raise UserError("W8A8 needs int8 weights with one scale per output row")
+        for name, t in stored.items():
+            self.register_buffer(name, t)
+        self.in_features, self.out_features = shape[1], shape[0]
+
+    def stored(self):
+        return {name: t for name, t in self.named_buffers()}
+
+    def dequantized(self):
+        return dequantize(self.stored(), self.shape, self.bits, self.group_size)
+
+    def forward(self, x):
+        if self.act_bits:
+            return self.w8a8(x)
+        return F.linear(x, self.dequantized().to(x.dtype))
+
+    def w8a8(self, x):
+        """y = (x_q @ W_qᵀ) · s_x · s_w, with x_q = round(x / s_x), s_x = max|x_t|/127 per token.
+        The integer accumulate is exact in fp32 too (|sums| ≤ 127²·in < 2^24 for in ≤ 1040),
+        so the int_mm path and the fp32 path give the same numbers."""
+        flat = x.reshape(-1, self.in_features).float()
+        s_x = flat.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
+        x_q = torch.round(flat / s_x).clamp(-127, 127)
+        if self.int_mm_rows is not None and flat.shape[0] >= self.int_mm_rows:
+            acc = torch._int_mm(x_q.to(torch.int8), self.codes.t()).float()
+        else:
+            acc = x_q @ self.codes.float().t()
+        y = acc * s_x * self.scales.float().t()
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def target_linears(model):
+    """The linears inside the blocks (attention, MLP, experts); the MoE router stays fp32
+    (n_expert outputs: nothing to save)."""
+    out = []
+    for name, m in model.named_modules():
+        if name.startswith("layers.") and isinstance(m, nn.Linear) and not name.endswith("router"):
+            out.append((name, m))
+    return out
+
+
+def replace_module(model, name, new):
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, new)
+
+
+def quantize_model(model, bits, group_size, weights=None):
+    """RTN on every target linear (weights: name -> fp32 weight to use instead)."""
+    for name, lin in target_linears(model):
+        g = check_format(bits, group_size, lin.in_features)
+        w = lin.weight.detach() if weights is None else weights[name]
+        replace_module(model, name, QuantLinear(rtn(w, bits, g), w.shape, bits, g))
+    return model
+
+
+def model_bytes(model):
+    """-> (stored bytes of the quantized linears, their weights' count, all bytes). Counted
+    from the tensors the model holds (state_dict: parameters and stored buffers)."""
+    q_bytes = q_params = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            q_bytes += stored_nbytes(m.stored())
+            q_params += m.shape[0] * m.shape[1]
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.numel() * t.element_size()
+    return q_bytes, q_params, total
+
+
+# ----------------------------------------------------------------------------------------
+# Calibration: activation statistics of chosen linears, collected with forward hooks
+
+class ActStats:
+    """Per input channel: token count, XᵀX, Σ|x|, max|x|, Σx², and the first `keep` rows."""
+
+    def __init__(self, dim, keep=0):
+        self.n, self.keep, self.rows = 0, keep, []
+        self.xtx = torch.zeros(dim, dim, dtype=torch.float64)
+        self.abs_sum = torch.zeros(dim, dtype=torch.float64)
+        self.abs_max = torch.zeros(dim)
+        self.sq_sum = torch.zeros(dim, dtype=torch.float64)
+
+    def add(self, x):
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        self.n += x.shape[0]
+        x64 = x.double()
+        self.xtx += x64.t() @ x64
+        self.abs_sum += x64.abs().sum(0)
+        self.sq_sum += x64.pow(2).sum(0)
+        self.abs_max = torch.maximum(self.abs_max, x.abs().amax(0))
+        have = sum(r.shape[0] for r in self.rows)
+        if have < self.keep:
+            self.rows.append(x[: self.keep - have])
+
+    def hessian(self):
+        """H = 2XXᵀ/N: the Hessian of the mean squared output error ||WX - ŴX||²/N in Ŵ's rows."""
+        return (2 * self.xtx / self.n).float()
+
+    def sample(self):
+        return torch.cat(self.rows)
+
+
+@torch.no_grad()
+def collect_stats(model, batches, linears, keep=0):
+    """One forward over the calibration batches; every listed linear records its input."""
+    stats = {id(m): ActStats(m.in_features, keep) for m in linears}
+    hooks = [m.register_forward_pre_hook(lambda mod, args: stats[id(mod)].add(args[0]))
+             for m in linears]
+    try:
+        for x in batches:
+            model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return stats
+
+
+def block_stages(block):
+    """The block's linears in forward order, grouped by the input they share: q/k/v, o,
+    gate/up, down. A later stage's inputs depend on the earlier stages' (quantized) outputs."""
+    att, ff = block.attention, block.feed_forward
+    experts = list(ff.experts) if isinstance(ff, MoE) else [ff]
+    return [[att.wq, att.wk, att.wv], [att.wo],
+            [m for e in experts for m in (e.w1, e.w3)], [e.w2 for e in experts]]
+
+
+def sequential(model, batches, transform):
+    """Layers in order, each stage calibrated on the outputs of the already transformed
+    (quantized or pruned) earlier stages, as GPTQ and Wanda do. transform(name, linear,
+    stats) -> the replacement module. Returns the number of calibration forwards."""
+    names = {id(m): n for n, m in model.named_modules()}
+    passes = 0
+    for block in model.layers:
+        for stage in block_stages(block):
+            stats = collect_stats(model, batches, stage)
+            passes += 1
+            for lin in stage:
+                replace_module(model, names[id(lin)], transform(names[id(lin)], lin,
+                                                                stats[id(lin)]))
+    return passes
+
+
+# ----------------------------------------------------------------------------------------
+# GPTQ (Frantar et al. 2022, Algorithm 1; the gptq repository's fasterquant)
+
+def gptq(w, h, bits, group_size, block_size=128, damp=0.01, act_order=False):
+    """Quantize w (out, in) column by column, minimising ||WX - ŴX||² with H = 2XXᵀ.
+
+    After quantizing column q, its error e = (w_q - ŵ_q)/[H⁻¹]_qq is spread over the columns
+    not yet quantized: W[:, q+1:] -= e·[H⁻¹]_{q, q+1:} (the OBS update). The rows of H⁻¹
+    needed are those of its upper Cholesky factor (H⁻¹ shrinks by one row/column per step,
+    and its Cholesky rows are exactly those shrunken rows, scaled). Lazy batching: updates
+    inside a block of columns go to the block only; the rest of W gets them at once at the
+    block's end (a matmul instead of one rank-1 update per column). Group scales/zeros are
+    chosen when the group's first column is reached, from the already updated weights; with
+    act_order (columns by decreasing diag H) they come from the original weights ("static
+    groups"), so groups stay contiguous in the stored format. Computes in w's dtype."""
+    w = w.clone()
+    h = h.to(w.dtype).clone()
+    cols = w.shape[1]
+    g = group_size or cols
+    dead = h.diagonal() == 0                   # inputs that are always 0: nothing to fit
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    static = group_params(w, bits, g) if act_order or g == cols else None
+    perm = torch.argsort(h.diagonal(), descending=True) if act_order else torch.arange(cols)
+    w, h = w[:, perm], h[perm][:, perm]
+    h += damp * h.diagonal().mean() * torch.eye(cols, dtype=w.dtype)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    codes = torch.zeros_like(w)
+    scale, zero = (static if static is not None else
+                   (torch.zeros(w.shape[0], cols // g, dtype=w.dtype),) * 2)
+    scale, zero = scale.clone(), zero.clone()
+    block = g * max(1, block_size // g) if static is None else block_size
+    for i1 in range(0, cols, block):
+        i2 = min(i1 + block, cols)
+        w1 = w[:, i1:i2].clone()
+        err = torch.zeros_like(w1)
+        for i in range(i2 - i1):
+            col = i1 + i
+            grp = int(perm[col]) // g
+            if static is None and col % g == 0:    # a group's parameters, from current w
+                scale[:, grp], zero[:, grp] = (t[:, 0] for t in
+                                               group_params(w1[:, i:i + g], bits, g))
+            codes[:, col] = to_codes(w1[:, i], scale[:, grp], zero[:, grp], bits)
+            q = (codes[:, col] - zero[:, grp]) * scale[:, grp]
+            err[:, i] = (w1[:, i] - q) / hinv[col, col]
+            w1[:, i:] -= err[:, i:i + 1] * hinv[col:col + 1, col:i2]
+        w[:, i2:] -= err @ hinv[i1:i2, i2:]
+    codes = codes[:, torch.argsort(perm)]
+    return store(codes, scale, zero, bits)
+
+
+def gptq_transform(bits, group_size, **gptq_args):
+    def transform(name, lin, stats):
+        g = check_format(bits, group_size, lin.in_features)
+        w = lin.weight.detach()
+        stored = gptq(w, stats.hessian(), bits, g, **gptq_args) if stats.n else rtn(w, bits, g)
+        return QuantLinear(stored, w.shape, bits, g)
+    return transform
+
+
+# ----------------------------------------------------------------------------------------
+# Activation-aware scaling: AWQ and SmoothQuant. Both multiply W's input channels by s and
+# divide the activations by s, folded into the op before: an identity in fp32.
+
+def scale_groups(block):
+    """(the op that produces the input, its consumers, the consumers to quantize). The norm's
+    gain or the producing linear's output rows absorb 1/s. wv -> wo only when each wo input
+    channel is one v channel (no GQA sharing), as llm-awq does; an MoE router is scaled
+    with its experts (it reads the same input) but never quantized."""
+    att, ff = block.attention, block.feed_forward
+    groups = [(block.attention_norm, [att.wq, att.wk, att.wv])]
+    if att.wv.out_features == att.wo.in_features:
+        groups.append((att.wv, [att.wo]))
+    experts = list(ff.experts) if isinstance(ff, MoE) else [ff]
+    groups.append((block.ffn_norm, [m for e in experts for m in (e.w1, e.w3)]))
+    groups += [(e.w3, [e.w2]) for e in experts]
+    router = [ff.router] if isinstance(ff, MoE) else []
+    return [(p, (router + c if p is block.ffn_norm else c), c) for p, c in groups]
+
+
+@torch.no_grad()
+def fold_scales(producer, consumers, s):
+    """W_c ← W_c·diag(s) for each consumer, the producer's output ← output / s."""
+    for c in consumers:
+        c.weight.mul_(s[None, :])
+    if isinstance(producer, RMSNorm):
+        producer.weight.div_(s)
+    else:
+        producer.weight.div_(s[:, None])
+
+
+def fake_quant(w, bits, g):
+    """The RTN-quantized-then-dequantized weight."""
+    return dequantize(rtn(w, bits, g), w.shape, bits, g)
+
+
+@torch.no_grad()
+def awq_search(x, weights, mean_abs, bits, group_size, n_grid=20):
+    """llm-awq's auto_scale: s = mean|x|^α, normalised by √(max s · min s), α = i/n_grid;
+    keep the α whose quantized output (x/s)·Q(W·diag(s))ᵀ is closest to x·Wᵀ. α = 0 is RTN,
+    so the search never does worse than RTN on the calibration sample. -> (s, α)."""
+    ref = [x @ w.t() for w in weights]
+    best = (math.inf, None, None)
+    for i in range(n_grid):
+        alpha = i / n_grid
+        s = mean_abs.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        err = 0.0
+        for w, r in zip(weights, ref):
+            g = check_format(bits, group_size, w.shape[1])
+            err += ((x / s) @ fake_quant(w * s, bits, g).t() - r).pow(2).sum().item()
+        if err < best[0]:
+            best = (err, s, alpha)
+    return best[1], best[2]
+
+
+def smooth_scales(act_max, weights, alpha=0.5):
+    """SmoothQuant eq. 4: s_j = max|X_j|^α / max|W_j|^(1-α), W_j the j-th input column of
+    every consumer."""
+    w_max = torch.stack([w.abs().amax(0) for w in weights]).amax(0)
+    return (act_max.clamp(min=1e-5).pow(alpha) / w_max.clamp(min=1e-5).pow(1 - alpha))
+
+
+def scale_model(model, batches, choose, keep=0):
+    """One calibration forward (scaling is an identity, so the fp32 statistics hold for
+    every group), then for each group choose(stats, weights to quantize) -> (s, info), and
+    fold s in. Returns the infos (α for AWQ) for the log."""
+    groups = [grp for block in model.layers for grp in scale_groups(block)]
+    # the first consumer sees every token (an MoE router does; an expert would not)
+    stats = collect_stats(model, batches, [consumers[0] for _, consumers, _ in groups], keep)
+    chosen = []
+    for producer, consumers, quantized in groups:
+        s, info = choose(stats[id(consumers[0])], [c.weight.detach() for c in quantized])
+        fold_scales(producer, consumers, s.float())
+        chosen.append(info)
+    return chosen
+
+
+def w8a8_model(model, int_mm_rows):
+    for name, lin in target_linears(model):
+        w = lin.weight.detach()
+        replace_module(model, name, QuantLinear(rtn(w, 8, 0), w.shape, 8, 0, act_bits=8,
+                                                int_mm_rows=int_mm_rows))
+    return model
+
+
+# ----------------------------------------------------------------------------------------
+# Quantization-aware training: fake quantization in forward, straight-through backward
+
+class FakeQuantSTE(torch.autograd.Function):
+    """Forward: the dequantized weight (code - zero)·scale. Backward: the straight-through
+    estimator (Bengio et al. 2013), ∂ŵ/∂w = 1, except where the clamp to [qmin, qmax] was
+    active: a clipped weight does not move the output, so its gradient is 0."""
+
+    @staticmethod
+    def forward(ctx, w, scale, zero, bits):
+        qmin, qmax = code_range(bits)
+        unclipped = torch.round(w / scale) + zero
+        ctx.save_for_backward((unclipped >= qmin) & (unclipped <= qmax))
+        return (unclipped.clamp(qmin, qmax) - zero) * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        inside, = ctx.saved_tensors
+        return grad * inside, None, None, None
+
+
+class LSQQuant(torch.autograd.Function):
+    """LSQ (Esser et al. 2019): ŵ = round(clamp(w/s, -Q_N, Q_P))·s with a learned step s per
+    group. ∂ŵ/∂w = 1 inside the range, 0 outside (eq. 4); ∂ŵ/∂s = round(w/s) - w/s inside,
+    -Q_N or Q_P where clipped (eq. 3), times the gradient scale 1/√(N·Q_P), N = weights per
+    step (Sec. 2.2), so the step learns at the same relative rate as the weights."""
+
+    @staticmethod
+    def forward(ctx, w, step, q_n, q_p):
+        g = w.shape[1] // step.shape[1]
+        r = w / expand(step, g)
+        inside = (r >= -q_n) & (r <= q_p)
+        d_step = torch.where(inside, torch.round(r) - r, torch.where(r < -q_n, -q_n, q_p))
+        ctx.save_for_backward(inside, d_step)
+        ctx.grad_scale, ctx.g = 1 / math.sqrt(g * q_p), g
+        return torch.round(r.clamp(-q_n, q_p)) * expand(step, g)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inside, d_step = ctx.saved_tensors
+        per_group = (grad * d_step).view(grad.shape[0], -1, ctx.g).sum(-1)
+        return grad * inside, per_group * ctx.grad_scale, None, None
+
+
+class QATLinear(nn.Module):
+    """A linear trained through its quantizer. STE mode: scale/zero from the current
+    weights' min/max each step (so, with min/max, no weight is ever clipped); LSQ mode: a
+    learned fp16 step per group, codes symmetric around the format's middle zero point."""
+
+    def __init__(self, weight, bits, group_size, lsq=False):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone())
+        self.bits, self.group_size, self.lsq = bits, group_size, lsq
+        qmin, qmax = code_range(bits)
+        self.zero = 0 if bits == 8 else 2 ** (bits - 1)
+        self.q_n, self.q_p = self.zero - qmin, qmax - self.zero
+        if lsq:   # the paper's init: s = 2·mean|w| / √Q_P
+            mean_abs = weight.detach().abs().reshape(weight.shape[0], -1, group_size).mean(-1)
+            self.step = nn.Parameter(2 * mean_abs / math.sqrt(self.q_p))
+
+    def stored_step(self):
+        """The step as stored (fp16), with a straight-through gradient to the fp32 step."""
+        s = self.step.clamp(min=1e-5)
+        return s + (s.half().float() - s).detach()
+
+    def fake_weight(self):
+        g = self.group_size
+        if self.lsq:
+            return LSQQuant.apply(self.weight, self.stored_step(), self.q_n, self.q_p)
+        scale, zero = group_params(self.weight.detach(), self.bits, g)
+        return FakeQuantSTE.apply(self.weight, expand(scale, g), expand(zero, g), self.bits)
+
+    def forward(self, x):
+        return F.linear(x, self.fake_weight())
+
+    @torch.no_grad()
+    def export(self):
+        """-> a QuantLinear whose dequantized weight is exactly this layer's forward weight."""
+        w, g = self.weight, self.group_size
+        if not self.lsq:
+            return QuantLinear(rtn(w, self.bits, g), w.shape, self.bits, g)
+        scale = self.stored_step()
+        zero = torch.full_like(scale, float(self.zero))
+        codes = to_codes(w, expand(scale, g), expand(zero, g), self.bits)
+        return QuantLinear(store(codes, scale, zero, self.bits), w.shape, self.bits, g)
+
+
+def swap_linears(model, make):
+    """Replace every target linear by make(linear); -> model."""
+    for name, lin in target_linears(model):
+        replace_module(model, name, make(lin))
+    return model
+
+
+def export_qat(model):
+    for name, m in list(model.named_modules()):
+        if isinstance(m, QATLinear):
+            replace_module(model, name, m.export())
+    return model
+
+
+def finetune(model, corpus, steps, lr, batch_size, seq_len, seed):
+    """AdamW on the training split (no weight decay: a pruned weight stays exactly 0).
+    -> the last training loss."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / 10)          # ten warm-up steps
+        x, y = data.get_batch(corpus.train, batch_size, seq_len, seed, step)
+        loss = model(x, y)[1]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+    model.eval()
+    return loss.item()
+
+
+# ----------------------------------------------------------------------------------------
+# Pruning: magnitude, Wanda; unstructured or 2:4; masks that stay through fine-tuning
+
+class MaskedLinear(nn.Module):
+    """A linear with a fixed 0/1 mask: forward uses W ⊙ M, so pruned weights get a zero
+    gradient and stay 0 through fine-tuning. The mask is not part of the stored state: the
+    checkpoint holds the dense weight with its zeros (what it costs here)."""
+
+    def __init__(self, weight, mask):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach() * mask)
+        self.register_buffer("mask", mask, persistent=False)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x):
+        return F.linear(x, self.weight * self.mask)
+
+
+def prune_mask(score, sparsity, pattern):
+    """0 where pruned. unstructured: the int(in·sparsity) lowest scores of each output row
+    (Wanda's comparison group); 2:4: the two lowest of every four consecutive inputs."""
+    out_f, in_f = score.shape
+    if pattern == "2:4":
+        groups = score.reshape(out_f, -1, 4)
+        drop = groups.argsort(-1)[..., :2]
+        return torch.ones_like(groups).scatter(-1, drop, 0.0).reshape(out_f, in_f)
+    drop = score.argsort(1)[:, :int(in_f * sparsity)]
+    return torch.ones_like(score).scatter(1, drop, 0.0)
+
+
+def prune_score(w, criterion, stats=None):
+    """magnitude |W_ij|; Wanda |W_ij|·||X_j||₂ (the input norm over calibration tokens)."""
+    if criterion == "magnitude":
+        return w.abs()
+    return w.abs() * stats.sq_sum.sqrt().float()[None, :]
+
+
+def check_prune(model, sparsity, pattern):
+    if not 0 <= sparsity < 1:
+        raise UserError(f"--sparsity must be in [0, 1), got {sparsity}")
+    if pattern == "2:4" and sparsity != 0.5:
+        raise UserError(f"2:4 keeps 2 of every 4 weights: sparsity is 0.5, not {sparsity}")
+    for name, lin in target_linears(model):
+        if pattern == "2:4" and lin.in_features % 4:
+            raise UserError(f"{name}: input dimension {lin.in_features} is not a multiple of 4")
+
+
+def prune_model(model, batches, sparsity, pattern, criterion):
+    """-> calibration forwards used. Wanda runs layer by layer on the pruned earlier
+    layers' outputs (Sun et al. 2023, as GPTQ); magnitude needs no data."""
+    check_prune(model, sparsity, pattern)
+    make = lambda lin, stats: MaskedLinear(lin.weight, prune_mask(
+        prune_score(lin.weight.detach(), criterion, stats), sparsity, pattern))
+    if criterion == "magnitude":
+        swap_linears(model, lambda lin: make(lin, None))
+        return 0
+    return sequential(model, batches, lambda name, lin, stats: make(lin, stats))
+
+
+def pack_24(w, mask):
+    """2:4 stored sparse: the two kept values of every four (in order) + their 2-bit
+    positions, four per byte: 4 bytes·n/2 + n/8 bytes for fp32 values, vs 4n dense."""
+    out_f, in_f = w.shape
+    _, order = torch.sort(-mask.reshape(out_f, -1, 4), dim=-1, stable=True)
+    idx = order[..., :2].sort(-1).values
+    values = w.reshape(out_f, -1, 4).gather(-1, idx)
+    return {"values": values.reshape(out_f, -1), "indices": pack_codes(idx, 2)}
+
+
+def unpack_24(packed, shape):
+    out_f, in_f = shape
+    idx = unpack_codes(packed["indices"], 2, out_f * in_f // 2).view(out_f, -1, 2)
+    w = torch.zeros(out_f, in_f // 4, 4, dtype=packed["values"].dtype)
+    return w.scatter(-1, idx, packed["values"].view(out_f, -1, 2)).view(out_f, in_f)
+
+
+def sparsity_report(model, pattern):
+    """Per-layer and total sparsity of the masked linears, and the 2:4 storage bytes."""
+    lines, zeros, total, sparse_bytes = [], 0, 0, 0
+    for name, m in model.named_modules():
+        if isinstance(m, MaskedLinear):
+            z = int((m.weight == 0).sum())
+            zeros, total = zeros + z, total + m.weight.numel()
+            lines.append(f"  {name:<28} {z / m.weight.numel():6.1%} zeros")
+            if pattern == "2:4":
+                sparse_bytes += stored_nbytes(pack_24(m.weight.detach(), m.mask))
+    lines.append(f"  {'total (block linears)':<28} {zeros / max(total, 1):6.1%} zeros of {total:,}")
+    if pattern == "2:4":
+        lines.append(f"  2:4 stored sparse (fp32 values + 2-bit indices): {fmt_bytes(sparse_bytes)}"
+                     f" vs dense {fmt_bytes(4 * total)} -- what a sparse kernel would read; here"
+                     f" the weights stay dense, so nothing is saved")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------
+# The ledger: every row measured against the fp32 model in the same run
+
+class Evaluator:
+    """The fp32 reference, measured once: validation batches, next-token argmax, greedy
+    continuations of held-out prompts (windows of the validation split), decode ms/token."""
+
+    def __init__(self, fp32, corpus, args):
+        seq = min(fp32.config.block_size - args.new_tokens, args.seq_len)
+        self.batches = [data.get_batch(corpus.val, args.batch_size, seq, args.seed + 1, i)
+                        for i in range(args.eval_batches)]
+        gen = torch.Generator().manual_seed(args.seed)
+        starts = torch.randint(0, len(corpus.val) - args.prompt_len, (args.prompts,),
+                               generator=gen).tolist()
+        self.prompts = [corpus.val[s:s + args.prompt_len].astype("int64").tolist()
+                        for s in starts]
+        self.args, self.fp32 = args, fp32
+        self.ref_loss, self.ref_top1 = self.loss_and_top1(fp32)
+        self.ref_greedy = [fp32.generate(p, args.new_tokens, temperature=0) for p in self.prompts]
+
+    @torch.no_grad()
+    def loss_and_top1(self, model):
+        losses, top1 = [], []
+        for x, y in self.batches:
+            logits, loss = model(x, y)
+            losses.append(loss.item())
+            top1.append(logits.argmax(-1))
+        return sum(losses) / len(losses), top1
+
+    def decode_ms(self, model):
+        """ms per new token of model and of fp32: best of --repeats greedy generations of one
+        prompt each, alternated, so both see the same load on a shared machine."""
+        n, best = self.args.new_tokens, [math.inf, math.inf]
+        for _ in range(self.args.repeats):
+            for i, m in enumerate((model, self.fp32)):
+                best[i] = min(best[i], _best_time(
+                    lambda: m.generate(self.prompts[0], n, temperature=0), 1))
+        return 1000 * best[0] / n, 1000 * best[1] / n
+
+    def row(self, model, method, fmt, seconds=0.0, passes=0, note=""):
+        model.eval()
+        loss, top1 = self.loss_and_top1(model)
+        agree = sum(int((a == b).sum()) for a, b in zip(top1, self.ref_top1))
+        greedy = [model.generate(p, self.args.new_tokens, temperature=0) for p in self.prompts]
+        same = [_prefix(a, b) / len(b) for a, b in zip(greedy, self.ref_greedy)]
+        q_bytes, q_params, total = model_bytes(model)
+        ms, ref_ms = self.decode_ms(model)
+        return dict(method=method, format=fmt,
+                    bits_per_weight=8 * q_bytes / q_params if q_params else 32.0,
+                    model_bytes=total, val_loss=loss, d_loss=loss - self.ref_loss,
+                    ppl=math.exp(loss), top1=agree / sum(t.numel() for t in top1),
+                    greedy=sum(same) / len(same), ms_per_token=ms, vs_fp32=ms / ref_ms,
+                    calib_passes=passes, seconds=seconds, note=note)
+
+
+def _prefix(a, b):
+    """Length of the common prefix: greedy decoding diverges for good at the first miss."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+LEDGER_HEAD = ("| method | format | bits/weight | model bytes | val loss | Δ loss | ppl | "
+               "top-1 = fp32 | greedy = fp32 | decode ms/tok | × fp32 | calib passes | s |")
+
+
+def ledger_lines(rows):
+    lines = [LEDGER_HEAD, "|" + "---|" * 13]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['format']} | {r['bits_per_weight']:.3f} | "
+                     f"{fmt_bytes(r['model_bytes'])} | {r['val_loss']:.4f} | "
+                     f"{r['d_loss']:+.4f} | {r['ppl']:.2f} | {r['top1']:.1%} | "
+                     f"{r['greedy']:.1%} | {r['ms_per_token']:.2f} | {r['vs_fp32']:.2f} | "
+                     f"{r['calib_passes']} | {r['seconds']:.1f} |")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------
+# Checkpoints: codes, scales and zeros as integer/fp16 tensors, the rest as plain tensors
+
+def save_checkpoint(path, model, enc, meta, data_path):
+    """A file torch.load(weights_only=True) reads: plain dicts, strings, numbers, tensors.
+    With quantized layers: "quantization" (format + per-layer metadata) and "quantized"
+    (name -> stored tensors); model.load_model hands such a file to model_from_checkpoint."""
+    quantized, layers = {}, {}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            quantized[name] = {k: v.clone() for k, v in m.stored().items()}
+            layers[name] = dict(shape=list(m.shape), bits=m.bits, group_size=m.group_size,
+                                act_bits=m.act_bits)
+    plain = {k: v.clone() for k, v in model.state_dict().items()
+             if k.rpartition(".")[0] not in quantized}
+    ckpt = dict(config=asdict(model.config), model=plain, tokenizer=data.encoding_to_state(enc),
+                args={"data": data_path})
+    if quantized:
+        ckpt["quantization"] = dict(format=FORMAT_VERSION, layers=layers, **meta)
+        ckpt["quantized"] = quantized
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.save(ckpt, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def model_from_checkpoint(ckpt, device="cpu"):
+    """A plain model.GPT whose weights are the dequantized values (what serve.py and
+    spec_decode.py run). Activation quantization (W8A8) is not part of a plain GPT: such a
+    checkpoint runs weight-only here."""
+    q = ckpt["quantization"]
+    if q.get("format") != FORMAT_VERSION:
+        raise UserError(f"quantized checkpoint format {q.get('format')!r} is not "
+                        f"{FORMAT_VERSION}: re-run quantize.py --save")
+    model = GPT(GPTConfig(**ckpt["config"]).validate(), seed=None)
+    state = dict(ckpt["model"])
+    for name, meta in q["layers"].items():
+        state[name + ".weight"] = dequantize(ckpt["quantized"][name], meta["shape"],
+                                             meta["bits"], meta["group_size"])
+    model.load_state_dict(state)
+    return model.to(device).eval()
+
+
+# ----------------------------------------------------------------------------------------
+# The base model, the data, and the methods
+
+def load_base(args):
+    """-> (fp32 model, corpus, description). No --ckpt and no out/ckpt.pt: a fresh tiny
+    model, trained for --base-steps steps right here."""
+    if args.ckpt is None and not os.path.exists(DEFAULT_CKPT):
+        cfg = get_config("tiny")
+        corpus = data.load_corpus(args.data, cfg.vocab_size)
+        model = GPT(cfg, seed=args.seed)
+        t0 = time.perf_counter()
+        loss = finetune(model, corpus, args.base_steps, 3e-3, 16, cfg.block_size, args.seed)
+        print0(f"no {DEFAULT_CKPT}: trained a fresh tiny model instead ({args.base_steps} steps"
+               f" in {time.perf_counter() - t0:.0f} s, train loss {loss:.3f})")
+        return model, corpus, f"fresh tiny model ({args.base_steps} steps)"
+    path = args.ckpt or DEFAULT_CKPT
+    model, ckpt = load_model(path, "cpu")          # a missing file: one clear UserError
+    if "quantization" in ckpt:
+        raise UserError(f"{path} is already quantized: start from an fp32 checkpoint")
+    data_path = args.data or (ckpt.get("args") or {}).get("data")
+    corpus = data.load_corpus(data_path, model.config.vocab_size)
+    if data.encoding_from_state(ckpt["tokenizer"])._mergeable_ranks != corpus.enc._mergeable_ranks:
+        raise UserError(f"{path}'s tokenizer is not the one of corpus "
+                        f"{data_path or 'stdlib'}: pass the --data it was trained on")
+    return model.float().eval(), corpus, path
+
+
+def calibration(corpus, model, args, method):
+    """--calib-batches windows of the training split (never the validation split)."""
+    if args.calib_batches < 1:
+        raise UserError(f"{method} needs calibration data: --calib-batches must be >= 1")
+    seq = min(model.config.block_size, args.seq_len)
+    return [data.get_batch(corpus.train, args.batch_size, seq, args.seed + 2, i)[0]
+            for i in range(args.calib_batches)]
+
+
+def default_group(bits, group_size):
+    return (0 if bits == 8 else 32) if group_size is None else group_size
+
+
+def ptq(base, method, bits, group_size, calib, args, int_mm_rows=None):
+    """Post-training quantization of a copy of base. -> (model, calibration passes, note)."""
+    model = copy.deepcopy(base)
+    for _, lin in target_linears(model):            # bad formats fail before any work
+        check_format(bits, group_size, lin.in_features)
+    if method == "rtn":
+        return quantize_model(model, bits, group_size), 0, ""
+    if method == "gptq":
+        passes = sequential(model, calib, gptq_transform(
+            bits, group_size, block_size=args.block_size, damp=args.damp,
+            act_order=args.act_order))
+        return model, passes, "act-order" if args.act_order else ""
+    if method == "awq":
+        choose = lambda st, ws: awq_search(st.sample(), ws, (st.abs_sum / st.n).float(),
+                                           bits, group_size, args.grid)
+        alphas = scale_model(model, calib, choose, keep=args.awq_tokens)
+        return quantize_model(model, bits, group_size), 1, f"alpha {min(alphas)}..{max(alphas)}"
+    choose = lambda st, ws: (smooth_scales(st.abs_max, ws, args.alpha), args.alpha)
+    scale_model(model, calib, choose)
+    return w8a8_model(model, int_mm_rows), 1, f"alpha {args.alpha}"
+
+
+def fmt_name(bits, group_size, act_bits=0):
+    name = f"int{bits} " + (f"g{group_size}" if group_size else "per-row")
+    return name + (" + int8 act" if act_bits else "")
+
+
+def qat_run(base, corpus, bits, group_size, lsq, args, steps):
+    """QAT from the fp32 weights for `steps` steps, exported to the stored format."""
+    model = swap_linears(copy.deepcopy(base),
+                         lambda lin: QATLinear(lin.weight, bits, group_size, lsq))
+    seq = min(base.config.block_size, args.seq_len)
+    finetune(model, corpus, steps, args.lr, args.batch_size, seq, args.seed + 3)
+    return export_qat(model)
+
+
+def qat_rows(base, corpus, ev, bits_list, quantizers, args, steps):
+    """QAT against its two controls: PTQ at the same bits, and the same number of fp32
+    fine-tuning steps (then RTN) -- so the gain is the quantizer's, not the extra steps'."""
+    t0 = time.perf_counter()
+    tuned = copy.deepcopy(base)
+    seq = min(base.config.block_size, args.seq_len)
+    finetune(tuned, corpus, steps, args.lr, args.batch_size, seq, args.seed + 3)
+    rows = [ev.row(tuned, f"fp32 + {steps} steps", "fp32", time.perf_counter() - t0)]
+    yield rows[0]
+    for bits in bits_list:
+        g = default_group(bits, args.group_size)
+        yield ev.row(quantize_model(copy.deepcopy(tuned), bits, g),
+                     f"fp32 + {steps} steps, rtn", fmt_name(bits, g))
+        for lsq in quantizers:
+            t0 = time.perf_counter()
+            model = qat_run(base, corpus, bits, g, lsq, args, steps)
+            yield ev.row(model, f"qat-{'lsq' if lsq else 'ste'} {steps} steps",
+                         fmt_name(bits, g), time.perf_counter() - t0)
+
+
+def int_mm_decision(base):
+    """Measure torch._int_mm on the widest block linear; -> rows from which to use it."""
+    widest = max((lin for _, lin in target_linears(base)), key=lambda m: m.weight.numel())
+    rows, lines = measure_int_mm(widest.in_features, widest.out_features)
+    print0("int8 x int8 -> int32 matmul (torch._int_mm) vs fp32, best of 20:")
+    for line in lines:
+        print0(line)
+    print0(f"  -> W8A8 uses torch._int_mm from {rows} rows on" if rows is not None else
+           "  -> W8A8 uses the fp32 matmul on integer values (exact, and faster here)")
+    return rows
+
+
+class Table:
+    """Prints the ledger row by row as the rows come (a long compare shows progress)."""
+
+    def __init__(self, title):
+        print0(f"\n{title}")
+        print0("\n".join(ledger_lines([])))
+        self.rows = []
+
+    def add(self, row):
+        self.rows.append(row)
+        print0(ledger_lines([row])[-1])
+
+
+def cmd_ptq(args, base, corpus, ev):
+    bits = args.bits
+    g = default_group(bits, args.group_size)
+    calib = calibration(corpus, base, args, args.mode) if args.mode != "rtn" else []
+    int_mm_rows = int_mm_decision(base) if args.mode == "smoothquant" else None
+    table = Table(f"ledger (python quantize.py {' '.join(args.argv)}):")
+    table.add(ev.row(base, "fp32", "fp32"))
+    t0 = time.perf_counter()
+    model, passes, note = ptq(base, args.mode, bits, g, calib, args, int_mm_rows)
+    fmt = fmt_name(bits, g, 8 if args.mode == "smoothquant" else 0)
+    table.add(ev.row(model, args.mode, fmt, time.perf_counter() - t0, passes, note))
+    return model, table.rows
+
+
+def cmd_qat(args, base, corpus, ev):
+    g = default_group(args.bits, args.group_size)
+    table = Table(f"ledger (python quantize.py {' '.join(args.argv)}):")
+    table.add(ev.row(base, "fp32", "fp32"))
+    table.add(ev.row(quantize_model(copy.deepcopy(base), args.bits, g), "rtn (PTQ)",
+                     fmt_name(args.bits, g)))
+    for row in qat_rows(base, corpus, ev, [args.bits], [args.lsq], args, args.steps):
+        table.add(row)
+    return qat_run(base, corpus, args.bits, g, args.lsq, args, args.steps), table.rows
+
+
+def cmd_prune(args, base, corpus, ev):
+    calib = calibration(corpus, base, args, "wanda") if args.criterion == "wanda" else []
+    table = Table(f"ledger (python quantize.py {' '.join(args.argv)}):")
+    table.add(ev.row(base, "fp32", "fp32"))
+    model = copy.deepcopy(base)
+    t0 = time.perf_counter()
+    passes = prune_model(model, calib, args.sparsity, args.pattern, args.criterion)
+    fmt = f"{args.pattern} {args.sparsity:.0%}"
+    table.add(ev.row(model, args.criterion, fmt, time.perf_counter() - t0, passes))
+    if args.finetune_steps:
+        t0 = time.perf_counter()
+        seq = min(base.config.block_size, args.seq_len)
+        finetune(model, corpus, args.finetune_steps, args.lr, args.batch_size, seq, args.seed + 3)
+        table.add(ev.row(model, f"{args.criterion} + {args.finetune_steps} steps", fmt,
+                         time.perf_counter() - t0, passes))
+    print0("sparsity after pruning" + (" and fine-tuning:" if args.finetune_steps else ":"))
+    for line in sparsity_report(model, args.pattern):
+        print0(line)
+    return model, table.rows
+
+
+def cmd_compare(args, base, corpus, ev):
+    bits_list = [int(b) for b in args.bits_list.split(",")]
+    calib = calibration(corpus, base, args, "compare")
+    int_mm_rows = int_mm_decision(base)
+    table = Table(f"ledger (python quantize.py {' '.join(args.argv)}):")
+    table.add(ev.row(base, "fp32", "fp32"))
+    for bits in bits_list:
+        g = default_group(bits, args.group_size)
+        for method in ("rtn", "gptq", "awq"):
+            t0 = time.perf_counter()
+            model, passes, note = ptq(base, method, bits, g, calib, args)
+            table.add(ev.row(model, method, fmt_name(bits, g), time.perf_counter() - t0,
+                             passes, note))
+    t0 = time.perf_counter()
+    model, passes, note = ptq(base, "smoothquant", 8, 0, calib, args, int_mm_rows)
+    table.add(ev.row(model, "smoothquant", fmt_name(8, 0, 8), time.perf_counter() - t0,
+                     passes, note))
+    for row in qat_rows(base, corpus, ev, [b for b in bits_list if b != 8], [False, True],
+                        args, args.qat_steps):
+        table.add(row)
+    for criterion in ("magnitude", "wanda"):
+        for pattern in ("unstructured", "2:4"):
+            model = copy.deepcopy(base)
+            t0 = time.perf_counter()
+            passes = prune_model(model, calib, 0.5, pattern, criterion)
+            table.add(ev.row(model, criterion, f"{pattern} 50%", time.perf_counter() - t0,
+                             passes))
+    seq = min(base.config.block_size, args.seq_len)
+    t0 = time.perf_counter()
+    finetune(model, corpus, args.qat_steps, args.lr, args.batch_size, seq, args.seed + 3)
+    table.add(ev.row(model, f"wanda + {args.qat_steps} steps", "2:4 50%",
+                     time.perf_counter() - t0, passes))
+    return None, table.rows
+
+
+COMMANDS = {"rtn": cmd_ptq, "gptq": cmd_ptq, "awq": cmd_ptq, "smoothquant": cmd_ptq,
+            "qat": cmd_qat, "prune": cmd_prune, "compare": cmd_compare}
+
+
+def check_args(args, model):
+    """Everything that can be checked against the model's shapes, before any work."""
+    for bits in ([int(b) for b in args.bits_list.split(",")] if args.mode == "compare"
+                 else [args.bits] if hasattr(args, "bits") else []):
+        for _, lin in target_linears(model):
+            check_format(bits, default_group(bits, args.group_size), lin.in_features)
+    if args.mode == "prune":
+        check_prune(model, args.sparsity, args.pattern)
+    if args.mode == "compare":
+        check_prune(model, 0.5, "2:4")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    require_at_least_one(args, ("eval_batches", "batch_size", "seq_len", "prompts",
+                                "prompt_len", "new_tokens", "repeats", "base_steps"))
+    if args.mode == "smoothquant":
+        args.bits, args.group_size = 8, 0
+    if getattr(args, "bits", 8) not in SUPPORTED_BITS:
+        raise UserError(f"--bits {args.bits} is not supported: choose one of {SUPPORTED_BITS}")
+    if args.mode == "prune" and not 0 <= args.sparsity < 1:
+        raise UserError(f"--sparsity must be in [0, 1), got {args.sparsity}")
+    if args.save and args.mode == "compare":
+        raise UserError("compare writes its table to --out-dir; --save needs one method")
+    torch.set_num_threads(args.threads)
+    seed_everything(args.seed)
+    t_start = time.perf_counter()
+    base, corpus, source = load_base(args)
+    check_args(args, base)
+    print0(f"base: {source} | {base.num_params():,} params, {len(target_linears(base))} "
+           f"block linears | corpus {corpus.name} | {torch.get_num_threads()} thread(s)")
+    ev = Evaluator(base, corpus, args)
+    model, rows = COMMANDS[args.mode](args, base, corpus, ev)
+    seconds = time.perf_counter() - t_start
+    print0(f"total {seconds:.0f} s; timings: wall clock on this (possibly shared) CPU")
+    if args.mode == "compare":
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "compare.json"), "w") as f:
+            json.dump(dict(command=" ".join(["python quantize.py"] + args.argv), base=source,
+                           seconds=seconds, rows=rows), f, indent=1)
+        with open(os.path.join(args.out_dir, "compare.md"), "w") as f:
+            f.write("\n".join(ledger_lines(rows)) + "\n")
+        print0(f"wrote {args.out_dir}/compare.md and compare.json")
+    if args.save:
+        meta = dict(method=args.mode, bits=getattr(args, "bits", 32))
+        save_checkpoint(args.save, model, corpus.enc, meta, args.data)
+        print0(f"wrote {args.save}" + (" (W8A8: loaders get the int8 weights; activation "
+               "quantization is quantize.py's own)" if args.mode == "smoothquant" else ""))
+    return rows
+
+
+def _parent(title, *flags):
+    """A parent parser holding one group of flags: (name, kwargs) pairs."""
+    parser = argparse.ArgumentParser(add_help=False)
+    group = parser.add_argument_group(title)
+    for name, kwargs in flags:
+        group.add_argument(name, **kwargs)
+    return parser
+
+
+def build_parser():
+    common = _parent(
+        "model, data and ledger",
+        ("--ckpt", dict(default=None, help=f"fp32 checkpoint; None = {DEFAULT_CKPT}, or a "
+                        "fresh tiny model trained here when that file does not exist")),
+        ("--data", dict(default=None, help="UTF-8 text the checkpoint was trained on (None = "
+                        "what the checkpoint records, else the built-in corpus)")),
+        ("--base-steps", dict(type=int, default=300, help="training steps of a fresh model")),
+        ("--calib-batches", dict(type=int, default=4, help="calibration batches (train split)")),
+        ("--eval-batches", dict(type=int, default=8, help="validation batches")),
+        ("--batch-size", dict(type=int, default=8, help="rows per batch")),
+        ("--seq-len", dict(type=int, default=128, help="tokens per row")),
+        ("--prompts", dict(type=int, default=8, help="held-out prompts, greedy agreement")),
+        ("--prompt-len", dict(type=int, default=16, help="tokens per prompt")),
+        ("--new-tokens", dict(type=int, default=32, help="greedy tokens per prompt")),
+        ("--repeats", dict(type=int, default=3, help="decode timing: best of this many")),
+        ("--seed", dict(type=int, default=0, help="batches, prompts, the fresh model")),
+        ("--threads", dict(type=int, default=1, help="torch CPU threads")),
+        ("--save", dict(default="", help="write the result to this checkpoint (read by "
+                        "model.load_model, serve.py, spec_decode.py)")),
+        ("--out-dir", dict(default="out/quantize", help="compare: where the table goes")))
+    fmt = _parent(
+        "format",
+        ("--bits", dict(type=int, default=4, help=f"one of {SUPPORTED_BITS}")),
+        ("--group-size", dict(type=int, default=None, help="inputs per scale/zero; None = 0 "
+                              "(one group per output row) for int8, 32 for int3/int4")))
+    gptq_flags = _parent(
+        "GPTQ",
+        ("--damp", dict(type=float, default=0.01, help="dampening λ = damp · mean(diag H)")),
+        ("--block-size", dict(type=int, default=128, help="columns per lazy batch")),
+        ("--act-order", dict(action="store_true", help="columns by decreasing diag H")))
+    awq_flags = _parent(
+        "AWQ",
+        ("--grid", dict(type=int, default=20, help="α grid points on [0, 1)")),
+        ("--awq-tokens", dict(type=int, default=512, help="calibration tokens in the search")))
+    sq_flags = _parent("SmoothQuant", ("--alpha", dict(type=float, default=0.5,
+                                                         help="migration strength α")))
+    train = _parent("training", ("--lr", dict(type=float, default=3e-4,
+                                              help="QAT / fine-tuning learning rate")))
+    p = argparse.ArgumentParser(description="Quantize or prune the GPT; a ledger of what each "
+                                "method saves and costs.")
+    sub = p.add_subparsers(dest="mode", required=True, metavar="MODE")
+    add = lambda name, help, *parents: sub.add_parser(
+        name, help=help, description=help, parents=[common, *parents],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add("rtn", "round-to-nearest", fmt)
+    add("gptq", "GPTQ: column-by-column with error compensation", fmt, gptq_flags)
+    add("awq", "AWQ: activation-aware scales, then RTN", fmt, awq_flags)
+    add("smoothquant", "SmoothQuant: W8A8 (int8 weights and per-token int8 activations)",
+        sq_flags)
+    qat = add("qat", "quantization-aware training vs PTQ and fp32 fine-tuning", fmt, train)
+    qat.add_argument("--steps", type=int, default=100, help="QAT (and control) steps")
+    qat.add_argument("--lsq", action="store_true", help="learn the step sizes (LSQ)")
+    prune = add("prune", "magnitude or Wanda pruning, unstructured or 2:4", train)
+    prune.add_argument("--sparsity", type=float, default=0.5, help="fraction of zeros")
+    prune.add_argument("--pattern", default="unstructured", choices=["unstructured", "2:4"],
+                       help="per-row fraction, or 2 of every 4 inputs")
+    prune.add_argument("--criterion", default="wanda", choices=["magnitude", "wanda"],
+                       help="|W|, or |W|·||X||")
+    prune.add_argument("--finetune-steps", type=int, default=0, help="masked fine-tuning")
+    cmp = add("compare", "every method at --bits-list, QAT, pruning: one table",
+              gptq_flags, awq_flags, sq_flags, train)
+    cmp.add_argument("--bits-list", default="8,4,3", help="weight bits to compare")
+    cmp.add_argument("--group-size", type=int, default=None, help="None = 0 for int8, 32 "
+                     "for int3/int4")
+    cmp.add_argument("--qat-steps", type=int, default=100, help="QAT and fine-tuning steps")
+    return p
+
+
+if __name__ == "__main__":
+    run_cli(main)
