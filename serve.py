@@ -1,8 +1,9 @@
 """
 serve.py -- serving the shared GPT to many users at once: a paged-KV engine with
-continuous batching, chunked prefill, recompute preemption, prefix caching and SLO-aware
-scheduling; an OpenAI-compatible HTTP server (standard library only); and a benchmark
-that measures all of it against the two baselines it replaces.
+continuous batching, chunked prefill, recompute preemption, prefix caching, SLO-aware
+scheduling and fault isolation; the static-batching baseline; and a benchmark that
+measures the engine against the two baselines it replaces. The OpenAI-compatible HTTP
+layer around the engine is api_server.py (the protocol, split from the scheduling).
 
     python serve.py --port 8000                 # serve out/ckpt.pt on 127.0.0.1:8000
     python serve.py bench                       # 64 requests: sequential vs static vs engine
@@ -27,11 +28,16 @@ What it teaches, and what each technique saves / adds / sacrifices:
     Saves: admission can be optimistic, memory is used by running sequences only. Costs:
     the recomputation (and its latency), never correctness -- nothing is lost.
   - Prefix caching (kvcache.py): requests sharing a prefix reuse its KV blocks. Saves the
-    prefill compute of the shared part (TTFT) and the memory of duplicates.
+    prefill compute of the shared part (TTFT) and the memory of duplicates. n > 1 choices
+    of one prompt wait for the first one's prefill, then share its blocks.
   - SLO-aware scheduling: requests carry a priority and a TTFT target; admission and
     preemption follow (priority, deadline) instead of arrival order (earliest deadline
     first). Saves goodput (requests meeting their SLOs) under overload; costs fairness:
     low-priority work waits.
+  - Fault isolation: a batch mixes many users' requests, so one bad request must not fail
+    the step for all. An exception in the forward is retried sequence by sequence to find
+    whose it was; that one fails alone, the step reruns without it. Costs: len(batch) + 1
+    extra forwards, only when something fails.
   - int8 KV (kvcache.py): ~3.5x less KV memory (fp32 model) for a small logit error.
 
 The engine drives the unmodified model: the step's tokens (decodes and prefill chunks of
@@ -41,21 +47,12 @@ outputs equal model.generate() per request, token for token (tests/test_serve.py
 """
 import argparse
 import bisect
-import errno
-import http.server
 import itertools
-import json
 import math
 import os
-import queue
 import random
-import signal
 import statistics
-import threading
 import time
-import traceback
-import uuid
-from collections import namedtuple
 from dataclasses import dataclass
 from typing import Optional
 
@@ -68,7 +65,11 @@ from plumbing import UserError, fmt_bytes, pick_device, run_cli
 
 DEFAULT_CHECKPOINT = "out/ckpt.pt"
 POLICIES = ("fcfs", "slo")
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+WAITING, RUNNING, HELD, FINISHED = "waiting", "running", "held", "finished"
+# A temperature below this samples greedily (vLLM's _SAMPLING_EPS): logits / 1e-30 would
+# overflow float32 to inf and the softmax to NaN, and the limit T -> 0 is argmax anyway.
+GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20          # top alternatives per position, at most (OpenAI: 20)
 
 
 # ----------------------------------------------------------------------------------------
@@ -76,8 +77,8 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0        # 0 = greedy
+    max_tokens: int = 16            # 0 only with prompt_logprobs: score the prompt
+    temperature: float = 1.0        # < GREEDY_EPS = greedy
     top_p: float = 1.0
     top_k: int = 0                  # 0 = off
     stop: tuple = ()                # stop strings (the text is cut before the first one)
@@ -85,24 +86,52 @@ class SamplingParams:
     ignore_eos: bool = False        # keep going past <|endoftext|> (benchmarks)
     priority: int = 0               # SLO policy: lower runs first
     ttft_slo: Optional[float] = None   # seconds; the SLO policy's admission deadline
+    min_tokens: int = 0             # <|endoftext|> and stop_token_ids masked until then
+    stop_token_ids: tuple = ()      # sampling one of these ends the sequence ("stop")
+    presence_penalty: float = 0.0   # logit -= presence · [token already in the output]
+    frequency_penalty: float = 0.0  # logit -= frequency · (its count in the output)
+    logit_bias: tuple = ()          # ((token id, bias), ...) added to the logits
+    logprobs: Optional[int] = None  # per output token: its log-prob + this many top ones
+    prompt_logprobs: Optional[int] = None   # the same for every prompt token but the first
 
-    def validate(self):
-        if type(self.max_tokens) is not int or self.max_tokens < 1:
-            raise UserError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0 <= self.temperature <= 100:
-            raise UserError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise UserError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
-            raise UserError(f"seed must be in [0, 2^63), got {self.seed}")
+    def validate(self, vocab_size=None):
+        """Every number checked at the door -- finite and in range -- so that the math
+        inside a step cannot overflow for one request and fail the batch it shares."""
+        def number(name, lo, hi):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                    math.isfinite(v) and lo <= v <= hi):
+                raise UserError(f"{name} must be a finite number in [{lo}, {hi}], got {v!r}")
+
+        def integer(name, lo, hi, v=None):
+            v = getattr(self, name) if v is None else v
+            if type(v) is not int or not lo <= v <= hi:
+                raise UserError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+        integer("max_tokens", 0 if self.prompt_logprobs is not None else 1, 2 ** 31)
+        integer("min_tokens", 0, self.max_tokens)
+        number("temperature", 0, 100)
+        number("top_p", 1e-9, 1)
+        integer("top_k", 0, 2 ** 31)
+        number("presence_penalty", -2, 2)
+        number("frequency_penalty", -2, 2)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                integer(name, 0, MAX_LOGPROBS)
+        if self.seed is not None:
+            integer("seed", 0, 2 ** 63 - 1)
+        top = (vocab_size or 2 ** 31) - 1
+        for t in self.stop_token_ids:
+            integer("stop_token_ids", 0, top, t)
+        for t, b in self.logit_bias:
+            integer("logit_bias token", 0, top, t)
+            if not (isinstance(b, (int, float)) and math.isfinite(b) and -100 <= b <= 100):
+                raise UserError(f"logit_bias values must be finite in [-100, 100], got {b!r}")
         return self
 
 
 class Sequence:
     """One request inside the engine: its tokens (prompt + output so far), how many of
-    them have their K/V in the cache, its block table, and its timings."""
+    them have their K/V in the cache, its block table, its timings and log-probs."""
 
     def __init__(self, seq_id, prompt_ids, params, arrival, device):
         self.id, self.params, self.arrival = seq_id, params, arrival
@@ -113,8 +142,11 @@ class Sequence:
         self.block_table, self.block_hashes, self.num_registered = [], [], 0
         self.token_times, self.finish_time, self.finish_reason, self.text = [], None, None, None
         self.num_preemptions, self.num_cached_tokens, self.num_pushed = 0, None, 0
+        self.logprobs = []          # per output token: (token, logprob, [(id, logprob)])
+        self.prompt_logprobs = []   # the same for prompt tokens 1 .. num_prompt-1
+        self.after, self.error = None, None    # held behind this sequence; failure message
         self.generator = None
-        if params.temperature > 0:   # the same stream of numbers generate(seed=...) uses
+        if params.temperature >= GREEDY_EPS:   # the stream of numbers generate(seed=) uses
             seed = params.seed if params.seed is not None else random.getrandbits(62)
             self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -130,18 +162,32 @@ def decode_tokens(enc, ids):
     return enc.decode_bytes(ids).decode("utf-8", errors="replace")
 
 
+def logprob_entry(logits, token, k):
+    """(token, log p(token), the k most likely [(id, log p)]) from one row of raw logits:
+    log_softmax of the model's own distribution, before temperature, penalties or bias
+    (what a calibration measurement needs)."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top = lp.topk(k) if k else None
+    pairs = list(zip(top.indices.tolist(), top.values.tolist())) if k else []
+    return token, float(lp[token]), pairs
+
+
 # ----------------------------------------------------------------------------------------
 # The engine
 
 class Engine:
     """Waiting and running queues, a KV block pool, and `step()`: schedule -> one forward
     over the packed batch -> sample -> finish/free. Single-threaded on purpose: the HTTP
-    server talks to it through EngineLoop's inbox."""
+    layer (api_server.py) talks to it through its own thread's inbox.
+
+    fault_hook: a test seam for fault isolation, None in service. Called as
+    fault_hook("forward", seqs) before each forward and fault_hook("sample", [seq])
+    before each sampling; whatever it raises is handled as a fault of those sequences."""
 
     def __init__(self, model, enc=None, block_size=16, num_blocks=1024,
                  max_num_batched_tokens=256, max_num_seqs=64, policy="fcfs",
                  prefix_caching=True, chunked_prefill=True, kv_dtype=None, eos_id=None,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, fault_hook=None):
         cfg = model.config
         if policy not in POLICIES:
             raise UserError(f"unknown policy {policy!r}: use {' or '.join(POLICIES)}")
@@ -158,6 +204,7 @@ class Engine:
                             f"--max-num-batched-tokens must be >= the context "
                             f"({cfg.block_size}), got {max_num_batched_tokens}")
         self.model, self.enc, self.cfg, self.clock = model.eval(), enc, cfg, clock
+        self.fault_hook = fault_hook
         self.eos_id = eos_id if eos_id is not None else (enc.eot_token if enc else None)
         weight = model.output.weight
         self.device = weight.device
@@ -167,16 +214,20 @@ class Engine:
                                   kv_dtype)
         self.alloc = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.waiting, self.running, self.live = [], [], {}
+        self.held = {}              # sequence id -> the sequences admitted after its prefill
         self.ids = itertools.count()
-        self.stats = dict(steps=0, preemptions=0, aborted=0, finished=0, prompt_tokens=0,
-                          cached_tokens=0, computed_tokens=0, output_tokens=0,
-                          max_waste=0, waste_sum=0, waste_samples=0, peak_blocks=0)
+        self.stats = dict(steps=0, preemptions=0, aborted=0, failed=0, finished=0,
+                          prompt_tokens=0, cached_tokens=0, computed_tokens=0,
+                          output_tokens=0, max_waste=0, waste_sum=0, waste_samples=0,
+                          peak_blocks=0, isolation_retries=0)
         self.step_log = []   # per step: seconds, tokens, decodes, context read, sequences
 
     # -- requests -------------------------------------------------------------------------
-    def add_request(self, prompt, params=None, arrival=None, seq_id=None):
-        """prompt: a string (needs the tokenizer) or a list of token ids."""
-        params = (params or SamplingParams()).validate()
+    def add_request(self, prompt, params=None, arrival=None, seq_id=None, after=None):
+        """prompt: a string (needs the tokenizer) or a list of token ids. after: a live
+        Sequence with the same prompt (n > 1 choices): this one waits until that one's
+        prompt is in the cache, then is admitted with its blocks as prefix-cache hits."""
+        params = (params or SamplingParams()).validate(self.cfg.vocab_size)
         if isinstance(prompt, str):
             if self.enc is None:
                 raise UserError("a text prompt needs the engine's tokenizer (enc=...)")
@@ -191,8 +242,18 @@ class Engine:
         seq = Sequence(next(self.ids) if seq_id is None else seq_id, prompt, params,
                        self.clock() if arrival is None else arrival, self.device)
         self.live[seq.id] = seq
-        bisect.insort(self.waiting, seq, key=self._key)
+        if (after is not None and self.alloc.prefix_caching and after.id in self.live
+                and after.num_computed < after.num_prompt):
+            seq.status, seq.after = HELD, after.id
+            self.held.setdefault(after.id, []).append(seq)
+        else:
+            bisect.insort(self.waiting, seq, key=self._key)
         return seq
+
+    def _release_held(self, seq):
+        for child in self.held.pop(seq.id, []):
+            child.status = WAITING
+            bisect.insort(self.waiting, child, key=self._key)
 
     def abort(self, seq_id):
         seq = self.live.get(seq_id)
@@ -221,7 +282,6 @@ class Engine:
         if self.policy == "slo":
             return seq.params.priority, seq.deadline, seq.arrival, seq.id
         return seq.arrival, seq.id
-
     # -- scheduling -----------------------------------------------------------------------
     def _schedule(self):
         """-> [(seq, n_new_tokens)] for this step, within the token budget.
@@ -254,7 +314,10 @@ class Engine:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            hits = self.alloc.match_prefix(seq.tokens, seq.block_hashes)
+            # prompt log-probs need the logits of every prompt position: no cache hits
+            scoring = len(seq.prompt_logprobs) < seq.num_prompt - 1 and \
+                seq.params.prompt_logprobs is not None
+            hits = [] if scoring else self.alloc.match_prefix(seq.tokens, seq.block_hashes)
             cached = len(hits) * self.block_size
             n = len(seq.tokens) - cached
             if n > budget:
@@ -293,49 +356,107 @@ class Engine:
             self.running.remove(seq)
         elif seq.status == WAITING:
             self.waiting.remove(seq)
+        elif seq.status == HELD:
+            self.held[seq.after].remove(seq)
         self.alloc.release_table(seq.block_table)
         seq.status, seq.finish_reason, seq.finish_time = FINISHED, reason, self.clock()
         del self.live[seq.id]
+        self._release_held(seq)            # its choices go on alone (no shared prefix)
         if self.enc is not None and seq.text is None:
             out = seq.output_ids
-            if out and out[-1] == self.eos_id and not seq.params.ignore_eos:
-                out = out[:-1]
+            if out and reason == "stop" and out[-1] in self._stop_ids(seq):
+                out = out[:-1]             # <|endoftext|> / a stop token: not in the text
             seq.text = decode_tokens(self.enc, out)
-        self.stats["finished"] += reason != "abort"
+        self.stats["finished"] += reason not in ("abort", "error")
+
+    def _fail(self, seq, exc):
+        """Fault isolation: this sequence alone ends, with its own error."""
+        seq.error = f"{type(exc).__name__}: {exc}"
+        self._finish(seq, "error")
+        self.stats["failed"] += 1
+
+    def _stop_ids(self, seq):
+        eos = () if seq.params.ignore_eos or self.eos_id is None else (self.eos_id,)
+        return eos + tuple(seq.params.stop_token_ids)
 
     # -- one step -------------------------------------------------------------------------
     @torch.no_grad()
     def step(self):
         """Schedule, run the model once over the packed batch, sample where a sequence's
         computed tokens reached its end, finish what is done. -> the sequences that got a
-        token this step (finished ones included)."""
+        token this step, and those that failed (finish_reason "error")."""
         batch = self._schedule()
         if not batch:
             if self.has_work():     # the start-up checks make this impossible: a bug
                 raise RuntimeError("the scheduler made no progress")
             return []
         t0 = self.clock()
-        logits, sampled = self._forward(batch)
+        try:
+            logits, rows = self._forward(batch)
+            failed = []
+        except Exception as e:      # whose fault? find out, then rerun without them
+            batch, logits, rows, failed = self._isolate(batch, e)
         for seq, n in batch:
             seq.num_computed += n
             self._register_full_blocks(seq)
-        new_tokens = self._sample(logits, sampled) if sampled else []
+            if seq.num_computed >= seq.num_prompt:
+                self._release_held(seq)    # its prompt's blocks are now in the cache
+        sampled = []
+        for i, (seq, pos) in enumerate(rows):
+            if pos is not None:            # a prompt position: score the next prompt token
+                seq.prompt_logprobs.append(logprob_entry(logits[i], seq.tokens[pos + 1],
+                                                         seq.params.prompt_logprobs))
+            elif seq.params.max_tokens == 0:   # scoring only: the prompt is done
+                sampled.append((seq, None))
+            else:
+                try:
+                    sampled.append((seq, self._sample_one(seq, logits[i])))
+                except Exception as e:     # this row's sampling alone failed
+                    self._fail(seq, e)
+                    failed.append(seq)
         now = self.clock()
-        self._account(batch, now - t0)
-        for seq, tok in zip(sampled, new_tokens):
+        for seq, tok in sampled:
+            if tok is None:
+                self._finish(seq, "length")
+                continue
             seq.tokens.append(tok)
             seq.token_times.append(now)
             self.stats["output_tokens"] += 1
             reason = self._stop_reason(seq, tok)
             if reason:
                 self._finish(seq, reason)
-        return sampled
+        self._account(batch, now - t0)
+        return [seq for seq, _ in sampled] + failed
+
+    def _isolate(self, batch, error):
+        """The packed forward raised. Run each sequence's part alone: the ones that still
+        raise fail with their own error; the step is then rerun without them, so every
+        other sequence computes exactly what it would have."""
+        self.stats["isolation_retries"] += 1
+        failed = []
+        for seq, n in batch:
+            try:
+                self._forward([(seq, n)])
+            except Exception as e:
+                failed.append(seq)
+                self._fail(seq, e)
+        if not failed:              # not reproducible alone: the batch itself is at fault
+            for seq, _ in batch:
+                self._fail(seq, error)
+            return [], None, [], [s for s, _ in batch]
+        batch = [(s, n) for s, n in batch if s.status == RUNNING]
+        logits, rows = self._forward(batch) if batch else (None, [])
+        return batch, logits, rows, failed
 
     def _forward(self, batch):
         """The model on the packed step: (1, T) tokens with their own positions; the
-        layers are the model's, attention is the paged one. Logits only for the last token
-        of sequences that are now complete (a mid-prompt chunk needs none)."""
+        layers are the model's, attention is the paged one. Logits only where needed:
+        the last token of sequences that are now complete (a mid-prompt chunk needs none),
+        and prompt positions of requests asking for prompt log-probs.
+        -> (logits, [(seq, prompt position or None for "sample here")])."""
         model = self.model
+        if self.fault_hook is not None:
+            self.fault_hook("forward", [seq for seq, _ in batch])
         ids = [t for seq, n in batch for t in seq.tokens[seq.num_computed:seq.num_computed + n]]
         self.cache.prepare([(seq.block_table, seq.num_computed, n) for seq, n in batch])
         idx = torch.tensor([ids], device=self.device)
@@ -344,30 +465,61 @@ class Engine:
         with self.cache.installed(model):
             for i, layer in enumerate(model.layers):
                 x = layer(x, cos, sin, None, self.cache, i)
-        rows, sampled, end = [], [], 0
+        picks, rows, end = [], [], 0
         for seq, n in batch:
+            start = seq.num_computed
+            if seq.params.prompt_logprobs is not None:
+                for p in range(max(start, len(seq.prompt_logprobs)),
+                               min(start + n, seq.num_prompt - 1)):
+                    picks.append(end + p - start)
+                    rows.append((seq, p))
             end += n
-            if seq.num_computed + n == len(seq.tokens):
-                rows.append(end - 1)
-                sampled.append(seq)
-        if not rows:
+            if start + n == len(seq.tokens):
+                picks.append(end - 1)
+                rows.append((seq, None))
+        if not picks:
             return None, []
-        return model.output(model.norm(x[0, rows])), sampled
+        return model.output(model.norm(x[0, picks])), rows
 
-    def _sample(self, logits, seqs):
-        """Greedy rows in one argmax; sampled rows with model.sample_next and their own
-        generator (so a seeded request draws what generate(seed=...) draws)."""
-        out = logits.argmax(-1).tolist()
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            if p.temperature > 0:
-                out[i] = int(sample_next(logits[i:i + 1], p.temperature, p.top_k or None,
-                                         p.top_p, seq.generator)[0])
-        return out
+    def _sample_one(self, seq, logits):
+        """One token from one row of logits: bias, min_tokens and penalties applied (when
+        asked for), then greedy (temperature < GREEDY_EPS) or model.sample_next with the
+        sequence's own generator (a seeded request draws what generate(seed=...) draws)."""
+        p = seq.params
+        if self.fault_hook is not None:
+            self.fault_hook("sample", [seq])
+        row = self._process(seq, logits)
+        if p.temperature < GREEDY_EPS:
+            tok = int(row.argmax())
+        else:
+            tok = int(sample_next(row[None], p.temperature, p.top_k or None, p.top_p,
+                                  seq.generator)[0])
+        if p.logprobs is not None:
+            seq.logprobs.append(logprob_entry(logits, tok, p.logprobs))
+        return tok
+
+    def _process(self, seq, logits):
+        """OpenAI's logit adjustments, in vLLM's order: logit_bias, min_tokens (the stop
+        tokens masked), then presence/frequency penalties over the output so far:
+        logit[j] -= frequency · count[j] + presence · [count[j] > 0]."""
+        p, out = seq.params, seq.output_ids
+        early = len(out) < p.min_tokens
+        if not (p.logit_bias or early or p.presence_penalty or p.frequency_penalty):
+            return logits
+        row = logits.float().clone()
+        for tok, bias in p.logit_bias:
+            row[tok] += bias
+        if early:
+            row[list(self._stop_ids(seq))] = float("-inf")
+        if out and (p.presence_penalty or p.frequency_penalty):
+            count = torch.bincount(torch.tensor(out, device=row.device),
+                                   minlength=row.shape[-1])[:row.shape[-1]].to(row.dtype)
+            row -= p.frequency_penalty * count + p.presence_penalty * (count > 0).to(row.dtype)
+        return row
 
     def _stop_reason(self, seq, tok):
         p = seq.params
-        if tok == self.eos_id and not p.ignore_eos:
+        if tok in self._stop_ids(seq):
             return "stop"
         if p.stop and self.enc is not None:
             text = decode_tokens(self.enc, seq.output_ids)
@@ -443,398 +595,6 @@ def static_batch_generate(model, prompts, max_new_tokens, on_step=None):
 
 
 # ----------------------------------------------------------------------------------------
-# The HTTP server: OpenAI's /v1/completions and /v1/chat/completions, standard library only.
-
-class ApiError(Exception):
-    """An HTTP error with OpenAI's JSON body: {"error": {"message", "type", "param",
-    "code"}}."""
-
-    def __init__(self, status, message, param=None, code=None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-        self.type = {404: "not_found_error", 413: "request_too_large",
-                     429: "rate_limit_error"}.get(status, "invalid_request_error"
-                                                  if status < 500 else "server_error")
-
-
-# What the engine thread hands a request's handler: new token ids, and at the end the
-# finish reason and the final text (or an error).
-Update = namedtuple("Update", "tokens finish_reason text error", defaults=(None, None, None))
-
-
-class EngineLoop:
-    """Runs the engine in its own thread. Handler threads never touch the engine: they put
-    'add' and 'abort' into an inbox and read their own queue of Updates. The in-flight cap
-    (running + queued) answers 429 instead of letting a queue grow without bound."""
-
-    def __init__(self, engine, max_queue):
-        self.engine, self.cond, self.inbox, self.outboxes = engine, threading.Condition(), [], {}
-        self.ids, self.in_flight, self.stopping = itertools.count(), 0, False
-        self.max_in_flight = engine.max_num_seqs + max_queue
-        self.thread = threading.Thread(target=self.run, daemon=True, name="engine")
-        self.thread.start()
-
-    def submit(self, prompt_ids, params):
-        with self.cond:
-            if self.in_flight >= self.max_in_flight:
-                raise ApiError(429, f"server busy: {self.in_flight} requests in flight (cap "
-                                    f"{self.max_in_flight} = max_num_seqs + max_queue); retry")
-            sid, q = next(self.ids), queue.Queue()
-            self.outboxes[sid] = q
-            self.in_flight += 1
-            self.inbox.append(("add", sid, prompt_ids, params))
-            self.cond.notify()
-        return sid, q
-
-    def abort(self, sid):
-        with self.cond:
-            self.inbox.append(("abort", sid, None, None))
-            self.cond.notify()
-
-    def stop(self):
-        with self.cond:
-            self.stopping = True
-            self.cond.notify()
-        self.thread.join(timeout=10)
-
-    def _push(self, sid, update):
-        q = self.outboxes.get(sid)
-        if q is None:
-            return
-        q.put(update)
-        if update.finish_reason or update.error:
-            with self.cond:
-                del self.outboxes[sid]
-                self.in_flight -= 1
-
-    def run(self):
-        eng = self.engine
-        while True:
-            with self.cond:
-                while not (self.inbox or eng.has_work() or self.stopping):
-                    self.cond.wait()
-                if self.stopping:
-                    return
-                ops, self.inbox = self.inbox, []
-            for op, sid, prompt_ids, params in ops:
-                if op == "add":
-                    try:
-                        eng.add_request(prompt_ids, params, seq_id=sid)
-                    except Exception as e:     # UserError: a bad request; else a bug
-                        self._push(sid, Update([], error=ApiError(
-                            400 if isinstance(e, UserError) else 500, str(e))))
-                elif eng.abort(sid) is not None:
-                    self._push(sid, Update([], "abort", ""))
-            try:
-                updated = eng.step()
-            except Exception as e:        # a bug: fail every request, keep serving
-                traceback.print_exc()
-                for seq in list(eng.live.values()):
-                    eng.abort(seq.id)
-                    self._push(seq.id, Update([], error=ApiError(500, f"engine error: {e}")))
-                continue
-            for seq in updated:
-                new = seq.output_ids[seq.num_pushed:]
-                seq.num_pushed += len(new)
-                self._push(seq.id, Update(new, seq.finish_reason, seq.text))
-
-
-def chat_prompt(messages):
-    """A minimal chat template. The roles are plain text: user content cannot inject
-    special tokens (prompts are encoded with encode_ordinary)."""
-    return "".join(f"### {m['role'].capitalize()}:\n{m['content']}\n\n" for m in messages) \
-        + "### Assistant:\n"
-
-
-CHAT_STOP = "\n### "   # the model starting another turn ends the answer
-
-
-def _field(body, key, types, default, check=None, why=""):
-    """body[key] with a type check (bool is not a number here) and a range check."""
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-        names = "/".join(t.__name__ for t in types)
-        raise ApiError(400, f"'{key}' must be of type {names}, got {type(value).__name__}", key)
-    if check is not None and not check(value):
-        raise ApiError(400, f"'{key}' {why}, got {value!r}", key)
-    return value
-
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "nanoscale-serve"
-    timeout = 60          # a client that stops sending mid-request cannot hold a thread
-
-    def log_message(self, fmt, *args):
-        if self.server.verbose:
-            super().log_message(fmt, *args)
-
-    # -- plumbing -------------------------------------------------------------------------
-    def send_json(self, status, obj, close=False):
-        body = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        if close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        self.wfile.write(body)
-
-    def send_error_json(self, e):
-        # close the connection after an error: the body may not have been read
-        self.send_json(e.status, {"error": {"message": str(e), "type": e.type,
-                                            "param": e.param, "code": e.code}}, close=True)
-
-    def handle_one_request(self):
-        try:
-            super().handle_one_request()
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
-
-    def read_json(self):
-        length = self.headers.get("Content-Length")
-        if length is None:
-            raise ApiError(411, "a Content-Length header is required")
-        if not length.isdigit():
-            raise ApiError(400, "bad Content-Length")
-        if int(length) > self.server.max_body_bytes:
-            raise ApiError(413, f"request body of {length} bytes is over the "
-                                f"{self.server.max_body_bytes}-byte limit")
-        try:
-            body = json.loads(self.rfile.read(int(length)))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"invalid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
-
-    # -- routes ---------------------------------------------------------------------------
-    def do_GET(self):
-        srv = self.server
-        try:
-            if self.path == "/health":
-                eng, alloc = srv.loop.engine, srv.loop.engine.alloc
-                self.send_json(200, {
-                    "status": "ok", "running": len(eng.running), "waiting": len(eng.waiting),
-                    "in_flight": srv.loop.in_flight, "num_blocks": alloc.num_blocks,
-                    "free_blocks": len(alloc.free), "cached_blocks": len(alloc.evictable),
-                    "used_blocks": alloc.num_used, **eng.stats})
-            elif self.path == "/v1/models":
-                self.send_json(200, {"object": "list", "data": [{
-                    "id": srv.model_name, "object": "model", "created": srv.created,
-                    "owned_by": "nanoscale", "max_model_len": srv.context}]})
-            elif self.path in ("/v1/completions", "/v1/chat/completions"):
-                raise ApiError(405, f"use POST for {self.path}")
-            else:
-                raise ApiError(404, f"no route {self.path}")
-        except ApiError as e:
-            self.send_error_json(e)
-
-    def do_POST(self):
-        try:
-            if self.path not in ("/v1/completions", "/v1/chat/completions"):
-                raise ApiError(404, f"no route {self.path}")
-            self.completion(self.read_json(), chat=self.path.endswith("chat/completions"))
-        except ApiError as e:
-            self.send_error_json(e)
-
-    def do_PUT(self):
-        self.send_error_json(ApiError(405, f"method {self.command} not allowed"))
-
-    do_DELETE = do_PATCH = do_PUT
-
-    # -- the completion endpoints -----------------------------------------------------------
-    def parse(self, body, chat):
-        srv = self.server
-        model = _field(body, "model", (str,), srv.model_name)
-        if model != srv.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves "
-                                f"{srv.model_name!r}", "model", "model_not_found")
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise ApiError(400, "'messages' must be a non-empty list", "messages")
-            clean = []
-            for m in messages:
-                content = m.get("content") if isinstance(m, dict) else None
-                if isinstance(content, list) and all(     # [{"type": "text", "text": ..}]
-                        isinstance(p, dict) and p.get("type") == "text"
-                        and isinstance(p.get("text"), str) for p in content):
-                    content = "".join(p["text"] for p in content)
-                if not isinstance(content, str) or m.get("role") not in (
-                        "system", "user", "assistant", "developer"):
-                    raise ApiError(400, "each message needs a 'role' (system, user, assistant "
-                                        "or developer) and a text 'content'", "messages")
-                clean.append({"role": m["role"], "content": content})
-            prompt_ids = srv.enc.encode_ordinary(chat_prompt(clean))
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if isinstance(prompt, str) and prompt:
-                prompt_ids = srv.enc.encode_ordinary(prompt)
-            elif isinstance(prompt, list) and prompt and all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                prompt_ids = prompt
-                if not all(0 <= t < srv.vocab_size for t in prompt_ids):
-                    raise ApiError(400, f"token ids must be in [0, {srv.vocab_size})", "prompt")
-            else:
-                raise ApiError(400, "'prompt' must be a non-empty string or list of token "
-                                    "ids (one prompt per request)", "prompt")
-        if len(prompt_ids) >= srv.context:
-            raise ApiError(400, f"this model's maximum context length is {srv.context} "
-                                f"tokens; the prompt has {len(prompt_ids)}", "prompt",
-                           "context_length_exceeded")
-        for key, bad in (("n", lambda v: v != 1), ("best_of", lambda v: v != 1),
-                         ("logprobs", bool), ("echo", bool)):
-            if key in body and body[key] is not None and bad(body[key]):
-                raise ApiError(400, f"'{key}' is not supported by this server", key)
-        room = srv.context - len(prompt_ids)
-        max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body \
-            else "max_tokens"
-        max_tokens = _field(body, max_key, (int,), None, lambda v: v >= 1, "must be >= 1")
-        if max_tokens is None:   # OpenAI: 16 for completions, the rest of the context for chat
-            max_tokens = min(room, srv.max_tokens_cap) if chat else min(16, room)
-        if max_tokens > srv.max_tokens_cap:
-            raise ApiError(400, f"'{max_key}' {max_tokens} is over this server's cap of "
-                                f"{srv.max_tokens_cap}", max_key)
-        if max_tokens > room:
-            raise ApiError(400, f"this model's maximum context length is {srv.context} tokens"
-                                f"; the prompt ({len(prompt_ids)}) + {max_key} ({max_tokens}) "
-                                f"is longer", max_key, "context_length_exceeded")
-        stop = body.get("stop")
-        stop = [stop] if isinstance(stop, str) else stop
-        if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(
-                isinstance(s, str) and s for s in stop)):
-            raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty "
-                                "strings", "stop")
-        stop = tuple(stop or ()) + ((CHAT_STOP,) if chat else ())
-        options = _field(body, "stream_options", (dict,), {})
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=float(_field(body, "temperature", (int, float), 1.0,
-                                     lambda v: 0 <= v <= 2, "must be in [0, 2]")),
-            top_p=float(_field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1,
-                               "must be in (0, 1]")),
-            top_k=max(0, _field(body, "top_k", (int,), 0, lambda v: v >= -1,
-                                "must be >= -1 (-1 and 0 mean off)")),
-            stop=stop, seed=_field(body, "seed", (int,), None),
-            priority=_field(body, "priority", (int,), 0))
-        stream = _field(body, "stream", (bool,), False)
-        return prompt_ids, params, stream, bool(options.get("include_usage"))
-
-    def completion(self, body, chat):
-        srv = self.server
-        prompt_ids, params, stream, include_usage = self.parse(body, chat)
-        sid, q = srv.loop.submit(prompt_ids, params)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        head = {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": srv.model_name}
-        if stream:
-            return self.stream(sid, q, head, chat, prompt_ids, params, include_usage)
-        ids = []
-        while True:
-            up = q.get()
-            if up.error:
-                raise up.error
-            ids += up.tokens
-            if up.finish_reason:
-                break
-        choice = {"index": 0, "logprobs": None, "finish_reason": up.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": up.text}
-        else:
-            choice["text"] = up.text
-        self.send_json(200, {**head, "choices": [choice], "usage": _usage(prompt_ids, ids)})
-
-    def stream(self, sid, q, head, chat, prompt_ids, params, include_usage):
-        """Server-sent events: `data: {chunk}\\n\\n` per piece of text, then `data: [DONE]`.
-        Text is released only when it cannot change: incomplete UTF-8 (U+FFFD at the end)
-        and the last len(longest stop string) - 1 characters are held back. A client that
-        goes away makes the next write fail: the sequence is aborted, its blocks freed."""
-        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-
-        def event(delta=None, finish=None, usage=None):
-            if usage is not None:
-                obj = {**head, "choices": [], "usage": usage}
-            elif chat:
-                obj = {**head, "choices": [{"index": 0, "delta": delta or {}, "logprobs": None,
-                                            "finish_reason": finish}]}
-            else:
-                obj = {**head, "choices": [{"index": 0, "text": (delta or {}).get("content", ""),
-                                            "logprobs": None, "finish_reason": finish}]}
-            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-            self.wfile.flush()
-
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        ids, sent = [], 0
-        try:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")    # the body ends when the socket does
-            self.close_connection = True
-            self.end_headers()
-            if chat:
-                event({"role": "assistant", "content": ""})
-            while True:
-                up = q.get()
-                if up.error:
-                    self.wfile.write(b"data: " + json.dumps({"error": {
-                        "message": str(up.error), "type": up.error.type}}).encode() + b"\n\n")
-                    break
-                ids += up.tokens
-                if up.finish_reason:
-                    if len(up.text) > sent:
-                        event({"content": up.text[sent:]})
-                    event(finish=up.finish_reason)
-                    if include_usage:
-                        event(usage=_usage(prompt_ids, ids))
-                    break
-                text = decode_tokens(self.server.enc, ids)
-                safe = len(text.rstrip("\ufffd")) - hold
-                if safe > sent:
-                    event({"content": text[sent:safe]})
-                    sent = safe
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            self.server.loop.abort(sid)                # the client left: free its blocks
-
-
-def _usage(prompt_ids, ids):
-    return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-            "total_tokens": len(prompt_ids) + len(ids)}
-
-
-class Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True      # one thread per connection; many clients at once
-    request_queue_size = 256   # listen() backlog (socketserver's 5 resets a burst of clients)
-
-
-def make_server(engine, enc, host="127.0.0.1", port=8000, model_name="nanoscale",
-                max_body_bytes=1 << 20, max_tokens_cap=None, max_queue=256, verbose=False):
-    """Bind (127.0.0.1 unless told otherwise: serving to a network is a decision), start
-    the engine thread. Call serve_forever() on the result; shutdown() + loop.stop()."""
-    try:
-        srv = Server((host, port), Handler)
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise UserError(f"port {port} on {host} is already in use: stop the other "
-                            f"server or pick another --port") from None
-        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    srv.loop, srv.enc, srv.model_name, srv.verbose = EngineLoop(engine, max_queue), enc, \
-        model_name, verbose
-    srv.context, srv.vocab_size = engine.cfg.block_size, engine.cfg.vocab_size
-    srv.max_body_bytes, srv.created = max_body_bytes, int(time.time())
-    srv.max_tokens_cap = max_tokens_cap or engine.cfg.block_size
-    return srv
-
-
-# ----------------------------------------------------------------------------------------
 # The benchmark: the same requests through sequential generate(), static batching and the
 # engine, in one run; latency percentiles, goodput, KV usage, the decode roofline.
 
@@ -879,20 +639,20 @@ def make_workload(args, cfg, eos_id):
     return reqs
 
 
-# The bench's clock: wall time (time.perf_counter), or this process's CPU time
-# (time.process_time, --clock cpu): on a machine shared with other jobs the wall clock
-# measures the neighbours too; CPU time measures our work as if the core were ours
-# (arrivals must then be all at once: CPU time does not pass while we sleep).
-clock = time.perf_counter
+# The bench's clock, passed to every runner: wall time (time.perf_counter), or this
+# process's CPU time (time.process_time, --clock cpu): on a machine shared with other jobs
+# the wall clock measures the neighbours too; CPU time measures our work as if the core
+# were ours (arrivals must then be all at once: CPU time does not pass while we sleep).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def _wait_until(t):
+def _wait_until(t, clock):
     delay = t - clock()
     if delay > 0:
         time.sleep(delay)
 
 
-def run_sequential(model, reqs):
+def run_sequential(model, reqs, clock=time.perf_counter):
     """The reference: model.generate() one request at a time, in arrival order. A forward
     hook timestamps every forward pass: pass i of generate() yields output token i."""
     stamps = []
@@ -900,7 +660,7 @@ def run_sequential(model, reqs):
     t0, recs = clock(), []
     try:
         for r in reqs:
-            _wait_until(t0 + r.arrival)
+            _wait_until(t0 + r.arrival, clock)
             stamps.clear()
             out = model.generate(r.prompt, r.out_len, temperature=0)
             recs.append(dict(out=out, times=stamps[:len(out)], finish=stamps[len(out) - 1]))
@@ -909,7 +669,7 @@ def run_sequential(model, reqs):
     return t0, recs
 
 
-def run_static(model, reqs, batch_size):
+def run_static(model, reqs, batch_size, clock=time.perf_counter):
     """Static batching: batches of batch_size in arrival order; a batch starts when its
     last request has arrived, is padded to its longest prompt, decodes until its longest
     output is done, and only then frees its slots for the next batch."""
@@ -917,7 +677,7 @@ def run_static(model, reqs, batch_size):
     reserved = used = computed = 0
     for i in range(0, len(reqs), batch_size):
         group = reqs[i:i + batch_size]
-        _wait_until(t0 + max(r.arrival for r in group))
+        _wait_until(t0 + max(r.arrival for r in group), clock)
         stamps = []
         n_max = max(r.out_len for r in group)
         outs = static_batch_generate(model, [r.prompt for r in group], n_max,
@@ -940,7 +700,7 @@ def engine_from_args(model, enc, args, policy, clock=time.perf_counter):
                   clock=clock)
 
 
-def run_engine(model, enc, reqs, args, policy):
+def run_engine(model, enc, reqs, args, policy, clock=time.perf_counter):
     """The engine with arrivals injected as they happen (in-process, no HTTP)."""
     eng = engine_from_args(model, enc, args, policy, clock)
     t0, pending, seqs = clock(), list(reqs), []
@@ -955,7 +715,7 @@ def run_engine(model, enc, reqs, args, policy):
         if eng.has_work():
             eng.step()
         elif pending:
-            _wait_until(t0 + pending[0].arrival)
+            _wait_until(t0 + pending[0].arrival, clock)
     recs = [dict(out=s.output_ids, times=s.token_times, finish=s.finish_time) for s in seqs]
     return t0, recs, eng
 
@@ -999,18 +759,13 @@ def _timed(fn):
     return time.perf_counter() - t
 
 
-def bench(args, model, enc):
-    global clock
-    if args.clock == "cpu" and args.rate != math.inf:
-        raise UserError("--clock cpu needs --rate inf (CPU time does not pass while waiting "
-                        "for an arrival)")
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    cfg, dev = model.config, model.output.weight.device
-    reqs = make_workload(args, cfg, enc.eot_token)
+def print_setup(args, model, reqs):
+    """Table 0: the machine's two roofs and the workload. -> (bandwidth, FLOP/s)."""
+    dev = model.output.weight.device
     bw, flops = measure_machine(dev)
-    print(f"clock: {args.clock}; machine: {dev}, {torch.get_num_threads()} thread(s): copy bandwidth "
-          f"{bw / 1e9:.1f} GB/s, matmul {flops / 1e9:.1f} GFLOP/s (best of 3; a shared CPU "
-          f"makes every timing here contended)")
+    print(f"clock: {args.clock}; machine: {dev}, {torch.get_num_threads()} thread(s): copy "
+          f"bandwidth {bw / 1e9:.1f} GB/s, matmul {flops / 1e9:.1f} GFLOP/s (best of 3; a "
+          f"shared CPU makes every timing here contended)")
     n_int = sum(r.interactive for r in reqs)
     print(f"workload: {len(reqs)} requests, prompt {args.prompt_len} (+{args.shared_prefix} "
           f"shared) tokens, mean {statistics.mean(len(r.prompt) for r in reqs):.0f}; output "
@@ -1020,11 +775,15 @@ def bench(args, model, enc):
     print(f"SLOs: {n_int} interactive (priority 0) TTFT <= {args.slo_ttft} s, "
           f"{len(reqs) - n_int} batch TTFT <= {args.slo_ttft_batch} s; all TPOT <= "
           f"{args.slo_tpot * 1e3:.0f} ms")
+    return bw, flops
+
+
+def run_systems(args, model, enc, reqs, clock):
+    """Every system on the same workload, each --repeats times, the fastest run kept (the
+    least disturbed by other jobs). -> rows [(name, summary)], outputs and extras by key."""
     rows, outs, extra = [], {}, {}
 
     def measure(name, key, run):
-        """Run a system --repeats times; keep the fastest run (the least disturbed by
-        other jobs on the machine)."""
         best = None
         for _ in range(args.repeats):
             t0, recs, *rest = run()
@@ -1036,18 +795,21 @@ def bench(args, model, enc):
         extra[key] = best[2][0] if best[2] else None
 
     if not args.no_baselines:
-        measure("sequential generate()", "sequential", lambda: run_sequential(model, reqs))
+        measure("sequential generate()", "sequential", lambda: run_sequential(model, reqs, clock))
         measure(f"static batching B={args.static_batch}", "static",
-                lambda: run_static(model, reqs, args.static_batch))
-    policies = [args.policy] if args.policy else POLICIES
-    for policy in policies:
-        measure(f"engine ({policy})", policy, lambda: run_engine(model, enc, reqs, args, policy))
-    engines = {p: extra[p] for p in policies}
-    kv = {"static": extra["static"]} if "static" in extra else {}
+                lambda: run_static(model, reqs, args.static_batch, clock))
+    for policy in [args.policy] if args.policy else POLICIES:
+        measure(f"engine ({policy})", policy,
+                lambda: run_engine(model, enc, reqs, args, policy, clock))
+    return rows, outs, extra
 
+
+def latency_table(rows, outs, reqs, args):
+    """Table 1: throughput, TTFT / TPOT / ITL percentiles, goodput; then exactness."""
     base = rows[0][1]["tok_s"]
-    print(f"\n{'system':<24}{'wall s':>7}{'out tok/s':>10}{'speedup':>8}  {'TTFT p50/p90/p99 s':>18}"
-          f"  {'p90 inter':>10}  {'TPOT p50/p99 ms':>15}  {'ITL p50/p99 ms':>14}  goodput req/s")
+    print(f"\n{'system':<24}{'wall s':>7}{'out tok/s':>10}{'speedup':>8}  "
+          f"{'TTFT p50/p90/p99 s':>18}  {'p90 inter':>10}  {'TPOT p50/p99 ms':>15}  "
+          f"{'ITL p50/p99 ms':>14}  goodput req/s")
     for name, s in rows:
         q = {k: [pct(s[k], p) for p in (50, 90, 99)] for k in ("ttft", "tpot", "itl")}
         print(f"{name:<24}{s['wall']:>7.2f}{s['tok_s']:>10.0f}{s['tok_s'] / base:>7.1f}x  "
@@ -1060,7 +822,9 @@ def bench(args, model, enc):
             same = sum(a == b for a, b in zip(o, outs["sequential"]))
             print(f"greedy outputs of {name} == sequential generate(): {same}/{len(reqs)}")
 
-    eng = engines[list(engines)[-1]]
+
+def kv_table(args, cfg, reqs, rows, eng, static):
+    """Table 2: work done vs needed, and KV memory: paged vs static vs contiguous."""
     st, bs = eng.stats, args.block_size
     # positions that must run through the model: the prompt and every output token but
     # the last (sampled, never fed back)
@@ -1068,18 +832,17 @@ def bench(args, model, enc):
     print(f"\nwork (token positions run through the model): needed {useful}; engine "
           f"{st['computed_tokens']} (+ recomputed after preemption, - prefix-cache hits)",
           end="")
-    if "static" in kv:
-        used, reserved, computed = kv["static"]
+    if static:
+        used, reserved, computed = static
         print(f"; static batching {computed} = {computed / useful:.2f}x needed (padding): "
               f"the most continuous batching can gain over it here; measured "
               f"{max(r[1]['tok_s'] for r in rows[2:]) / rows[1][1]['tok_s']:.2f}x")
-    print()
-    print(f"KV cache ({eng.cache.kv_dtype}, {eng.cache.bytes_per_token} B/token, block "
+    print(f"\nKV cache ({eng.cache.kv_dtype}, {eng.cache.bytes_per_token} B/token, block "
           f"{bs} tokens, pool {args.num_blocks} blocks = {fmt_bytes(eng.cache.nbytes)}):")
     print(f"  engine: peak {st['peak_blocks']} blocks in use; unfilled slots per running "
           f"sequence: mean {st['waste_sum'] / max(st['waste_samples'], 1):.1f}, max "
           f"{st['max_waste']} (< one block of {bs}: paging wastes less than a block)")
-    if "static" in kv:
+    if static:
         print(f"  static batching reserves B x (longest prompt + longest output): "
               f"{reserved} slots for {used} tokens = {1 - used / reserved:.0%} wasted")
     print(f"  a contiguous cache reserving the full context ({cfg.block_size}) per request: "
@@ -1088,43 +851,69 @@ def bench(args, model, enc):
           f"({st['cached_tokens'] / max(st['prompt_tokens'], 1):.0%}); preemptions "
           f"{st['preemptions']}; steps {st['steps']}")
 
-    # The decode roofline: a decode step reads every weight (the embedding table aside: B
-    # rows of it) and the context's K/V, and does 2 FLOPs per weight per token plus
-    # 4·L·d per context token (QKᵀ and AV). Intensity = FLOPs / bytes; the machine's
-    # ridge point = peak FLOP/s / bandwidth: below it a step is memory-bound.
+
+def roofline_table(model, eng, rows, bw, flops):
+    """Table 3, the decode roofline: a decode step reads every weight (the embedding table
+    aside: B rows of it) and the context's K/V, and does 2 FLOPs per weight per token plus
+    4·L·d per context token (QKᵀ and AV). Intensity = FLOPs / bytes; the machine's ridge
+    point = peak FLOP/s / bandwidth: below it a step is memory-bound."""
+    cfg = model.config
     n_w = model.num_params() - model.tok_embeddings.weight.numel()
     w_bytes = n_w * model.output.weight.element_size()
     kv_tok = eng.cache.bytes_per_token
     dec = [(s, n, c) for s, n, nd, c, ns in eng.step_log if nd == ns == n and n > 1]
-    if dec:
-        s, n, c = sorted(dec)[len(dec) // 2]            # the median decode step by time
-        moved, fl = w_bytes + c * kv_tok, 2 * n_w * n + 4 * cfg.n_layer * cfg.n_embd * c
-        print(f"\ndecode roofline (median decode-only step: B={n}, {c} context tokens):")
-        print(f"  bytes read {fmt_bytes(moved)} (weights {fmt_bytes(w_bytes)} + KV "
-              f"{fmt_bytes(c * kv_tok)}) in {s * 1e3:.1f} ms = {moved / s / 1e9:.2f} GB/s = "
-              f"{moved / s / bw:.0%} of the measured copy bandwidth")
-        print(f"  intensity {fl / moved:.1f} FLOP/B (2NB / (N·w + B·ctx·s)), ridge point "
-              f"{flops / bw:.1f} FLOP/B -> {'memory' if fl / moved < flops / bw else 'compute'}"
-              f"-bound; achieved {fl / s / 1e9:.1f} of {flops / 1e9:.0f} GFLOP/s. (An H100: "
-              f"989 TFLOP/s bf16 / 3.35 TB/s = ridge 295: memory-bound to B in the hundreds)")
-        if rows[0][0] == "sequential generate()":
-            itl1 = pct(rows[0][1]["itl"], 50)
-            print(f"  B=1 (sequential): {itl1 * 1e3:.1f} ms per token; B={n}: "
-                  f"{s * 1e3 / n:.2f} ms per token -- the weights are read once per step")
+    if not dec:
+        return
+    s, n, c = sorted(dec)[len(dec) // 2]            # the median decode step by time
+    moved = w_bytes + c * kv_tok
+    fl = 2 * n_w * n + 4 * cfg.n_layer * cfg.n_embd * c
+    print(f"\ndecode roofline (median decode-only step: B={n}, {c} context tokens):")
+    print(f"  bytes read {fmt_bytes(moved)} (weights {fmt_bytes(w_bytes)} + KV "
+          f"{fmt_bytes(c * kv_tok)}) in {s * 1e3:.1f} ms = {moved / s / 1e9:.2f} GB/s = "
+          f"{moved / s / bw:.0%} of the measured copy bandwidth")
+    print(f"  intensity {fl / moved:.1f} FLOP/B (2NB / (N·w + B·ctx·s)), ridge point "
+          f"{flops / bw:.1f} FLOP/B -> {'memory' if fl / moved < flops / bw else 'compute'}"
+          f"-bound; achieved {fl / s / 1e9:.1f} of {flops / 1e9:.0f} GFLOP/s. (An H100: "
+          f"989 TFLOP/s bf16 / 3.35 TB/s = ridge 295: memory-bound to B in the hundreds)")
+    if rows[0][0] == "sequential generate()":
+        print(f"  B=1 (sequential): {pct(rows[0][1]['itl'], 50) * 1e3:.1f} ms per token; "
+              f"B={n}: {s * 1e3 / n:.2f} ms per token -- the weights are read once per step")
+
+
+def ledger_rows(rows, eng, static, n_engines):
+    """Table 4: the rows of the README's trade-off table."""
+    base, st = rows[0][1]["tok_s"], eng.stats
     best = max(rows, key=lambda r: r[1]["tok_s"])
     print("\nledger rows:")
     print(f"  continuous batching + paged KV | KV waste < 1 block/seq (max {st['max_waste']} "
           f"slots) | block tables, a K/V gather per layer | {best[0]}: "
           f"{best[1]['tok_s'] / base:.1f}x the throughput of {rows[0][0]}")
-    if "static" in kv:
+    if static:
+        used, reserved, _ = static
         print(f"  static batching | weight reads shared by B | {1 - used / reserved:.0%} of its "
               f"KV reservation and compute is padding | {rows[1][1]['tok_s'] / base:.1f}x "
               f"sequential")
-    if len(engines) == 2:
-        f, s_ = rows[-2][1], rows[-1][1]
-        print(f"  SLO-aware (priority, EDF) vs FCFS | goodput {s_['goodput']:.2f} vs "
-              f"{f['goodput']:.2f} req/s | interactive TTFT p90 {pct(s_['ttft_interactive'], 90):.2f}"
-              f" vs {pct(f['ttft_interactive'], 90):.2f} s | batch requests wait longer")
+    if n_engines == 2:
+        f, s = rows[-2][1], rows[-1][1]
+        print(f"  SLO-aware (priority, EDF) vs FCFS | goodput {s['goodput']:.2f} vs "
+              f"{f['goodput']:.2f} req/s | interactive TTFT p90 "
+              f"{pct(s['ttft_interactive'], 90):.2f} vs {pct(f['ttft_interactive'], 90):.2f} s"
+              f" | batch requests wait longer")
+
+
+def bench(args, model, enc):
+    if args.clock == "cpu" and args.rate != math.inf:
+        raise UserError("--clock cpu needs --rate inf (CPU time does not pass while waiting "
+                        "for an arrival)")
+    reqs = make_workload(args, model.config, enc.eot_token)
+    bw, flops = print_setup(args, model, reqs)
+    rows, outs, extra = run_systems(args, model, enc, reqs, CLOCKS[args.clock])
+    engines = {p: extra[p] for p in ([args.policy] if args.policy else POLICIES)}
+    eng, static = list(engines.values())[-1], extra.get("static")
+    latency_table(rows, outs, reqs, args)
+    kv_table(args, model.config, reqs, rows, eng, static)
+    roofline_table(model, eng, rows, bw, flops)
+    ledger_rows(rows, eng, static, len(engines))
     return rows, outs, engines
 
 
@@ -1157,17 +946,10 @@ def build_parser():
                    help="a prompt must fit one step's budget whole")
     g.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "int8"],
                    help="KV pool dtype; None = the model's")
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="interface to bind (0.0.0.0 exposes the server to the network)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free one)")
-    g.add_argument("--model-name", default="nanoscale", help="the id /v1/models lists")
-    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="413 above this")
-    g.add_argument("--max-tokens-cap", type=int, default=0,
-                   help="400 if max_tokens is above this (0 = the context length)")
-    g.add_argument("--max-queue", type=int, default=256,
-                   help="429 when this many requests wait beyond max-num-seqs")
-    g.add_argument("--verbose", action="store_true", help="log every HTTP request")
+    # the HTTP layer's flags live beside it (imported here, not at the top: api_server
+    # imports this file)
+    import api_server
+    api_server.add_server_args(p.add_argument_group("server"))
     g = p.add_argument_group("bench")
     g.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     g.add_argument("--rate", type=float, default=math.inf,
@@ -1193,18 +975,14 @@ def build_parser():
     return p
 
 
-def _interrupt(*_):
-    raise KeyboardInterrupt
-
-
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if min(args.num_requests, args.static_batch, args.repeats) < 1 or args.rate <= 0:
         raise UserError("--num-requests, --static-batch, --repeats and --rate must be positive")
-    if not 0 <= args.interactive_frac <= 1 or not 0 <= args.port <= 65535:
-        raise UserError("--interactive-frac must be in [0, 1] and --port in [0, 65535]")
+    if not 0 <= args.interactive_frac <= 1:
+        raise UserError("--interactive-frac must be in [0, 1]")
     if not os.path.exists(args.checkpoint):
         raise UserError(f"checkpoint {args.checkpoint!r} not found: train one with "
                         f"`python train.py` (writes {DEFAULT_CHECKPOINT}) or pass --checkpoint")
@@ -1214,26 +992,8 @@ def main(argv=None):
     enc = data.encoding_from_state(ckpt["tokenizer"])
     if args.mode == "bench":
         return bench(args, model, enc)
-    engine = engine_from_args(model, enc, args, args.policy or "slo")
-    srv = make_server(engine, enc, args.host, args.port, args.model_name, args.max_body_bytes,
-                      args.max_tokens_cap, args.max_queue, args.verbose)
-    host, port = srv.server_address[:2]
-    print(f"serving {args.checkpoint} as {args.model_name!r} on http://{host}:{port}/v1 "
-          f"(KV pool {args.num_blocks} x {args.block_size} tokens = "
-          f"{fmt_bytes(engine.cache.nbytes)}, {engine.cache.kv_dtype}); Ctrl-C stops", flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)          # `kill` stops it like Ctrl-C
-    try:
-        srv.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        srv.server_close()
-        srv.loop.stop()
-        st = engine.stats
-        print(f"\nledger: {st['finished']} requests, {st['output_tokens']} tokens in "
-              f"{st['steps']} steps, {st['aborted']} aborted, {st['preemptions']} preemptions,"
-              f" prefix-cache hits {st['cached_tokens']}/{st['prompt_tokens']} prompt tokens, "
-              f"peak {st['peak_blocks']}/{args.num_blocks} KV blocks")
+    import api_server
+    return api_server.run_server(args, model, enc)
 
 
 if __name__ == "__main__":
