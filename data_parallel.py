@@ -38,6 +38,7 @@ import warnings
 
 import torch
 
+from model import load_checkpoint
 from plumbing import UserError, comm, tensor_bytes
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -447,12 +448,18 @@ def save_shards(directory, dp, optimizer, rank, meta=None):
 
 
 def load_shards(directory, dp, optimizer, rank):
-    """Assemble this rank's ranges from every shard file of the saved run."""
-    meta = torch.load(os.path.join(directory, "meta.pt"), weights_only=False)
+    """Assemble this rank's ranges from every shard file of the saved run. Every file is
+    read with weights_only=True (data only: opening it cannot run code)."""
+    meta = load_checkpoint(os.path.join(directory, "meta.pt"), what="sharded checkpoint meta")
+    if not isinstance(meta, dict) or not isinstance(meta.get("world_size"), int):
+        raise UserError(f"{directory}/meta.pt is not a sharded checkpoint's meta (no world_size)")
     full = {}
     for r in range(meta["world_size"]):
-        for name, e in torch.load(os.path.join(directory, f"shard-{r}.pt"),
-                                  weights_only=False).items():
+        path = os.path.join(directory, f"shard-{r}.pt")
+        shard = load_checkpoint(path, what="checkpoint shard")
+        if not isinstance(shard, dict):
+            raise UserError(f"{path} is not a checkpoint shard (a dict of parameter ranges)")
+        for name, e in shard.items():
             f = full.setdefault(name, {"numel": e["numel"], "step": e["step"]})
             for key in ("param", "exp_avg", "exp_avg_sq"):
                 if key in e:

@@ -552,11 +552,14 @@ def load_checkpoint(path, map_location="cpu", what="checkpoint"):
                 f"{path} asks to run {refused[1]} when opened, which safe loading refuses "
                 f"(weights_only=True). If it is an older checkpoint of this repo and you trust "
                 f"its source, convert it once: {CONVERT_HINT.format(path=path)}") from None
-        raise UserError(f"{path} is not a PyTorch checkpoint (not a pickle of plain data)") \
+        raise UserError(f"{path} is not a PyTorch checkpoint of plain data (safe loading, "
+                        "weights_only=True, cannot read it)") from None
+    except KeyError:           # torch.load's "invalid load key": not a pickle at all
+        raise UserError(f"{path} is not a PyTorch checkpoint (text, or another format)") \
             from None
     except EOFError:
         raise UserError(f"{path} is empty or truncated (not a PyTorch checkpoint)") from None
-    except (RuntimeError, KeyError, ValueError, OSError) as e:
+    except (RuntimeError, ValueError, OSError) as e:
         first = (str(e).splitlines() or [type(e).__name__])[0][:120]
         raise UserError(f"{path} is not a readable PyTorch checkpoint (truncated or another "
                         f"format: {first})") from None

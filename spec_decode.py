@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
-from model import Block, KVCache, RMSNorm, load_model
+from model import Block, KVCache, RMSNorm, load_checkpoint, load_model
 from plumbing import UserError, fmt_bytes, print0, require_at_least_one, run_cli
 
 METHODS = ("draft", "tree", "medusa", "mtp", "eagle", "dflash")
@@ -537,7 +537,10 @@ def build_drafters(methods, target, args, target_ckpt):
             target, args.dflash_block, args.drafter_layers) if m == "dflash" else
             FeatureDrafter(target, m, args.drafter_layers)).to(dev).eval()
         path = os.path.join(args.out_dir, f"spec_{m}.pt")
-        saved = torch.load(path, map_location=dev) if os.path.exists(path) else {}
+        # data only (weights_only=True): a planted or corrupt file is one clear error
+        saved = load_checkpoint(path, dev, what="drafter cache") if os.path.exists(path) else {}
+        if not isinstance(saved, dict):
+            raise UserError(f"{path} is not a drafter cache (delete it to retrain)")
         if saved.get("key") == key:             # trained for this target and these settings
             built[m].load_state_dict(saved["state"])
         else:

@@ -1,0 +1,228 @@
+"""Opening a file must never run code: a malicious pickle (one that creates a marker file
+when unpickled) fed to every entry point that opens a file the user names gives one
+`error:` line and exit status 2, and the marker never appears. Everything the repo writes
+loads with torch.load(weights_only=True); bad files are one clear error each; an old
+checkpoint is refused with the conversion command, which then works."""
+import argparse
+import os
+import pickle
+import random
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import data_parallel
+import model as model_py
+import spec_decode
+import train
+from harness import run_python
+from model import GPT, get_config, load_checkpoint, load_model
+from plumbing import UserError, rng_state, run_cli
+
+
+class Evil:
+    """Unpickling this calls exec(code): what a planted checkpoint can do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+@pytest.fixture
+def evil(tmp_path):
+    """(checkpoint-shaped torch file with a payload, a raw pickle, the marker path)."""
+    marker = tmp_path / "PWNED"
+    cfg = get_config("tiny")
+    path = tmp_path / "evil.pt"
+    torch.save({"config": asdict(cfg), "model": {}, "tokenizer": Evil(marker),
+                "optimizer": Evil(marker)}, path)
+    raw = tmp_path / "evil.pkl"
+    raw.write_bytes(pickle.dumps({"config": Evil(marker)}))
+    return path, raw, marker
+
+
+def test_the_payload_really_runs_when_unpickled(evil, tmp_path):
+    """The test's own check: an unsafe load DOES create the marker (so its absence below
+    means something)."""
+    path, raw, marker = evil
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+    marker.unlink()
+    pickle.loads(raw.read_bytes())
+    assert marker.exists()
+
+
+def one_error_line(capsys, fn, *args):
+    """Run an entry point through plumbing.run_cli: -> its single `error:` line."""
+    with pytest.raises(SystemExit) as e:
+        run_cli(fn, list(map(str, args)))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert e.value.code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def cli_entry_points(tmp_path, ckpt):
+    import kvcache
+    import lora
+    import rl
+    import serve
+    return {
+        "train.py --resume": (train.main, ["--resume", "--ckpt", ckpt, "--preset", "tiny"]),
+        "serve.py --checkpoint": (serve.main, ["bench", "--checkpoint", ckpt, "--threads", "0"]),
+        "lora.py --ckpt": (lora.main, ["--ckpt", ckpt, "--device", "cpu"]),
+        "lora.py --load": (lora.main, ["--ckpt", "none", "--preset", "tiny", "--load", ckpt,
+                                       "--device", "cpu"]),
+        "rl.py --ckpt": (rl.main, ["--ckpt", ckpt, "--device", "cpu"]),
+        "model.py export": (model_py.main, ["export", "--checkpoint", ckpt, "--to",
+                                            tmp_path / "hf"]),
+        "spec_decode.py --ckpt": (spec_decode.main, ["--ckpt", ckpt, "--threads",
+                                                     torch.get_num_threads()]),
+        "kvcache.py --checkpoint": (kvcache.main, ["--checkpoint", ckpt]),
+    }
+
+
+@pytest.mark.parametrize("entry", ["train.py --resume", "serve.py --checkpoint",
+                                   "lora.py --ckpt", "lora.py --load", "rl.py --ckpt",
+                                   "model.py export", "spec_decode.py --ckpt",
+                                   "kvcache.py --checkpoint"])
+@pytest.mark.parametrize("which", [0, 1])
+def test_every_command_line_entry_point_refuses_a_malicious_pickle(evil, tmp_path, capsys,
+                                                                  entry, which):
+    path, marker = evil[which], evil[2]
+    fn, argv = cli_entry_points(tmp_path, path)[entry]
+    line = one_error_line(capsys, fn, *argv)
+    assert not marker.exists(), f"{entry} ran the payload"
+    assert os.path.basename(path) in line
+
+
+@pytest.mark.slow
+def test_train_resume_from_the_real_command_line(evil):
+    path, _, marker = evil
+    r = run_python("train.py", ["--resume", "--ckpt", path, "--preset", "tiny"], timeout=180)
+    assert r.returncode == 2, r.output
+    assert not marker.exists()
+    errors = [line for line in r.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in r.output, r.output
+    assert "python model.py convert" in errors[0]
+
+
+def test_load_model_and_load_checkpoint_refuse_it(evil):
+    path, raw, marker = evil
+    with pytest.raises(UserError, match="asks to run exec when opened"):
+        load_model(str(path))
+    for p in (path, raw):        # a protocol-4 pickle fails earlier, at its first opcode
+        with pytest.raises(UserError, match="weights_only=True"):
+            load_checkpoint(str(p))
+    assert not marker.exists()
+
+
+def test_sharded_checkpoint_loading_refuses_it(evil, tmp_path):
+    path, _, marker = evil
+    shards = tmp_path / "step_4"
+    shards.mkdir()
+    (shards / "meta.pt").write_bytes(path.read_bytes())
+    with pytest.raises(UserError, match="meta.pt asks to run exec"):
+        data_parallel.load_shards(str(shards), None, None, 0)
+    torch.save({"world_size": 1}, shards / "meta.pt")           # a good meta, a bad shard
+    (shards / "shard-0.pt").write_bytes(path.read_bytes())
+    with pytest.raises(UserError, match="shard-0.pt asks to run exec"):
+        data_parallel.load_shards(str(shards), None, None, 0)
+    assert not marker.exists()
+
+
+def test_drafter_cache_refuses_it(evil, tmp_path):
+    path, _, marker = evil
+    target = GPT(get_config("tiny"), seed=0).eval().requires_grad_(False)
+    (tmp_path / "spec_medusa.pt").write_bytes(path.read_bytes())
+    args = argparse.Namespace(train_steps=1, heads=2, dflash_block=3, drafter_layers=1,
+                              out_dir=str(tmp_path), draft_ckpt=str(tmp_path / "none.pt"))
+    with pytest.raises(UserError, match="spec_medusa.pt asks to run exec"):
+        spec_decode.build_drafters(["medusa"], target, args, {})
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------ bad files, one line each
+def test_bad_files_are_one_clear_error(tmp_path):
+    model = GPT(get_config("tiny"), seed=0)
+    cases = {}
+    (tmp_path / "empty.pt").write_bytes(b"")
+    cases["empty.pt"] = "is empty or truncated"
+    (tmp_path / "notes.txt").write_text("hello, I am text\n")
+    cases["notes.txt"] = "is not a PyTorch checkpoint"
+    (tmp_path / "cfg.json").write_text('{"a": 1}')
+    cases["cfg.json"] = "is not a PyTorch checkpoint"
+    torch.save(torch.zeros(3), tmp_path / "tensor.pt")
+    cases["tensor.pt"] = "holds Tensor, not a checkpoint of this repo"
+    torch.save([1, 2], tmp_path / "list.pt")
+    cases["list.pt"] = "holds list, not a checkpoint"
+    torch.save({"weights": {}}, tmp_path / "dict.pt")
+    cases["dict.pt"] = "holds a dict without 'config' and 'model'"
+    good = {"config": asdict(model.config), "model": model.state_dict()}
+    torch.save(good, tmp_path / "good.pt")
+    blob = (tmp_path / "good.pt").read_bytes()
+    (tmp_path / "truncated.pt").write_bytes(blob[:len(blob) // 2])
+    cases["truncated.pt"] = "is not a readable PyTorch checkpoint \\(truncated"
+    torch.save({**good, "config": {**good["config"], "n_layer": 3}}, tmp_path / "mismatch.pt")
+    cases["mismatch.pt"] = "the weights do not match its config"
+    torch.save({**good, "config": {**good["config"], "wings": 2}}, tmp_path / "future.pt")
+    cases["future.pt"] = "its config does not fit this GPTConfig"
+    (tmp_path / "folder").mkdir()
+    cases["folder"] = "a folder without config.json"
+    cases["missing.pt"] = "not found"
+    for name, message in cases.items():
+        with pytest.raises(UserError, match=message) as e:
+            load_model(str(tmp_path / name))
+        assert name in str(e.value) and "\n" not in str(e.value)
+    load_model(str(tmp_path / "good.pt"))
+
+
+# ------------------------------------------------------------------ what the repo writes
+def test_rng_state_travels_as_plain_data(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    torch.save({"rng": train.plain_rng_state()}, tmp_path / "r.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    train.restore_rng_state(torch.load(tmp_path / "r.pt", weights_only=True)["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+@pytest.mark.slow
+def test_train_checkpoint_loads_with_weights_only(text_file, tmp_path):
+    ckpt = tmp_path / "c.pt"
+    train.main(["--preset", "tiny", "--data", text_file, "--steps", "2", "--batch-size", "2",
+                "--seq-len", "16", "--eval-interval", "2", "--eval-iters", "1",
+                "--sample-tokens", "0", "--warmup-steps", "1", "--ckpt", str(ckpt)])
+    saved = torch.load(ckpt, weights_only=True)
+    assert {"config", "model", "optimizer", "scaler", "rng", "tokenizer", "args"} <= set(saved)
+    assert isinstance(saved["config"], dict)
+
+
+def test_old_checkpoint_is_refused_with_the_conversion_command_which_works(tmp_path, capsys):
+    """An older version pickled numpy's RNG state (an ndarray) and the config dataclass."""
+    model = GPT(get_config("tiny"), seed=0)
+    old = tmp_path / "old.pt"
+    torch.save({"config": model.config, "model": model.state_dict(), "rng": rng_state(),
+                "args": argparse.Namespace(lr=1e-3), "tokenizer": data.encoding_to_state(
+                    data.make_encoding({bytes([i]): i for i in range(256)}))}, old)
+    with pytest.raises(UserError, match=f"convert it once: python model.py convert {old} NEW"):
+        load_model(str(old))
+    new = tmp_path / "new.pt"
+    model_py.main(["convert", str(old), str(new)])
+    assert "weights_only=False" in capsys.readouterr().out     # it says what it does
+    back, ckpt = load_model(str(new))
+    assert ckpt["config"] == asdict(model.config) and ckpt["args"] == {"lr": 1e-3}
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
+    state = rng_state()
+    train.restore_rng_state(ckpt["rng"])                       # still restorable
+    train.restore_rng_state({**state, "numpy": list(state["numpy"])})
