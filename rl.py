@@ -22,8 +22,11 @@ that sampled (its log-probs kept), π_ref: the frozen start, ρ = π_θ/π_old p
  - GRPO (DeepSeekMath, Shao et al. 2024): no critic; G answers per prompt, A = (R - mean_G)/
    std_G on all its tokens, clip ε_low/ε_high (DAPO's clip-higher), + β·KL(π_θ‖π_ref) by
    the k3 estimator π_ref/π - log(π_ref/π) - 1 (unbiased, ≥ 0): holds π_ref, weights only.
-   Normalisations (TRL's names): "grpo" token mean per answer then mean, "bnpo" sum / batch
-   tokens, "dr_grpo" sum / (answers · max_new). Equal-reward groups have A = 0: "zero-var".
+   Normalisations, TRL's loss_type names and meanings: "grpo" token mean per answer then
+   mean, "bnpo" sum / this rank's tokens, "dapo" sum / the global batch's tokens (= "bnpo"
+   on one process), "dr_grpo" sum / (answers · max_new); divisors clamped to >= 1 (an
+   all-masked batch gives 0, not NaN). --kl-ratio-correction: k3 × π_θ/π_old, TRL's
+   use_bias_correction_kl (off by default, as TRL). Equal-reward groups: A = 0, "zero-var".
  - Dr. GRPO (Liu et al. 2025): A = R - mean_G (÷std up-weights nearly solved and hopeless
    prompts) and the constant normaliser (1/|o| gives each token of a LONG wrong answer a
    smaller penalty, so wrong answers can drift longer). GRPO's memory.
@@ -47,6 +50,8 @@ import numbers
 import os
 import sys
 import time
+import warnings
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -62,7 +67,7 @@ from plumbing import (ActivationMeter, StepTimer, UserError, comm, fmt_bytes, fm
 RL_ALGOS = ("reinforce", "ppo", "grpo", "drgrpo")
 DISTILL_ALGOS = ("distill", "softkd", "seqkd")
 ALGOS = RL_ALGOS + DISTILL_ALGOS
-NORMS = ("grpo", "bnpo", "dr_grpo")
+NORMS = ("grpo", "bnpo", "dr_grpo", "dapo")         # TRL's loss_type names, TRL's meanings
 
 
 # ----------------------------------------------------------------------------------------
@@ -126,26 +131,42 @@ def clipped_surrogate(logp, old_logp, adv, eps_low=0.2, eps_high=0.2):
     return loss, clipped
 
 
-def aggregate(per_token, mask, norm, max_len=None, tokens=None):
-    """Reduce (N, T) per-token losses to one number. tokens: the token count to divide by for
-    'bnpo' (data parallel passes the global count / world so ranks average exactly)."""
+def aggregate(per_token, mask, norm, max_len=None, global_tokens=None, world=1):
+    """Reduce (N, T) per-token losses to this rank's loss; data parallelism then AVERAGES
+    the ranks' gradients. As TRL's loss_type: "grpo" each answer's token mean, then the
+    mean; "bnpo" sum / this rank's token count (under data parallelism a mean of per-rank
+    means: ranks with fewer tokens weigh their tokens more); "dapo" sum / (global token
+    count / world): after the average, sum / global count -- every token of the global
+    batch weighs the same, so 2 ranks == 1 process; "dr_grpo" sum / (answers · max_len), a
+    constant. Every divisor is clamped to >= 1 token (TRL), so an all-masked batch gives
+    0, not NaN."""
     m = mask.float()
     if norm == "grpo":     # every answer weighs the same, whatever its length
         return ((per_token * m).sum(1) / m.sum(1).clamp_min(1)).mean()
-    if norm == "bnpo":     # every token weighs the same
-        return (per_token * m).sum() / (m.sum() if tokens is None else tokens)
+    if norm == "bnpo":     # every token of this rank's batch weighs the same
+        return (per_token * m).sum() / m.sum().clamp_min(1)
+    if norm == "dapo":     # every token of the global batch weighs the same
+        count = m.sum().item() if global_tokens is None else global_tokens
+        return (per_token * m).sum() / (max(count, 1) / world)
     if norm == "dr_grpo":  # a constant: no length bias
         return (per_token * m).sum() / (per_token.shape[0] * max_len)
     raise UserError(f"unknown loss normalisation {norm!r}: choose from {', '.join(NORMS)}")
 
 
 def grpo_loss(logp, old_logp, ref_logp, adv, mask, eps_low=0.2, eps_high=0.2, beta=0.0,
-              norm="grpo", max_len=None, tokens=None):
-    """GRPO / Dr. GRPO: each answer's advantage on all its tokens, clipped ratio, + β·k3."""
+              norm="grpo", max_len=None, global_tokens=None, world=1, kl_ratio=False):
+    """GRPO / Dr. GRPO: each answer's advantage on all its tokens, clipped ratio, + β·k3.
+    kl_ratio (TRL's use_bias_correction_kl, off by default there too): multiply each
+    token's k3 by ρ = π_θ/π_old (not detached, as TRL): the tokens were sampled from
+    π_old, not π_θ, so E_π_old[ρ·k3] is the KL of π_θ -- the importance-sampling
+    correction (DeepSeek-V3.2) that matters from the second epoch on, when π_θ ≠ π_old."""
     per_token, clipped = clipped_surrogate(logp, old_logp, adv[:, None], eps_low, eps_high)
     if beta:
-        per_token = per_token + beta * k3_kl(logp, ref_logp)
-    return aggregate(per_token, mask, norm, max_len, tokens), clipped
+        kl = k3_kl(logp, ref_logp)
+        if kl_ratio:
+            kl = kl * torch.exp(logp - old_logp)
+        per_token = per_token + beta * kl
+    return aggregate(per_token, mask, norm, max_len, global_tokens, world), clipped
 
 
 def reinforce_loss(logp, rewards, baseline, mask):
@@ -167,18 +188,20 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95):
     return adv * m, (adv + values) * m
 
 
-def value_loss(values, old_values, returns, mask, clip=0.2, tokens=None):
-    """PPO's clipped value loss: ½ max((V - G)², (clip(V, V_old ± ε) - G)²), token mean."""
+def value_loss(values, old_values, returns, mask, clip=0.2, global_tokens=None, world=1):
+    """PPO's clipped value loss: ½ max((V - G)², (clip(V, V_old ± ε) - G)²), global token
+    mean ("dapo")."""
     v_clip = old_values + (values - old_values).clamp(-clip, clip)
     per_token = 0.5 * torch.max((values - returns) ** 2, (v_clip - returns) ** 2)
-    return aggregate(per_token, mask, "bnpo", tokens=tokens)
+    return aggregate(per_token, mask, "dapo", global_tokens=global_tokens, world=world)
 
 
-def soft_kd_loss(student_logits, teacher_logits, mask, tau=2.0, tokens=None):
+def soft_kd_loss(student_logits, teacher_logits, mask, tau=2.0, global_tokens=None, world=1):
     """Hinton et al.: τ² · KL(softmax(z_t/τ) ‖ softmax(z_s/τ)) -- FORWARD KL, per position,
-    token mean. τ² keeps gradient size independent of τ."""
+    global token mean. τ² keeps gradient size independent of τ."""
     t, s = (F.log_softmax(z.float() / tau, -1) for z in (teacher_logits, student_logits))
-    return tau ** 2 * aggregate((t.exp() * (t - s)).sum(-1), mask, "bnpo", tokens=tokens)
+    return tau ** 2 * aggregate((t.exp() * (t - s)).sum(-1), mask, "dapo",
+                                global_tokens=global_tokens, world=world)
 
 
 # ----------------------------------------------------------------------------------------
@@ -322,10 +345,23 @@ def cached(path, meta, enc, build, rt):
     model = build()
     if path and rt.is_main:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        torch.save({"config": vars(model.config), "model": model.state_dict(), "rl_meta": meta,
+        torch.save({"config": asdict(model.config), "model": model.state_dict(), "rl_meta": meta,
                     "tokenizer": data.encoding_to_state(enc)}, path + f".tmp{os.getpid()}")
         os.replace(path + f".tmp{os.getpid()}", path)        # atomic: never half a file
     return model
+
+
+def checkpoint_tokenizer(path):
+    """The tokenizer a checkpoint carries, read as plain data (weights_only=True: nothing a
+    user names is unpickled); a file that is not one of ours is one UserError line."""
+    try:
+        with warnings.catch_warnings():          # e.g. "pickle protocol 4": the error says it
+            warnings.simplefilter("ignore")
+            ck = torch.load(path, map_location="cpu", weights_only=True)
+        return data.encoding_from_state(ck["tokenizer"])
+    except Exception as e:      # zip, pickle, "unsupported global", no/odd "tokenizer" entry
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise UserError(f"cannot read a tokenizer from checkpoint {path!r}: {why}") from None
 
 
 def make_critic(policy):
@@ -346,8 +382,7 @@ def build_models(args, rt, algos):
     elif not os.path.exists(args.ckpt):
         raise UserError(f"checkpoint {args.ckpt!r} not found (train one: python train.py)")
     else:                          # the repo's BPE, carried by the checkpoint
-        ck = torch.load(args.ckpt, map_location="cpu", weights_only=False)
-        enc, desc = data.encoding_from_state(ck["tokenizer"]), f"BPE of {args.ckpt}"
+        enc, desc = checkpoint_tokenizer(args.ckpt), f"BPE of {args.ckpt}"
     train = data.make_problems(args.n_train, args.sft_seed, args.digits, args.ops, "train")
     key = dict(tokenizer=desc, digits=args.digits, ops=args.ops, n_train=args.n_train,
                seed=args.sft_seed, lr=args.sft_lr, batch=args.sft_batch)
@@ -394,10 +429,122 @@ def step_optimizer(params, opt, world, grad_clip):
     opt.step()
 
 
-def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teacher=None):
-    """Run one algorithm for args.steps steps. -> dict of what was measured."""
+def rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, reward_fn):
+    """Rollout: this rank's slice of the step's global prompts (a function of seed, step),
+    G answers each from the policy (seqkd: the teacher's; softkd: the ground truth), their
+    rewards, and the global counts. -> the batch: a dict the later steps read and extend."""
     P, G, W = args.prompts, args.group, rt.world_size
     nl = enc.encode_ordinary(data.TERMINATOR)[0]
+    gidx = np.random.default_rng([args.seed, step]).integers(0, len(train_probs), P * W)
+    local = range(rt.rank * P, (rt.rank + 1) * P)
+    probs = [train_probs[gidx[j]] for j in local for _ in range(G)]
+    prompts = [enc.encode_ordinary(p.prompt) for p in probs]
+    seeds = [int(np.random.SeedSequence([args.seed, step, j]).generate_state(1)[0])
+             for j in local]
+    if algo == "softkd":
+        answers = [enc.encode_ordinary(p.answer + data.TERMINATOR) for p in probs]
+        old = [[0.0] * len(a) for a in answers]
+    else:
+        answers, old = sample(teacher if algo == "seqkd" else policy, prompts[::G], G, temp,
+                              args.max_new, seeds, nl)
+    texts = [enc.decode(a) for a in answers]
+    rewards = compute_rewards(reward_fn, texts, [p.answer for p in probs]).to(rt.device)
+    seq, mask, old_logp = pack(prompts, answers, rt.device, old)
+    wrong = [len(a) for a, c, p in zip(answers, texts, probs) if not data.score(c, p.answer)]
+    n_tok, r_sum, n_wrong, len_wrong = allsum(mask.sum(), rewards.sum(), len(wrong), sum(wrong))
+    return dict(seq=seq, mask=mask, old_logp=old_logp, rewards=rewards, world=W,
+                n_tok=n_tok, reward=r_sum / (P * G * W), length=n_tok / (P * G * W),
+                len_wrong=len_wrong / max(n_wrong, 1))
+
+
+@torch.no_grad()
+def score(algo, b, ref, teacher, critic, temp):
+    """Score: what the frozen models say of the sampled tokens, no gradient: π_ref's
+    log-probs (the KL), the teacher's logits (distillation), the critic's values (PPO)."""
+    b["ref_logp"] = token_logprobs(ref, b["seq"], temp) if ref is not None else None
+    b["t_logits"] = teacher(b["seq"][:, :-1])[0] if algo in ("distill", "softkd") else None
+    b["old_values"] = critic(b["seq"][:, :-1])[0][..., 0] if critic else None
+
+
+def advantages(algo, b, args, m, temp):
+    """Advantages, each algorithm's own: REINFORCE R - a running mean; GRPO (R - mean_G)/
+    std_G, Dr. GRPO R - mean_G; PPO GAE on the per-token reward, whitened over the global
+    batch; on-policy distillation -(log π_s - log π_t) per token. And the KL metric."""
+    mask, n = b["mask"], max(b["n_tok"], 1)
+    if algo == "reinforce":                  # a running-mean baseline (Williams 1992)
+        b["baseline"] = m["reward"][-1] if m["baseline"] is None else m["baseline"]
+        m["baseline"] = args.baseline_decay * b["baseline"] + (
+            1 - args.baseline_decay) * m["reward"][-1]
+    elif algo in ("grpo", "drgrpo"):
+        b["adv"] = group_advantages(b["rewards"], args.group, scale=algo == "grpo")
+        m["zero_var"] += int(allsum(zero_variance_groups(b["rewards"], args.group))[0])
+        m["groups"] += args.prompts * b["world"]
+    elif algo == "ppo":                      # KL in the reward, R at the last token, GAE
+        last = mask & ~F.pad(mask[:, 1:], (0, 1))
+        tok_r = -args.beta * (b["old_logp"] - b["ref_logp"]) * mask + b["rewards"][:, None] * last
+        adv_t, b["returns"] = gae(tok_r, b["old_values"], mask, args.gamma, args.lam)
+        s, s2 = allsum((adv_t * mask).sum(), (adv_t ** 2 * mask).sum())
+        mean = s / n                         # whiten over the global batch's tokens
+        b["adv_t"] = (adv_t - mean) / math.sqrt(max(s2 / n - mean ** 2, 0) + 1e-8)
+    elif algo == "distill":                  # dense reward: minus the reverse KL sample
+        b["adv_t"] = -(b["old_logp"] - token_logprobs(None, b["seq"], temp, b["t_logits"])) * mask
+    if b["ref_logp"] is not None or algo == "distill":  # KL to π_ref (k3) or the teacher (k1)
+        kl = k3_kl(b["old_logp"], b["ref_logp"]) if b["ref_logp"] is not None else -b["adv_t"]
+        m["kl"].append(allsum((kl * mask).sum())[0] / n)
+
+
+def policy_loss(algo, logits, b, args, norm, temp):
+    """The policy's loss on one pass over the batch -> (loss, clipped tokens or None).
+    Token means are over the GLOBAL batch ("dapo": 2 ranks == 1 process) except GRPO's,
+    which --norm chooses."""
+    logp = token_logprobs(None, b["seq"], temp, logits)
+    mask, n, W = b["mask"], b["n_tok"], b["world"]
+    if algo == "reinforce":
+        return reinforce_loss(logp, b["rewards"], b["baseline"], mask), None
+    if algo in ("grpo", "drgrpo"):
+        return grpo_loss(logp, b["old_logp"], b["ref_logp"], b["adv"], mask, args.eps_low,
+                         args.eps_high, args.beta, norm, args.max_new, n, W,
+                         args.kl_ratio_correction)
+    if algo in ("ppo", "distill"):
+        per_tok, clipped = clipped_surrogate(logp, b["old_logp"], b["adv_t"], args.eps_low,
+                                             args.eps_high)
+        return aggregate(per_tok, mask, "dapo", global_tokens=n, world=W), clipped
+    if algo == "softkd":
+        return soft_kd_loss(logits, b["t_logits"], mask, args.tau, n, W), None
+    return -aggregate(logp, mask, "dapo", global_tokens=n, world=W), None   # seqkd: CE
+
+
+def critic_step(critic, copt, b, args, m, rt):
+    """PPO's critic: its own forward, backward and step on the clipped value loss."""
+    with StepTimer(rt.device) as t, ActivationMeter(critic) as meter:
+        values = critic(b["seq"][:, :-1])[0][..., 0]
+        value_loss(values, b["old_values"], b["returns"], b["mask"], args.vf_clip, b["n_tok"],
+                   b["world"]).backward()
+        step_optimizer(list(critic.parameters()), copt, b["world"], args.grad_clip)
+    m["critic"] += t.seconds
+    m["critic_act"] = max(m["critic_act"], meter.bytes)
+    m["critic_state"] = model_state_bytes(critic, copt)["total"]
+    copt.zero_grad(set_to_none=True)
+
+
+def log_step(m, algo, step, args, policy, enc, test_probs):
+    line = (f"step {step + 1:3d} | {algo} | reward {m['reward'][-1]:.3f} | len "
+            f"{m['length'][-1]:.2f} | kl {m['kl'][-1] if m['kl'] else 0:.4f} | clip "
+            f"{m['clip'][-1] if m['clip'] else 0:.1%}" + (
+                f" | zero-var {m['zero_var']}/{m['groups']}" if m["groups"] else ""))
+    if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
+        e = evaluate(policy, enc, test_probs, args.eval_samples, args.max_new)
+        line += f" | held-out {e['greedy']:.1%} greedy, {e['sampled']:.1%} sampled"
+        m["end"] = e
+    if (step + 1) % args.log_interval == 0 or "held-out" in line:
+        print0(line + f" | gen {m['gen']:.1f}s train {m['train'] + m['critic']:.1f}s")
+
+
+def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teacher=None):
+    """Run one algorithm for args.steps steps; each step: rollout -> score -> advantages ->
+    policy loss and step (`epochs` passes, each followed by PPO's critic step). -> dict of
+    what was measured."""
+    W = rt.world_size
     reward_fn = make_reward_fn(args.reward, args.format_reward)
     norm = args.norm or ("dr_grpo" if algo == "drgrpo" else "grpo")
     temp = args.temperature if algo not in ("softkd", "seqkd") else 1.0
@@ -413,99 +560,31 @@ def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teache
     print0(f"{algo}: start | held-out greedy {m['start']['greedy']:.1%} sampled "
            f"{m['start']['sampled']:.1%} | length {m['start']['length']:.2f}")
     for step in range(args.steps):
-        gidx = np.random.default_rng([args.seed, step]).integers(0, len(train_probs), P * W)
-        local = range(rt.rank * P, (rt.rank + 1) * P)
-        probs = [train_probs[gidx[j]] for j in local for _ in range(G)]
-        prompts = [enc.encode_ordinary(p.prompt) for p in probs]
-        seeds = [int(np.random.SeedSequence([args.seed, step, j]).generate_state(1)[0])
-                 for j in local]
-        with StepTimer(rt.device) as t:  # rollouts; seqkd: the teacher's; softkd: fixed data
-            if algo == "softkd":
-                answers = [enc.encode_ordinary(p.answer + data.TERMINATOR) for p in probs]
-                old = [[0.0] * len(a) for a in answers]
-            else:
-                answers, old = sample(teacher if algo == "seqkd" else policy, prompts[::G], G,
-                                      temp, args.max_new, seeds, nl)
+        with StepTimer(rt.device) as t:
+            b = rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, reward_fn)
         m["gen"] += t.seconds
-        texts = [enc.decode(a) for a in answers]
-        rewards = compute_rewards(reward_fn, texts, [p.answer for p in probs]).to(rt.device)
-        seq, mask, old_logp = pack(prompts, answers, rt.device, old)
-        wrong = [len(a) for a, c, p in zip(answers, texts, probs) if not data.score(c, p.answer)]
-        n_tok, r_sum, n_wrong, len_wrong = allsum(mask.sum(), rewards.sum(), len(wrong), sum(wrong))
-        share = n_tok / W                        # this rank's share of the global token count
-        m["sampled"] += int(n_tok) if algo != "softkd" else 0
-        m["reward"].append(r_sum / (P * G * W)), m["length"].append(n_tok / (P * G * W))
-        m["len_wrong"].append(len_wrong / max(n_wrong, 1))
-        with torch.no_grad(), StepTimer(rt.device) as t:  # score: reference, teacher, critic
-            ref_logp = token_logprobs(ref, seq, temp) if ref is not None else None
-            t_logits = teacher(seq[:, :-1])[0] if algo in ("distill", "softkd") else None
-            old_values = critic(seq[:, :-1])[0][..., 0] if critic else None
+        m["sampled"] += int(b["n_tok"]) if algo != "softkd" else 0
+        for k in ("reward", "length", "len_wrong"):
+            m[k].append(b[k])
+        with StepTimer(rt.device) as t:
+            score(algo, b, ref, teacher, critic, temp)
         m["score"] += t.seconds
-        if algo == "reinforce":                  # a running-mean baseline (Williams 1992)
-            b = m["reward"][-1] if m["baseline"] is None else m["baseline"]
-            m["baseline"] = args.baseline_decay * b + (1 - args.baseline_decay) * m["reward"][-1]
-        elif algo in ("grpo", "drgrpo"):
-            adv = group_advantages(rewards, G, scale=algo == "grpo")
-            m["zero_var"] += int(allsum(zero_variance_groups(rewards, G))[0])
-            m["groups"] += P * W
-        elif algo == "ppo":                      # KL in the reward, R at the last token, GAE
-            last = mask & ~F.pad(mask[:, 1:], (0, 1))
-            tok_r = -args.beta * (old_logp - ref_logp) * mask + rewards[:, None] * last
-            adv_t, returns = gae(tok_r, old_values, mask, args.gamma, args.lam)
-            s, s2 = allsum((adv_t * mask).sum(), (adv_t ** 2 * mask).sum())
-            mean = s / n_tok                     # whiten over the global batch's tokens
-            adv_t = (adv_t - mean) / math.sqrt(max(s2 / n_tok - mean ** 2, 0) + 1e-8)
-        elif algo == "distill":                  # dense reward: minus the reverse KL sample
-            adv_t = -(old_logp - token_logprobs(None, seq, temp, t_logits)) * mask
-        if ref is not None or algo == "distill":  # KL to π_ref (k3) or to the teacher (k1)
-            kl = k3_kl(old_logp, ref_logp) if ref is not None else -adv_t
-            m["kl"].append(allsum((kl * mask).sum())[0] / n_tok)
+        advantages(algo, b, args, m, temp)
         for _ in range(epochs):
             with StepTimer(rt.device) as t, ActivationMeter(policy) as meter:
-                logits = policy(seq[:, :-1])[0]
-                logp = token_logprobs(None, seq, temp, logits)
-                clipped = None
-                if algo == "reinforce":
-                    loss = reinforce_loss(logp, rewards, b, mask)
-                elif algo in ("grpo", "drgrpo"):
-                    loss, clipped = grpo_loss(logp, old_logp, ref_logp, adv, mask, args.eps_low,
-                                              args.eps_high, args.beta, norm, args.max_new, share)
-                elif algo in ("ppo", "distill"):
-                    per_tok, clipped = clipped_surrogate(logp, old_logp, adv_t, args.eps_low,
-                                                         args.eps_high)
-                    loss = aggregate(per_tok, mask, "bnpo", tokens=share)
-                elif algo == "softkd":
-                    loss = soft_kd_loss(logits, t_logits, mask, args.tau, share)
-                else:                            # seqkd: cross-entropy on the teacher's answers
-                    loss = -aggregate(logp, mask, "bnpo", tokens=share)
+                loss, clipped = policy_loss(algo, policy(b["seq"][:, :-1])[0], b, args, norm, temp)
                 loss.backward()
                 step_optimizer(params, opt, W, args.grad_clip)
             m["train"] += t.seconds
             m["act"] = max(m["act"], meter.bytes)
             m["state"] = model_state_bytes(policy, opt)["total"]   # grads still held
             opt.zero_grad(set_to_none=True)
-            m["trained"] += int(n_tok)
+            m["trained"] += int(b["n_tok"])
             if clipped is not None:
-                m["clip"].append(allsum((clipped & mask).sum())[0] / n_tok)
-            if critic:                            # the critic's own forward, backward, step
-                with StepTimer(rt.device) as t, ActivationMeter(critic) as meter:
-                    values = critic(seq[:, :-1])[0][..., 0]
-                    value_loss(values, old_values, returns, mask, args.vf_clip, share).backward()
-                    step_optimizer(list(critic.parameters()), copt, W, args.grad_clip)
-                m["critic"] += t.seconds
-                m["critic_act"] = max(m["critic_act"], meter.bytes)
-                m["critic_state"] = model_state_bytes(critic, copt)["total"]
-                copt.zero_grad(set_to_none=True)
-        line = (f"step {step + 1:3d} | {algo} | reward {m['reward'][-1]:.3f} | len "
-                f"{m['length'][-1]:.2f} | kl {m['kl'][-1] if m['kl'] else 0:.4f} | clip "
-                f"{m['clip'][-1] if m['clip'] else 0:.1%}" + (
-                    f" | zero-var {m['zero_var']}/{m['groups']}" if m["groups"] else ""))
-        if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
-            e = evaluate(policy, enc, test_probs, args.eval_samples, args.max_new)
-            line += f" | held-out {e['greedy']:.1%} greedy, {e['sampled']:.1%} sampled"
-            m["end"] = e
-        if (step + 1) % args.log_interval == 0 or "held-out" in line:
-            print0(line + f" | gen {m['gen']:.1f}s train {m['train'] + m['critic']:.1f}s")
+                m["clip"].append(allsum((clipped & b["mask"]).sum())[0] / max(b["n_tok"], 1))
+            if critic:
+                critic_step(critic, copt, b, args, m, rt)
+        log_step(m, algo, step, args, policy, enc, test_probs)
     m.update(algo=algo, params=policy.num_params(), critic_params=critic.num_params() if
              critic else 0, held=[(n, tensor_bytes(x.parameters())) for n, x in (
                  ("ref", ref), ("teacher", teacher)) if x is not None] + (
@@ -649,8 +728,10 @@ def parse_args(argv=None):
                    "loss, PPO k1 in the reward (REINFORCE: unused)")
     g.add_argument("--eps-low", type=float, default=0.2, help="clip ratio below 1 - eps_low")
     g.add_argument("--eps-high", type=float, default=0.2, help="clip above 1 + eps_high (DAPO: 0.28)")
-    g.add_argument("--norm", default="", help=f"loss normalisation {NORMS}; '' = grpo for "
-                   "grpo, dr_grpo for drgrpo")
+    g.add_argument("--norm", default="", help=f"GRPO's loss normalisation, TRL's loss_type "
+                   f"names {NORMS}; '' = grpo for grpo, dr_grpo for drgrpo")
+    g.add_argument("--kl-ratio-correction", action="store_true", help="GRPO: multiply the "
+                   "per-token k3 KL by π/π_old (TRL's use_bias_correction_kl)")
     g.add_argument("--gamma", type=float, default=1.0, help="PPO discount")
     g.add_argument("--lam", type=float, default=0.95, help="PPO GAE λ")
     g.add_argument("--vf-clip", type=float, default=0.2, help="PPO value clip")

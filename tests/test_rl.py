@@ -3,6 +3,8 @@
 # parallelism (2 torchrun ranks == 1 process, every algorithm). No checkpoint, no corpus:
 # tiny random models and a 256-byte tokenizer built in the test.
 import math
+import pickle
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -70,8 +72,39 @@ def test_each_normalisation_by_hand():
     assert rl.aggregate(per_tok, mask, "grpo").item() == pytest.approx((6 / 3 + 4 / 1) / 2)
     assert rl.aggregate(per_tok, mask, "bnpo").item() == pytest.approx(10 / 4)
     assert rl.aggregate(per_tok, mask, "dr_grpo", max_len=8).item() == pytest.approx(10 / 16)
+    assert rl.aggregate(per_tok, mask, "dapo").item() == pytest.approx(10 / 4)  # 1 process
     with pytest.raises(UserError):
         rl.aggregate(per_tok, mask, "mean")
+
+
+def test_normalisations_on_a_two_rank_split_by_hand():
+    """TRL's meanings on 2 data-parallel ranks whose token counts differ (4 and 8): each
+    rank's loss as aggregate computes it there (its local mask, the global count 12), then
+    averaged over ranks as the gradient all-reduce averages. bnpo: the mean of per-rank
+    token means; dapo: one token mean over the global batch; they differ here."""
+    per_tok = [torch.tensor([[1.0, 2, 3, 0], [4, 0, 0, 0]]),          # rank 0: 3 + 1 tokens
+               torch.tensor([[1.0, 1, 1, 1], [2, 2, 2, 2]])]          # rank 1: 4 + 4 tokens
+    mask = [torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool),
+            torch.ones(2, 4, dtype=torch.bool)]
+    global_tokens = 12
+    avg = lambda norm: sum(rl.aggregate(t, m, norm, max_len=4, global_tokens=global_tokens,
+                                        world=2) for t, m in zip(per_tok, mask)).item() / 2
+    s0, s1 = 10.0, 12.0                                  # each rank's masked sum
+    assert avg("grpo") == pytest.approx((6 / 3 + 4 / 1 + 4 / 4 + 8 / 4) / 4)
+    assert avg("bnpo") == pytest.approx((s0 / 4 + s1 / 8) / 2)                 # 2.0
+    assert avg("dapo") == pytest.approx((s0 + s1) / 12)                        # 1.8333
+    assert avg("dr_grpo") == pytest.approx((s0 + s1) / (4 * 4))
+    assert avg("bnpo") != pytest.approx(avg("dapo"))
+
+
+@pytest.mark.parametrize("norm", rl.NORMS)
+def test_all_masked_batch_gives_zero_not_nan(norm):
+    """TRL clamps every divisor to >= 1 token: a batch with no answer token is 0, not NaN."""
+    per_tok = torch.ones(2, 3, requires_grad=True)
+    loss = rl.aggregate(per_tok, torch.zeros(2, 3, dtype=torch.bool), norm, max_len=3,
+                        global_tokens=0, world=2)
+    loss.backward()
+    assert loss.item() == 0 and torch.isfinite(per_tok.grad).all()
 
 
 def test_dr_grpo_differs_from_grpo():
@@ -108,6 +141,25 @@ def test_kl_term_and_reinforce_by_hand():
     m = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     got = rl.reinforce_loss(lp, torch.tensor([1.0, 0.0]), 0.25, m).item()
     assert got == pytest.approx(-(0.75 * -3.0 + -0.25 * -0.5) / 2)
+
+
+def test_kl_ratio_correction_multiplies_k3_by_the_ratio():
+    """TRL's use_bias_correction_kl: per-token k3 × ρ, ρ = π_θ/π_old (with its gradient).
+    A = 0 leaves only the KL term; one token per answer and 'bnpo' make it readable."""
+    logp = torch.tensor([[-1.0], [-2.0]], requires_grad=True)
+    old, ref = torch.tensor([[-1.5], [-1.0]]), torch.tensor([[-1.2], [-2.5]])
+    mask = torch.ones(2, 1, dtype=torch.bool)
+    args = (torch.zeros(2), mask)
+    plain, _ = rl.grpo_loss(logp, old, ref, *args, beta=0.1, norm="bnpo")
+    fixed, _ = rl.grpo_loss(logp, old, ref, *args, beta=0.1, norm="bnpo", kl_ratio=True)
+    k3 = lambda lp, r: math.exp(r - lp) - (r - lp) - 1
+    ratio = [math.exp(-1.0 + 1.5), math.exp(-2.0 + 1.0)]
+    assert plain.item() == pytest.approx(0.1 * (k3(-1, -1.2) + k3(-2, -2.5)) / 2, rel=1e-6)
+    assert fixed.item() == pytest.approx(0.1 * (k3(-1, -1.2) * ratio[0] +
+                                                k3(-2, -2.5) * ratio[1]) / 2, rel=1e-6)
+    same, _ = rl.grpo_loss(logp, old.clone().copy_(logp.detach()), ref, *args, beta=0.1,
+                           norm="bnpo", kl_ratio=True)
+    assert same.item() == pytest.approx(0.1 * (k3(-1, -1.2) + k3(-2, -2.5)) / 2, rel=1e-6)
 
 
 # ---------------------------------------------------------------------------- PPO pieces
@@ -250,7 +302,7 @@ def test_bad_input_errors(tmp_path, monkeypatch):
     bad_tok = tmp_path / "teacher.pt"
     enc = data.make_encoding({**{bytes([i]): i for i in range(256)}, b"ab": 256})
     model = GPT(get_config("tiny", vocab_size=enc.n_vocab), seed=0)
-    torch.save({"config": vars(model.config), "model": model.state_dict(),
+    torch.save({"config": asdict(model.config), "model": model.state_dict(),
                 "tokenizer": data.encoding_to_state(enc)}, bad_tok)
     cases = [(["--algo", "drgrpo", "--group", "1"], "--group G >= 2"),
              (["--algo", "grpo", "--reward", "badreward:f"], "must return a finite number"),
@@ -260,6 +312,18 @@ def test_bad_input_errors(tmp_path, monkeypatch):
     for extra, msg in cases:
         with pytest.raises(UserError, match=msg):
             rl.main(common + extra)
+    # a --ckpt that is garbage, or a pickle that would run code: read as plain data only
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with open(tmp_path / "evil.pt", "wb") as f:
+        pickle.dump({"tokenizer": Evil()}, f)
+    for name in ("junk.pt", "evil.pt"):
+        with pytest.raises(UserError, match="cannot read a tokenizer from checkpoint"):
+            rl.main(["--ckpt", str(tmp_path / name), "--algo", "grpo"])
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("unpickled!",))
 
 
 @pytest.mark.slow
@@ -276,10 +340,11 @@ def test_two_ranks_equal_one_process(tmp_path):
     batch, per-prompt sampling seeds, global token counts, averaged gradients)."""
     # 1-digit problems, a short SFT: answers of varying length, some right (non-zero
     # advantages), so per-rank token counts differ and the global normalisers matter
+    # ("dapo": the global token count; TRL's "bnpo", the local one, would differ)
     args = ["compare", "--ckpt", "none", "--preset", "tiny", "--teacher-preset", "tiny",
             "--digits", "1", "--ops", "+-", "--max-new", "4", "--steps", "2", "--group", "4",
             "--sft-steps", "150", "--teacher-sft-steps", "300", "--eval-samples", "2",
-            "--eval-problems", "20", "--norm", "bnpo", "--lr", "1e-3", "--distill-lr", "1e-3"]
+            "--eval-problems", "20", "--norm", "dapo", "--lr", "1e-3", "--distill-lr", "1e-3"]
     one = run_python("rl.py", args + ["--prompts", "4", "--save", tmp_path / "one.pt"], timeout=120)
     assert one.returncode == 0, one.output
     assert "ledger" in one.output and "rev KL" in one.output and "PPO's critic" in one.output
