@@ -747,11 +747,13 @@ class Evaluator:
         """ms per new token of model and of fp32: best of --repeats greedy generations of one
         prompt each, alternated, so both see the same load on a shared machine."""
         n, best = self.args.new_tokens, [math.inf, math.inf]
+        pair = (model,) if model is self.fp32 else (model, self.fp32)
         for _ in range(self.args.repeats):
-            for i, m in enumerate((model, self.fp32)):
+            for i, m in enumerate(pair):
                 best[i] = min(best[i], _best_time(
                     lambda: m.generate(self.prompts[0], n, temperature=0), 1))
-        return 1000 * best[0] / n, 1000 * best[1] / n
+        ms = [1000 * b / n for b in best]
+        return ms[0], (ms[0] if model is self.fp32 else ms[1])
 
     def row(self, model, method, fmt, seconds=0.0, passes=0, note=""):
         model.eval()
