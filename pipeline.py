@@ -31,15 +31,15 @@ torch.distributed.pipelining and draws what every rank did, bubble measured vs t
 """
 import argparse
 import time
-import types
 from collections import Counter, deque
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from model import GPT, get_config
 from plumbing import (UserError, comm, fmt_bytes, print0, require_at_least_one, run_cli,
@@ -126,15 +126,21 @@ def build_stages(model, schedule, n_ranks, pp_rank, loss_fn, cos, sin, make_stag
 #
 # For y = x Wᵀ the backward is two matmuls: dX = dY W (the next stage down the pipe waits for
 # it) and dW = dYᵀ X (nobody waits for it until the optimizer). While a schedule with W
-# actions runs, every nn.Linear of this rank's stages computes its forward through the
-# autograd Function below (its instance's forward is patched, the module stays, so hooks
-# registered on it -- tensor parallelism's -- still run). During an I action the Function
-# returns dX only and files (weight, X, dY); the W action for that (stage, microbatch) does
-# the dW matmuls. The same trick as Megatron's / DualPipe's WeightGradStore. Norm gains
-# and the embedding are cheap and get their gradients in I. The cost: X and dY of every
-# Linear stay alive between I and W.
+# actions runs a stage's forward, the TorchFunctionMode DeferWeightGrads (PyTorch's
+# documented seam for intercepting torch functions) routes every F.linear -- which is what
+# nn.Linear.forward calls -- through the autograd Function below; the modules themselves
+# are untouched, so hooks registered on them (tensor parallelism's) still run. During an I
+# action the Function returns dX only and files (weight, X, dY) in the run's
+# WeightGradStore; the W action for that (stage, microbatch) does the dW matmuls. The same
+# trick as Megatron's / DualPipe's WeightGradStore. Norm gains and the embedding are cheap
+# and get their gradients in I. The cost: X and dY of every Linear stay alive between I
+# and W.
 
 class WeightGradStore:
+    """One per run_schedule call (or the caller's, to inspect it afterwards). Written by
+    LinearWithDeferredWeightGrad.backward while `deferring`; run_schedule sets `deferring`
+    around each I action's backward, files the jobs under (stage, mb) and runs them at W."""
+
     def __init__(self):
         self.deferring = False   # True while an I action runs its backward
         self.pending = []        # (weight, X, dY) of the backward that is running
@@ -146,7 +152,8 @@ class WeightGradStore:
         self.deferred_jobs += 1
 
     def file(self, key):
-        self.queue[key], self.pending = self.pending, []
+        self.queue[key] = self.pending
+        self.pending = []
 
     def run(self, key):
         for weight, x, grad_out in self.queue.pop(key):
@@ -157,16 +164,14 @@ class WeightGradStore:
                 weight.grad += dw       # accumulate, as autograd would
 
 
-WEIGHT_GRADS = WeightGradStore()
-
-
 class LinearWithDeferredWeightGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, store):
         ctx.save_for_backward(x, weight)
         # the Parameter itself, to put W's result in its .grad: what saved_tensors hands
         # back may be another tensor object on the same storage (with saved-tensor hooks)
         ctx.parameter = weight
+        ctx.store = store
         return F.linear(x, weight)
 
     @staticmethod
@@ -174,32 +179,29 @@ class LinearWithDeferredWeightGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None        # dX = dY W
         if not ctx.needs_input_grad[1]:
-            return grad_x, None
-        if WEIGHT_GRADS.deferring:
-            WEIGHT_GRADS.defer(ctx.parameter, x, grad_out)
-            return grad_x, None
-        return grad_x, grad_out.flatten(0, -2).t() @ x.flatten(0, -2)
+            return grad_x, None, None
+        if ctx.store.deferring:
+            ctx.store.defer(ctx.parameter, x, grad_out)
+            return grad_x, None, None
+        return grad_x, grad_out.flatten(0, -2).t() @ x.flatten(0, -2), None
 
 
-def _linear_forward_with_deferred_weight_grad(self, x):
-    y = LinearWithDeferredWeightGrad.apply(x, self.weight)
-    return y if self.bias is None else y + self.bias     # bias grad: cheap, done in I
+class DeferWeightGrads(TorchFunctionMode):
+    """While active: F.linear(x, W, b) with a trainable W becomes
+    LinearWithDeferredWeightGrad(x, W, store) + b (bias gradient: cheap, done in I). Inside
+    its own handler the mode is off, so the Function's F.linear is the plain one."""
 
+    def __init__(self, store):
+        super().__init__()
+        self.store = store
 
-@contextmanager
-def weight_grads_split(stage_modules):
-    """Patch each nn.Linear instance's forward for the duration (the class and any
-    instance already carrying its own forward are left alone)."""
-    linears = {id(m): m for st in stage_modules for m in st.modules()
-               if isinstance(m, nn.Linear) and "forward" not in vars(m)}
-    for m in linears.values():
-        m.forward = types.MethodType(_linear_forward_with_deferred_weight_grad, m)
-    try:
-        yield
-    finally:
-        for m in linears.values():
-            del m.forward
-        WEIGHT_GRADS.deferring = False
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and len(args) >= 2 and args[1].requires_grad:
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            y = LinearWithDeferredWeightGrad.apply(args[0], args[1], self.store)
+            return y if bias is None else y + bias
+        return func(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------
@@ -404,7 +406,9 @@ def format_schedule(actions_per_rank):
 # complete in the background and are waited for at the end.
 
 def run_schedule(stages, actions, inputs, targets, pp_group, activation_shape, dtype,
-                 device, timeline=None):
+                 device, timeline=None, weight_grads=None):
+    """Run this rank's action list once. weight_grads: the WeightGradStore for the I/W
+    split (a fresh one by default; pass one to count its deferred jobs)."""
     device = torch.device(device)
     n_stages = next(iter(stages.values())).n_stages
     if pp_group is None:                                    # one process, all stages here
@@ -417,7 +421,8 @@ def run_schedule(stages, actions, inputs, targets, pp_group, activation_shape, d
     held = {}                            # (stage, mb) -> (input, output) kept for backward
     outbox, send_works, losses = [], [], []
     split = any(a.kind == "I" for a in actions)
-    WEIGHT_GRADS.pending, WEIGHT_GRADS.queue = [], {}   # nothing left from a failed step
+    store = WeightGradStore() if weight_grads is None else weight_grads
+    store.pending, store.queue = [], {}              # nothing left from a failed step
 
     def hand_over(box, key, tensor, to_stage, send_at):
         if rank_of[to_stage] == me:      # DualPipeV: both stages here, no communication
@@ -446,7 +451,8 @@ def run_schedule(stages, actions, inputs, targets, pp_group, activation_shape, d
             w.wait()
         return recvs[0] if recvs else None
 
-    with weight_grads_split(stages.values()) if split else nullcontext():
+    for_forward = (lambda: DeferWeightGrads(store)) if split else nullcontext
+    try:
         for a in actions:
             received = exchange(a)
             stage, key = stages[a.stage], (a.stage, a.mb)
@@ -457,7 +463,8 @@ def run_schedule(stages, actions, inputs, targets, pp_group, activation_shape, d
                 else:                    # a leaf: its .grad is what we send back
                     x = (received if received is not None else arriving_x.pop(key))
                     x.requires_grad_(True)
-                y = stage(x, targets[a.mb].to(device) if stage.is_last else None)
+                with for_forward():
+                    y = stage(x, targets[a.mb].to(device) if stage.is_last else None)
                 held[key] = (x, y)
                 if stage.is_last:
                     losses.append(y.detach())
@@ -466,20 +473,20 @@ def run_schedule(stages, actions, inputs, targets, pp_group, activation_shape, d
                               a.send_at)
             elif a.kind in "BI":
                 x, y = held.pop(key)
-                WEIGHT_GRADS.deferring = a.kind == "I"
+                store.deferring = a.kind == "I"
                 if stage.is_last:        # gradient accumulation: each loss weighs 1/M
                     torch.autograd.backward(y / M)
                 else:
                     grad = received if received is not None else arriving_grad.pop(key)
                     torch.autograd.backward(y, grad_tensors=grad)
-                WEIGHT_GRADS.deferring = False
+                store.deferring = False
                 if a.kind == "I":
-                    WEIGHT_GRADS.file(key)
+                    store.file(key)
                 if not stage.is_first:
                     hand_over(arriving_grad, (a.stage - 1, a.mb), x.grad, a.stage - 1,
                               a.send_at)
             else:
-                WEIGHT_GRADS.run(key)
+                store.run(key)
             if timeline is not None:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -490,7 +497,9 @@ def run_schedule(stages, actions, inputs, targets, pp_group, activation_shape, d
             send_works.extend(comm.batch_isend_irecv(ops))
         for w in send_works:
             w.wait()
-    assert not WEIGHT_GRADS.queue, f"W never ran for {list(WEIGHT_GRADS.queue)}"
+    finally:
+        store.deferring = False
+    assert not store.queue, f"W never ran for {list(store.queue)}"
     return torch.stack(losses).mean().item() if losses else None
 
 

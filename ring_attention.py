@@ -91,10 +91,12 @@ def cp_unshard(local_pieces, dim, cp_size, zigzag):
     return torch.cat(chunks, dim)
 
 
-# Work done by this rank's ring-attention forwards (the backward skips the same blocks):
-# K/V blocks computed or skipped whole, and query-key pairs scored (per batch row and
-# head). The tests read it to show that zigzag balances the ranks and plain does not.
-ring_attention_stats = {"blocks_computed": 0, "blocks_skipped": 0, "pairs_scored": 0}
+def ring_work_counter():
+    """A counter of the work this rank's ring-attention forwards did (the backward skips
+    the same blocks): K/V blocks computed or skipped whole, and query-key pairs scored (per
+    batch row and head). Pass one as `work=` to ring_attention / make_ring_attn_fn; the
+    tests read it to show that zigzag balances the ranks and plain does not."""
+    return {"blocks_computed": 0, "blocks_skipped": 0, "pairs_scored": 0}
 
 
 def _visible_rectangle(q_pos, k_pos):
@@ -198,7 +200,7 @@ class RingAttention(torch.autograd.Function):
     Saved for backward: q, k, v, out (local tokens only) and the fp32 lse per query."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, zigzag):
+    def forward(ctx, q, k, v, group, zigzag, work):
         rank, C = _cp_rank_and_size(group)
         B, H, T_local, D = q.shape
         n_rep, scale = H // k.shape[1], 1.0 / math.sqrt(D)
@@ -213,14 +215,16 @@ class RingAttention(torch.autograd.Function):
                 next_kv, requests = _ring_exchange(kv, group, tag=0)
             block = _ring_block(kv, positions, on_device, rank, owner, n_rep)
             if block is None:
-                ring_attention_stats["blocks_skipped"] += 1
+                if work is not None:
+                    work["blocks_skipped"] += 1
             else:
                 row0, col1, k_blk, v_blk, mask = block
                 out_b, lse_b = _ring_block_forward(q32[:, :, row0:], k_blk, v_blk, mask, scale)
                 out[:, :, row0:], lse[:, :, row0:] = _merge_partial_attention(
                     out[:, :, row0:], lse[:, :, row0:], out_b, lse_b)
-                ring_attention_stats["blocks_computed"] += 1
-                ring_attention_stats["pairs_scored"] += (T_local - row0) * col1
+                if work is not None:
+                    work["blocks_computed"] += 1
+                    work["pairs_scored"] += (T_local - row0) * col1
             if step < C - 1:
                 _wait(requests)
                 kv = next_kv
@@ -273,30 +277,32 @@ class RingAttention(torch.autograd.Function):
         if C > 1:               # the last hop brings our own block's dK/dV home
             _wait(dkv_requests)
             dkv = next_dkv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, group, zigzag):
+def ring_attention(q, k, v, group, zigzag, work=None):
     """Causal attention of this rank's queries over the whole sequence (equal to full
     softmax attention), the tokens laid out by cp_shard(..., zigzag) over `group`.
     q: (B, H, T_local, D); k, v: (B, H_kv, T_local, D), RoPE already applied at the
     tokens' global positions. The layout (zigzag or plain) is what every rank needs to know
     the positions of the block it receives, so it is passed instead of positions.
-    group None: the default group (or, without torch.distributed, a ring of one)."""
+    group None: the default group (or, without torch.distributed, a ring of one).
+    work: a ring_work_counter() to add this call's blocks and pairs to, or None."""
     if (q.dim() != 4 or k.shape != v.shape or k.dim() != 4
             or (q.shape[0], *q.shape[2:]) != (k.shape[0], *k.shape[2:])):
         raise UserError(f"ring attention wants q (B, H, T, D) and k, v (B, H_kv, T, D); got "
                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[1] % k.shape[1]:
         raise UserError(f"{q.shape[1]} query heads do not share {k.shape[1]} KV heads evenly")
-    return RingAttention.apply(q, k, v, group, zigzag)
+    return RingAttention.apply(q, k, v, group, zigzag, work)
 
 
-def make_ring_attn_fn(group, positions):
+def make_ring_attn_fn(group, positions, work=None):
     """An Attention.attn_fn (q, k, v, mask) -> out that runs ring attention over `group`:
     block.attention.attn_fn = make_ring_attn_fn(cp_group, positions). positions: this
     rank's cp_positions(seq_len, cp_rank, C, zigzag); only the layout is read from them
-    (once, here), so the function serves any number of calls, layers and microbatches."""
+    (once, here), so the function serves any number of calls, layers and microbatches.
+    work: a ring_work_counter() that every call adds to, or None."""
     rank, C = _cp_rank_and_size(group)
     seq_len, given = positions.numel() * C, positions.tolist()
     layouts = [z for z in (True, False) if seq_len % (2 * C if z and C > 1 else C) == 0
@@ -311,7 +317,7 @@ def make_ring_attn_fn(group, positions):
             raise UserError("ring attention builds the causal mask from global positions: "
                             "an explicit mask (KV-cache decoding, tree attention) is not "
                             "supported under context parallelism")
-        return ring_attention(q, k, v, group, zigzag)
+        return ring_attention(q, k, v, group, zigzag, work)
     return ring_attn_fn
 
 

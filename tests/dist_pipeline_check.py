@@ -48,11 +48,11 @@ def run(schedule, M, n_layer, steps=1):
               for s, rng in enumerate(pipeline.split_layers(n_layer, n_stages))
               if owner[s] == rank}
     actions = pipeline.build_schedule(schedule, P, M)[rank]
-    jobs_before = pipeline.WEIGHT_GRADS.deferred_jobs
+    store = pipeline.WeightGradStore()      # one for all the steps: count its jobs
     timeline = []
     for _ in range(steps):     # no zero_grad between steps: gradients must accumulate
         loss = pipeline.run_schedule(stages, actions, xs, ys, group, (MB, SEQ, cfg.n_embd),
-                                     torch.float32, "cpu", timeline)
+                                     torch.float32, "cpu", timeline, weight_grads=store)
     ref_loss, ref_params = reference(cfg, xs, ys)
     label = f"{schedule} P={P} M={M} rank {rank}"
     holds_last = any(st.is_last for st in stages.values())
@@ -69,12 +69,13 @@ def run(schedule, M, n_layer, steps=1):
     everyone = [None] * P
     dist.all_gather_object(everyone, sorted(mine), group=group)
     assert set().union(*map(set, everyone)) == set(ref_params), label   # every param owned
-    return loss, ref_loss, timeline, pipeline.WEIGHT_GRADS.deferred_jobs - jobs_before
+    return loss, ref_loss, timeline, store
 
 
 for schedule in pipeline.SCHEDULES:
     M = 2 * P if schedule == "dualpipev" else 2 * P + 1     # odd M: no lucky symmetry
-    loss, ref_loss, timeline, jobs = run(schedule, M, n_layer=2 * P)
+    loss, ref_loss, timeline, store = run(schedule, M, n_layer=2 * P)
+    jobs = store.deferred_jobs
     held, owed = pipeline.peak_in_flight(timeline)
     if schedule == "gpipe":
         assert held == M, (schedule, rank, held)
@@ -82,7 +83,7 @@ for schedule in pipeline.SCHEDULES:
         assert held == P - rank, (schedule, rank, held)
     if schedule in ("zb", "dualpipev"):               # the W split really happened ...
         assert jobs > 0 and owed > 0, (schedule, rank, jobs, owed)
-        assert not pipeline.WEIGHT_GRADS.queue        # ... and every W ran
+        assert not store.queue                        # ... and every W ran
     else:
         assert jobs == 0, (schedule, rank, jobs)
     dist.barrier()

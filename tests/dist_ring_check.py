@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ring_attention import (cp_positions, cp_shard, cp_unshard, make_ring_attn_fn,
-                            ring_attention, ring_attention_stats)
+                            ring_attention, ring_work_counter)
 from model import GPT, get_config, math_attention
 from plumbing import UserError, comm, print0, setup_runtime
 
@@ -50,14 +50,14 @@ def check_attention(group, name, zigzag, H, H_kv, T, dtype=torch.float32, atol=A
 
     local = [shard(t).to(dtype).requires_grad_() for t in (q, k, v)]
     comm.reset()
-    ring_attention_stats.update(blocks_computed=0, blocks_skipped=0, pairs_scored=0)
-    out = ring_attention(*local, group, zigzag)
+    work = ring_work_counter()
+    out = ring_attention(*local, group, zigzag, work=work)
     T_local, elem = T // C, local[1].element_size()
     kv_block = 2 * B * H_kv * T_local * D * elem           # one K and one V block
     case = (name, "zigzag" if zigzag else "plain", H, H_kv, T, dtype)
     assert out.dtype == dtype, case
     assert sent(name) == (C - 1) * kv_block, (case, sent(name), (C - 1) * kv_block)
-    stats = dict(ring_attention_stats)
+    stats = dict(work)
     if zigzag:      # the diagonal block, then C−1 half blocks: the same on every rank
         want = dict(blocks_computed=C, blocks_skipped=0,
                     pairs_scored=T_local ** 2 + (C - 1) * T_local ** 2 // 2)

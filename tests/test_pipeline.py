@@ -142,17 +142,19 @@ def test_deferred_weight_gradient_is_only_dW_and_keeps_hooks():
     x = torch.randn(3, 4, 6, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
     (2 * ref(x_ref)).pow(2).sum().backward()
-    with pipeline.weight_grads_split([lin]):
-        assert "forward" in vars(lin)
-        pipeline.WEIGHT_GRADS.deferring = True
-        lin(x).pow(2).sum().backward()
-        pipeline.WEIGHT_GRADS.deferring = False
-        pipeline.WEIGHT_GRADS.file("key")
-        assert lin.weight.grad is None                      # I: no weight gradient yet ...
-        torch.testing.assert_close(x.grad, x_ref.grad)      # ... but the input's is right
-        torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
-        pipeline.WEIGHT_GRADS.run("key")                    # W
-    assert "forward" not in vars(lin)
+    store = pipeline.WeightGradStore()
+    with pipeline.DeferWeightGrads(store):
+        out = lin(x)
+    assert "forward" not in vars(lin)                       # the module itself is untouched
+    store.deferring = True
+    out.pow(2).sum().backward()
+    store.deferring = False
+    store.file("key")
+    assert lin.weight.grad is None                          # I: no weight gradient yet ...
+    torch.testing.assert_close(x.grad, x_ref.grad)          # ... but the input's is right
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
+    assert store.deferred_jobs == 1
+    store.run("key")                                        # W
     torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
 
 

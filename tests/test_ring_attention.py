@@ -10,7 +10,7 @@ import torch
 from ring_attention import (_merge_partial_attention, _ring_block_forward,
                             _visible_rectangle, cp_chunk_ids, cp_positions, cp_shard,
                             cp_unshard, make_ring_attn_fn, ring_attention,
-                            ring_attention_stats)
+                            ring_work_counter)
 from harness import torchrun
 from model import math_attention
 from plumbing import UserError
@@ -126,8 +126,8 @@ def test_a_ring_of_one_is_full_causal_attention(H, H_kv):
     k, v = torch.randn(2, H_kv, 12, 8), torch.randn(2, H_kv, 12, 8)
     ring_in = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    ring_attention_stats.update(blocks_computed=0, blocks_skipped=0, pairs_scored=0)
-    attn_fn = make_ring_attn_fn(None, torch.arange(12))
+    work = ring_work_counter()
+    attn_fn = make_ring_attn_fn(None, torch.arange(12), work=work)
     out = attn_fn(*ring_in, None)
     ref = math_attention(*ref_in)
     assert torch.allclose(out, ref, atol=1e-5)
@@ -135,7 +135,7 @@ def test_a_ring_of_one_is_full_causal_attention(H, H_kv):
     ref.backward(grad)
     for a, b in zip(ring_in, ref_in):
         assert torch.allclose(a.grad, b.grad, atol=1e-5)
-    assert ring_attention_stats == dict(blocks_computed=1, blocks_skipped=0, pairs_scored=144)
+    assert work == dict(blocks_computed=1, blocks_skipped=0, pairs_scored=144)
     half = ring_attention(*(t.to(torch.bfloat16) for t in (q, k, v)), None, True)
     assert half.dtype == torch.bfloat16
     assert torch.allclose(half.float(), ref.detach(), atol=3e-2)
