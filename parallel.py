@@ -689,8 +689,8 @@ def parse_args(argv=None):
     g.add_argument("--schedule", choices=pipeline.SCHEDULES, default="1f1b",
                    help="pipeline schedule when --pp > 1")
     g.add_argument("--microbatches", type=int, default=None,
-                   help="microbatches per step (default: 2·pp for dualpipev, pp·2 otherwise, "
-                        "1 without pipeline)")
+                   help="microbatches per step; when not given: 2·pp (1 without a "
+                        "pipeline)")
     g.add_argument("--print-schedule", action="store_true",
                    help="print each pipeline rank's action list before training")
     m = p.add_argument_group("model and data")
@@ -700,8 +700,8 @@ def parse_args(argv=None):
     m.add_argument("--n-kv-head", type=int, help="override the preset's KV heads")
     m.add_argument("--n-embd", type=int, help="override the preset's width")
     m.add_argument("--n-expert", type=int, help="override the preset's expert count")
-    m.add_argument("--data", default=None, help="text file or folder (default: built-in "
-                   "corpus, see data.py)")
+    m.add_argument("--data", default=None, help="a UTF-8 text file, documents separated by "
+                   "<|endoftext|>; when not given: the built-in corpus (see data.py)")
     m.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
     m.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     o = p.add_argument_group("training")

@@ -355,3 +355,8 @@ def bench_against_dtensor(hand, hand_loss, cfg, tp_mesh, batches, device):
     print0(f"{'DTensor':10}{their_t * 1e3:10.1f}ms{seen.calls:18d}"
            f"{fmt_bytes(seen.payload):>14}")
     print0(f"hand / DTensor step time: {hand_t / their_t:.2f}")
+
+
+if __name__ == "__main__":
+    print(__doc__.strip())
+    print("\nparallel_check.py is a library: it runs under `parallel.py --check` and `parallel.py bench-tp` (see parallel.py --help).")

@@ -311,3 +311,8 @@ def plan(args):
                f"({'all-reduce' if args.zero == 0 else 'RS + AG'} over {b.dp * b.cp})")
     out.append(f"step 3 - layout: {b.name}")
     return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(__doc__.strip())
+    print("\nplanner.py is a library: the layout planner runs as `python parallel.py plan --help`.")

@@ -302,3 +302,8 @@ def apply_tensor_parallel(model, group, gathered=None):
     _slice_linear(model.output, 0, group)                        # vocabulary-parallel head
     sliced["output.weight"] = 0
     return sliced
+
+
+if __name__ == "__main__":
+    print(__doc__.strip())
+    print("\ntensor_parallel.py is a library: tensor parallelism runs as `torchrun --standalone --nproc_per_node=2 parallel.py --tp 2 --check` (see parallel.py --help).")
