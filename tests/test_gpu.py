@@ -262,8 +262,10 @@ def worker_verdicts(world, device):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", ON_GPU)
-def test_world_of_one_nccl(device, text_file, tmp_path):
+@pytest.mark.parametrize("device", BOTH)
+def test_world_of_one_process_group(device, text_file, tmp_path):
+    """On CUDA: NCCL at a world of one, every collective and P2P path on CUDA tensors. On the
+    CPU (gloo) the same launch checks the worker itself."""
     result = torchrun(WORKER, ["all", device, tmp_path, text_file], nproc=1, timeout=600)
     assert result.returncode == 0, result.output[-4000:]
     assert "(nccl)" in result.output or device == "cpu"
@@ -271,13 +273,16 @@ def test_world_of_one_nccl(device, text_file, tmp_path):
         assert line in result.output, result.output[-4000:]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script,args", [
+TORCHRUN_CASES = [
     ("rl.py", ["--ckpt", "none", "--preset", "tiny", "--algo", "grpo", "--steps", "1",
                "--group", "2", "--prompts", "2", "--sft-steps", "2", "--eval-problems", "4",
                "--eval-samples", "1", "--cache-dir", ""]),
     ("lora.py", ["--ckpt", "none", "--preset", "tiny", "--method", "qlora", "--steps", "2",
-                 "--batch-size", "4", "--n-train", "100", "--eval-problems", "0"])])
+                 "--batch-size", "4", "--n-train", "100", "--eval-problems", "0"])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,args", TORCHRUN_CASES, ids=["rl", "lora"])
 @pytest.mark.parametrize("device", ON_GPU)
 def test_rl_and_lora_under_torchrun_nccl(device, script, args):
     """Their data-parallel code (the global sums, the gradient all-reduce) with NCCL, which
@@ -537,11 +542,21 @@ def test_muon_and_adamw_equal_torch_on_device(device):
         assert moved > 1e-3
 
 
+# tests/test_rl.py's data-parallel run: 1-digit problems and a short SFT give answers of
+# varying length, some right (non-zero advantages), so every algorithm moves its own way;
+# "dapo" divides by the global token count, so ranks sum to what one process computes
+RL_COMPARE = ["compare", "--ckpt", "none", "--preset", "tiny", "--teacher-preset", "tiny",
+              "--digits", "1", "--ops", "+-", "--max-new", "4", "--steps", "2", "--group", "4",
+              "--sft-steps", "150", "--teacher-sft-steps", "300", "--eval-samples", "2",
+              "--eval-problems", "20", "--norm", "dapo", "--lr", "1e-3", "--distill-lr", "1e-3",
+              "--cache-dir", ""]
+
+
 @pytest.mark.parametrize("device", ON_GPU)
-def test_rl_sampling_and_one_step_on_device(device, tmp_path):
+def test_rl_sampling_and_two_steps_on_device(device, tmp_path):
     """rl.py: answers drawn on the GPU == answers drawn on the CPU (the Gumbel noise comes
-    from per-prompt CPU generators), kept log-probs == a fresh forward; then one step of
-    every algorithm through rl.py compare on the device moves the weights, each its own way."""
+    from per-prompt CPU generators), kept log-probs == a fresh forward; then two steps of
+    every algorithm through rl.py compare on the device move the weights, each its own way."""
     enc = byte_encoding()
     cpu_model = GPT(get_config("tiny", vocab_size=enc.n_vocab), seed=0)
     model = copy.deepcopy(cpu_model).to(device)
@@ -551,17 +566,13 @@ def test_rl_sampling_and_one_step_on_device(device, tmp_path):
     seq, mask, old = rl.pack([p for p in prompts for _ in range(3)], got, device, lp)
     torch.testing.assert_close(rl.token_logprobs(model, seq)[mask], old[mask], atol=1e-5, rtol=0)
     out = tmp_path / "rl.pt"
-    rl.main(["compare", "--ckpt", "none", "--preset", "tiny", "--teacher-preset", "tiny",
-             "--digits", "1", "--ops", "+-", "--max-new", "4", "--steps", "1", "--group", "4",
-             "--prompts", "4", "--sft-steps", "20", "--teacher-sft-steps", "20",
-             "--eval-samples", "1", "--eval-problems", "10", "--norm", "bnpo", "--lr", "1e-3",
-             "--distill-lr", "1e-3", "--cache-dir", "", "--device", device, "--save", str(out)])
+    rl.main(RL_COMPARE + ["--prompts", "4", "--device", device, "--save", str(out)])
     saved = torch.load(out, weights_only=True)
     assert set(saved) == set(rl.ALGOS)
     for algo, weights in saved.items():
         assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point()), algo
     for x, y in zip(rl.ALGOS, rl.ALGOS[1:]):
-        assert any((saved[x][k] - saved[y][k]).abs().max() > 1e-6 for k in saved[x]
+        assert any((saved[x][k] - saved[y][k]).abs().max() > 1e-4 for k in saved[x]
                    if saved[x][k].is_floating_point()), (x, y)
 
 
@@ -587,12 +598,13 @@ def test_multigpu_worker_equals_one_process(text_file, tmp_path):
 
 
 def flat_tensors(saved, prefix=""):
-    """lora.py --save writes {name: tensor}, rl.py --save {algo: {name: tensor}}."""
+    """Every tensor of a saved file, by its path of keys (lora.py --save: the adapter's
+    tensors next to metadata; rl.py --save: {algo: state dict})."""
     out = {}
     for key, value in saved.items():
         if isinstance(value, dict):
             out.update(flat_tensors(value, f"{prefix}{key}."))
-        else:
+        elif torch.is_tensor(value):
             out[prefix + key] = value
     return out
 
@@ -603,11 +615,7 @@ def test_multigpu_lora_and_rl_data_parallel_equal_one_process(tmp_path):
     world = worlds()[-1]
     la = ["--ckpt", "none", "--preset", "tiny", "--method", "dora", "--steps", "4",
           "--n-train", "300", "--eval-problems", "0", "--warmup", "2", "--device", "cuda"]
-    ra = ["compare", "--ckpt", "none", "--preset", "tiny", "--teacher-preset", "tiny",
-          "--digits", "1", "--ops", "+-", "--max-new", "4", "--steps", "2", "--group", "4",
-          "--sft-steps", "150", "--teacher-sft-steps", "300", "--eval-samples", "2",
-          "--eval-problems", "20", "--norm", "bnpo", "--lr", "1e-3", "--distill-lr", "1e-3",
-          "--cache-dir", "", "--device", "cuda"]
+    ra = RL_COMPARE + ["--device", "cuda"]
     for script, args, per_rank, flag in (("lora.py", la, 4, "--batch-size"),
                                          ("rl.py", ra, 2, "--prompts")):
         one = run_python(script, args + [flag, per_rank * world, "--save", tmp_path / "one.pt"],
@@ -618,7 +626,7 @@ def test_multigpu_lora_and_rl_data_parallel_equal_one_process(tmp_path):
         assert many.returncode == 0, many.output[-4000:]
         a, b = (flat_tensors(torch.load(tmp_path / f, weights_only=True))
                 for f in ("one.pt", "many.pt"))
-        assert a.keys() == b.keys()
+        assert a.keys() == b.keys() and len(a) > 0
         for k in a:
             torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4, msg=lambda m: f"{script} {k}: {m}")
 
