@@ -538,7 +538,12 @@ def load_folder(folder, device="cpu", need_tokenizer=True):
     ckpt = {"config": asdict(cfg), "model": state, "format": "hf-llama", "source": folder}
     tok_path = os.path.join(folder, "tokenizer.json")
     if os.path.exists(tok_path):
-        ckpt["tokenizer"] = tokenizer_state_from_json(_read_json(tok_path), tok_path)
+        tokenizer = tokenizer_state_from_json(_read_json(tok_path), tok_path)
+        top = max([*tokenizer["mergeable_ranks"].values(), *tokenizer["special_tokens"].values()])
+        if top >= cfg.vocab_size:
+            raise UserError(f"{tok_path} has token id {top}, beyond the model's vocab_size "
+                            f"{cfg.vocab_size}")
+        ckpt["tokenizer"] = tokenizer
     elif need_tokenizer:
         raise UserError(f"{folder} has no tokenizer.json: the scripts here need the tokenizer "
                         "(byte-level BPE) next to the weights")

@@ -322,6 +322,14 @@ def test_non_byte_level_tokenizer_is_refused(folder):
         load_model(str(folder))
 
 
+def test_tokenizer_beyond_the_vocabulary_is_refused(folder):
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok["added_tokens"].append({"id": 10_000, "content": "<|extra|>", "special": True})
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(UserError, match="token id 10000, beyond the model's vocab_size 512"):
+        load_model(str(folder))
+
+
 def test_broken_folders_are_one_clear_error(folder):
     st = folder / "model.safetensors"
     raw = st.read_bytes()
