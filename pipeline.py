@@ -637,7 +637,7 @@ def bench(args, rt):
     pp_group = dist.new_group(list(range(P))) if rt.distributed else None
     if pp_group is not None:
         comm.name_group(pp_group, "pp")
-    cfg = get_config(args.preset, n_layer=args.n_layer or 2 * P, n_embd=args.n_embd,
+    cfg = get_config(args.preset, n_layer=args.n_layer, n_embd=args.n_embd,
                      vocab_size=args.vocab_size,
                      block_size=max(T, get_config(args.preset).block_size))
     for schedule in args.schedules:                 # every UserError before any P2P
@@ -718,17 +718,17 @@ def parse_args(argv=None):
                    help="bench: comma-separated schedules to run")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (M)")
     p.add_argument("--preset", default="tiny", help="model preset (model.PRESETS)")
-    p.add_argument("--n-layer", type=int, default=None,
-                   help="bench: layers (None: 2·P, which the 2P stages of dualpipev divide)")
-    p.add_argument("--n-embd", type=int, default=128,
+    p.add_argument("--n-layer", type=int, default=8,
+                   help="bench: layers (the 2P stages of dualpipev must divide them)")
+    p.add_argument("--n-embd", type=int, default=384,
                    help="bench: model width (tiny's own 32 leaves too little to compute)")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="bench: vocabulary (None: the preset's). The head and the loss make "
-                        "the last stage heavier; a small vocabulary balances the stages, as "
-                        "the bubble formulas assume")
-    p.add_argument("--seq-len", type=int, default=64, help="bench: tokens per sequence")
+    p.add_argument("--vocab-size", type=int, default=64,
+                   help="bench: vocabulary. The head and the loss make the last stage "
+                        "heavier; a small vocabulary balances the stages, as the bubble "
+                        "formulas assume")
+    p.add_argument("--seq-len", type=int, default=256, help="bench: tokens per sequence")
     p.add_argument("--microbatch-size", type=int, default=4, help="bench: sequences per microbatch")
-    p.add_argument("--steps", type=int, default=5, help="bench: timed steps (median reported)")
+    p.add_argument("--steps", type=int, default=7, help="bench: timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="bench: untimed steps first")
     p.add_argument("--seed", type=int, default=0, help="bench: seed of the random token ids")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")

@@ -109,7 +109,8 @@ for what, call in [("layers", lambda: pipeline.split_layers(2 * P + 1, P)),
 if "--bench" in sys.argv:
     results = pipeline.main(["bench", "--microbatches", str(2 * P), "--steps", "1",
                              "--seq-len", str(SEQ), "--microbatch-size", str(MB),
-                             "--n-embd", "32", "--device", "cpu"])
+                             "--n-embd", "32", "--n-layer", str(2 * P),
+                             "--vocab-size", str(get_config("tiny").vocab_size), "--device", "cpu"])
     for row in results:
         if row["torch_loss"] is not None:
             assert abs(row["hand_loss"] - row["torch_loss"]) <= 1e-5 * row["hand_loss"], row
