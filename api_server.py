@@ -797,12 +797,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def updates(self, q, n):
         """The engine's updates for this request until its n choices have finished;
         ClientGone as soon as the client is seen to have left."""
+        checked = time.monotonic()
         while n:
             try:
                 up = q.get(timeout=POLL_S)
             except queue.Empty:
+                up = None
+            if time.monotonic() - checked >= POLL_S:      # (updates may never pause)
+                checked = time.monotonic()
                 if self.client_gone():
-                    raise ClientGone() from None
+                    raise ClientGone()
+            if up is None:
                 continue
             if up.error:
                 raise up.error
@@ -892,7 +897,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if plan.logprobs is not None and entries:
             lp = format_logprobs(self.server.enc, entries, plan.chat, state["offset"])
             if not plan.chat:
-                state["offset"] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                state["offset"] = lp["text_offset"][-1] + len(
+                    token_bytes(self.server.enc, entries[-1][0]).decode("utf-8", "ignore"))
         if plan.chat:
             delta = {"role": "assistant", "content": ""} if role else (
                 {"content": text} if text else {})

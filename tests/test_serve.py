@@ -272,6 +272,159 @@ def test_engine_rejects_bad_configuration_and_requests():
 
 
 # ----------------------------------------------------------------------------------------
+# Fault isolation and the OpenAI sampling parameters, in the engine
+
+def poison_hook(poisoned_ids, stage):
+    """A fault_hook (the engine's documented test seam): raise in `stage` whenever a
+    poisoned sequence takes part."""
+    def hook(where, seqs):
+        if where == stage and any(s.id in poisoned_ids for s in seqs):
+            raise RuntimeError("poisoned request")
+    return hook
+
+
+@pytest.mark.parametrize("stage", ["forward", "sample"])
+def test_a_poisoned_sequence_fails_alone(stage):
+    """One sequence whose forward (or sampling) raises, batched with healthy ones and with
+    preemption: it alone ends with finish_reason "error"; every other output equals its
+    isolated generate(); the pool ends clean."""
+    model = tiny_model()
+    prompts, ns = workload(model.config, n=8, seed=11)
+    ref = [model.generate(p, n, temperature=0) for p, n in zip(prompts, ns)]
+    poisoned = {3}
+    eng = Engine(model, block_size=4, num_blocks=24, max_num_batched_tokens=16,
+                 fault_hook=poison_hook(poisoned, stage))
+    seqs = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0), seq_id=i)
+            for i, (p, n) in enumerate(zip(prompts, ns))]
+    while eng.has_work():
+        eng.step()
+    assert seqs[3].finish_reason == "error" and "poisoned" in seqs[3].error
+    assert [s.output_ids for i, s in enumerate(seqs) if i != 3] == ref[:3] + ref[4:]
+    assert eng.stats["failed"] == 1
+    assert (eng.stats["isolation_retries"] > 0) == (stage == "forward")
+    assert_pool_clean(eng)
+
+
+def test_sampling_params_are_checked_numerically_and_tiny_temperature_is_greedy():
+    model = tiny_model()
+    eng = Engine(model)
+    for bad in (dict(temperature=float("nan")), dict(temperature=float("inf")),
+                dict(temperature=-1e-9), dict(top_p=float("nan")), dict(top_k=-1),
+                dict(presence_penalty=2.5), dict(frequency_penalty=float("-inf")),
+                dict(logit_bias=((5, float("nan")),)), dict(logit_bias=((10 ** 6, 1.0),)),
+                dict(min_tokens=17), dict(logprobs=21), dict(stop_token_ids=(-1,)),
+                dict(seed=-1), dict(max_tokens=True)):
+        with pytest.raises(UserError):
+            eng.add_request([1, 2], SamplingParams(**bad))
+    prompt = [5, 6, 7]
+    # 1e-30 would overflow logits / T to inf; below GREEDY_EPS it is argmax, as vLLM does
+    s = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=1e-30))[0]
+    assert s.output_ids == model.generate(prompt, 12, temperature=0)
+    assert_pool_clean(eng)
+
+
+def test_logprobs_equal_log_softmax_of_the_model():
+    """Output and prompt log-probs (with top-k alternatives) equal log_softmax of the
+    model's own logits over the whole sequence, to 1e-5, through chunked prefill and the
+    paged cache; the top-k ids are the k largest."""
+    model = tiny_model()
+    prompt = list(range(7, 30))
+    eng = Engine(model, block_size=4, num_blocks=32, max_num_batched_tokens=7)
+    s = eng.generate([prompt], SamplingParams(max_tokens=9, temperature=0.8, seed=3,
+                                              logprobs=4, prompt_logprobs=3))[0]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([s.tokens]))[0][0].float(), -1)
+    entries = s.prompt_logprobs + s.logprobs
+    assert len(s.prompt_logprobs) == len(prompt) - 1 and len(s.logprobs) == 9
+    for pos, (tok, value, top) in enumerate(entries):       # predicts token pos + 1
+        assert tok == s.tokens[pos + 1]
+        assert abs(value - lp[pos, tok].item()) < 1e-5
+        want = lp[pos].topk(len(top))
+        assert [t for t, _ in top] == want.indices.tolist()
+        assert max(abs(v - w) for (_, v), w in zip(top, want.values.tolist())) < 1e-5
+    scored = eng.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    assert scored.output_ids == [] and scored.finish_reason == "length"
+    assert [e[:2] for e in scored.prompt_logprobs] == [e[:2] for e in s.prompt_logprobs]
+    assert_pool_clean(eng)
+
+
+def reference_decode(model, prompt, n, eos, presence=0.0, frequency=0.0, bias=(),
+                     min_tokens=0, stop_ids=()):
+    """The textbook version: the whole sequence through the model each step, OpenAI's
+    adjustments spelled out, greedy."""
+    tokens = list(prompt)
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens]))[0][0, -1].float()
+        out = tokens[len(prompt):]
+        for t, b in bias:
+            logits[t] += b
+        if len(out) < min_tokens:
+            for t in (eos,) + tuple(stop_ids):
+                logits[t] = float("-inf")
+        for t in set(out):
+            logits[t] -= frequency * out.count(t) + presence
+        tokens.append(int(logits.argmax()))
+        if tokens[-1] == eos or tokens[-1] in stop_ids:
+            break
+    return tokens[len(prompt):]
+
+
+def test_penalties_bias_min_tokens_and_stop_token_ids_equal_the_textbook():
+    model = tiny_model()
+    prompt = [3, 1, 4, 1, 5]
+    plain = model.generate(prompt, 20, temperature=0)
+    eos = plain[4]                                # greedy would stop after 5 tokens
+    eng = Engine(model, block_size=4, num_blocks=40, eos_id=eos)
+    # min_tokens=12 makes greedy cycle through repeated tokens: what the penalties act on
+    cases = [dict(presence=1.5, min_tokens=12), dict(frequency=0.7, min_tokens=12),
+             dict(presence=-0.5, frequency=1.0, min_tokens=12),
+             dict(bias=((plain[0], -100.0), (7, 5.0)), frequency=0.5), dict(min_tokens=12),
+             dict(stop_ids=(plain[2],)), dict(min_tokens=6, stop_ids=(plain[2],))]
+    outputs = []
+    for case in cases:
+        want = reference_decode(model, prompt, 20, eos, **case)
+        outputs.append(want)
+        params = SamplingParams(max_tokens=20, temperature=0,
+                                presence_penalty=case.get("presence", 0.0),
+                                frequency_penalty=case.get("frequency", 0.0),
+                                logit_bias=case.get("bias", ()),
+                                min_tokens=case.get("min_tokens", 0),
+                                stop_token_ids=case.get("stop_ids", ()))
+        got = eng.generate([prompt], params)[0]
+        assert got.output_ids == want, case
+        assert got.finish_reason == ("stop" if len(want) < 20 else "length"), case
+    assert all(o != outputs[4] for o in outputs[:3])     # the penalties changed the output
+    assert outputs[3] != plain and outputs[5] != plain[:5] and outputs[6] != outputs[5]
+    assert eng.generate([prompt], SamplingParams(max_tokens=20, temperature=0))[0].output_ids \
+        == plain[:5]
+    assert_pool_clean(eng)
+
+
+def test_n_choices_wait_for_the_first_prefill_and_share_its_blocks():
+    """n = 4 choices of one 30-token prompt: the first prefills, the other three are held
+    until its prompt is cached and then hit 7 of its blocks (28 tokens) each; seeded
+    choices draw what generate(seed=...) draws."""
+    model = tiny_model()
+    prompt = [(7 * i) % 60 + 1 for i in range(30)]
+    eng = Engine(model, block_size=4, num_blocks=64)
+    params = [SamplingParams(max_tokens=10, temperature=0.9, seed=40 + j) for j in range(4)]
+    first = eng.add_request(prompt, params[0])
+    rest = [eng.add_request(prompt, p, after=first) for p in params[1:]]
+    assert all(s.status == "held" for s in rest) and len(eng.waiting) == 1
+    while eng.has_work():
+        eng.step()
+    assert first.num_cached_tokens == 0 and [s.num_cached_tokens for s in rest] == [28] * 3
+    assert [s.output_ids for s in [first] + rest] == [
+        model.generate(prompt, 10, temperature=0.9, seed=40 + j) for j in range(4)]
+    aborted = eng.add_request(prompt + [1], params[0])
+    held = eng.add_request(prompt + [1], params[1], after=aborted)
+    eng.abort(held.id)                            # a held choice can be aborted
+    eng.abort(aborted.id)
+    assert_pool_clean(eng)
+
+
+# ----------------------------------------------------------------------------------------
 # The HTTP server, over real sockets on 127.0.0.1
 
 def server_model(enc):
