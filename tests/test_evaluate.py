@@ -1,0 +1,235 @@
+# Tests for evaluate.py: every metric against numbers computed by hand (ties included),
+# temperature scaling on synthetic logits with a known temperature, bits per byte and the
+# continuation log-likelihood against plain forwards, the shared evaluation API against
+# lora.py / rl.py / train.py's own functions, the n-gram detector on a planted corpus, the
+# SVG plots (plumbing.py), the bad inputs, and the contamination experiment end to end.
+# No checkpoint and no corpus: tiny random models and a 256-byte tokenizer built here.
+import math
+import types
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data
+import evaluate as ev
+from model import GPT, get_config
+from plumbing import (UserError, run_cli, svg_bar_chart, svg_line_plot, terminal_bars,
+                      terminal_plot)
+
+BYTES = data.make_encoding({bytes([i]): i for i in range(256)})
+
+
+def tiny(seed=0, vocab=BYTES.n_vocab):
+    return GPT(get_config("tiny", vocab_size=vocab), seed=seed).eval()
+
+
+# ---------------------------------------------------------------------------- metrics
+def test_ece_brier_nll_by_hand():
+    conf = [0.1, 0.4, 0.6, 0.9, 0.95]
+    right = [0, 1, 1, 1, 0]
+    # 2 bins: (0, .5] holds .1, .4: conf .25, acc .5 -> 2/5·.25 = .1;
+    #         (.5, 1] holds .6, .9, .95: conf .8167, acc .6667 -> 3/5·.15 = .09
+    e, bins = ev.ece(conf, right, 2)
+    assert e == pytest.approx(0.19)
+    assert [b[2] for b in bins] == [2, 3]
+    assert ev.ece(conf, right, 1)[0] == pytest.approx(abs(np.mean(conf) - 0.6))
+    assert ev.ece([0.5, 0.5000001], [1, 1], 2)[1][0][2] == 1     # bins are (lo, hi]
+    assert ev.ece([0.0], [0], 3)[1][0][2] == 1                   # 0 lands in the first bin
+    assert ev.brier(conf, right) == pytest.approx((0.01 + 0.36 + 0.16 + 0.01 + 0.9025) / 5)
+    logits = torch.tensor([[0.0, math.log(3)], [0.0, 0.0]])
+    labels = torch.tensor([1, 0])
+    assert ev.nll(logits, labels) == pytest.approx((-math.log(0.75) + math.log(2)) / 2)
+    p = math.sqrt(3) / (1 + math.sqrt(3))                         # softmax([0, ln3]/2)[1]
+    assert ev.nll(logits, labels, 2.0) == pytest.approx((-math.log(p) + math.log(2)) / 2)
+    with pytest.raises(UserError):
+        ev.ece(conf, right, 0)
+
+
+def test_auroc_is_mann_whitney_with_ties():
+    assert ev.auroc([0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.75)
+    # positives {.5, .9}, negatives {.5, .5}: two ties (½ each) + two wins = 3 of 4 pairs
+    assert ev.auroc([0.5, 0.5, 0.5, 0.9], [1, 0, 0, 1]) == pytest.approx(0.75)
+    assert ev.auroc([1, 1, 1], [1, 0, 1]) == pytest.approx(0.5)   # all tied: chance
+    assert math.isnan(ev.auroc([1, 2], [1, 1]))
+    rng = np.random.default_rng(0)
+    s, y = rng.integers(0, 5, 200), rng.integers(0, 2, 200).astype(bool)  # many ties
+    pairs = [(a > b) + 0.5 * (a == b) for a in s[y] for b in s[~y]]
+    assert ev.auroc(s, y) == pytest.approx(np.mean(pairs))
+
+
+def test_temperature_scaling_recovers_a_known_temperature():
+    # A calibrated model: 100 logit vectors z, each with 200 labels drawn from softmax(z) by
+    # stratified sampling (the inverse CDF at (j + ½)/200), so the label frequencies equal
+    # the probabilities up to 1/200 and the sampling noise does not blur the 2nd decimal.
+    gen = torch.Generator().manual_seed(0)
+    z = 2.0 * torch.randn(100, 10, generator=gen)
+    u = ((torch.arange(200) + 0.5) / 200).expand(100, 200).contiguous()
+    labels = torch.searchsorted(z.softmax(-1).cumsum(-1), u).clamp(max=9).flatten()
+    z = z.repeat_interleave(200, 0)
+    assert ev.fit_temperature(z, labels) == pytest.approx(1.0, abs=0.005)
+    for true_t in (0.5, 2.5):
+        t = ev.fit_temperature(z * true_t, labels)                # miscaled by true_t
+        assert round(t, 2) == true_t
+        assert ev.nll(z * true_t, labels, t) <= ev.nll(z * true_t, labels, true_t) + 1e-12
+        assert ev.nll(z * true_t, labels, t) < ev.nll(z * true_t, labels, 1.0)
+
+
+def test_small_helpers_by_hand():
+    cov = ev.accuracy_coverage([0.9, 0.8, 0.3, 0.1], [1, 0, 1, 0], levels=4)
+    assert cov == pytest.approx([(0.25, 1.0), (0.5, 0.5), (0.75, 2 / 3), (1.0, 0.5)])
+    assert ev.min_k_prob(torch.tensor([-1.0, -5, -2, -0.5, -3]), 40) == pytest.approx(-4.0)
+    assert ev.entropy([2, 2]) == pytest.approx(math.log(2))
+    lo, hi = ev.bootstrap_ci(lambda i: np.ones(10)[i].mean(), 10, 50)
+    assert lo == hi == 1.0
+    x = np.random.default_rng(1).normal(size=400)
+    lo, hi = ev.bootstrap_ci(lambda i: x[i].mean(), 400, 300)
+    assert lo < x.mean() < hi and hi - lo < 4 * 1.96 / math.sqrt(400)
+    # semantic entropy clusters by the number: "82", "082" agree; naive entropy does not
+    enc = lambda s: [list(t.encode()) for t in s]
+    agree, naive, semantic = ev.consistency_scores(BYTES, enc(["82\n"]), [enc(["82\n", "082\n", "83\n"])])
+    assert agree[0] == pytest.approx(2 / 3)
+    assert naive[0] == pytest.approx(math.log(3))
+    assert semantic[0] == pytest.approx(ev.entropy([2, 1]))
+
+
+# ---------------------------------------------------------------------------- likelihoods
+def test_bits_per_byte_of_a_known_text():
+    text = "def héllo(wörld):\n    return wörld * 2  # 🙂\n" * 3
+    enc = data.make_encoding(data.train_bpe([text], 300))        # tokens != bytes
+    model = tiny(vocab=enc.n_vocab)
+    ids = [enc.encode_single_token(data.EOT)] + enc.encode_ordinary(text)
+    assert len(ids) - 1 < len(text.encode()) and len(ids) <= model.config.block_size
+    x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+    loss = F.cross_entropy(model(x)[0][0], y[0]).item()
+    want = loss * (len(ids) - 1) / (len(text.encode("utf-8")) * math.log(2))
+    assert ev.text_bits_per_byte(model, enc, text) == pytest.approx(want, rel=1e-5)
+    assert ev.token_byte_lengths(enc)[ids[1:]].sum() == len(text.encode("utf-8"))
+    sums, targets = ev.window_nll(model, ids, 16, batch_size=3)   # windows cover every token
+    assert sum(len(t) for t in targets) == len(ids) - 1 and len(sums) == math.ceil((len(ids) - 1) / 16)
+    first = F.cross_entropy(model(torch.tensor([ids[:16]]))[0][0], torch.tensor(ids[1:17]),
+                            reduction="sum").item()
+    assert sums[0] == pytest.approx(first, rel=1e-5)
+
+
+def test_continuation_logprobs_equal_a_plain_forward():
+    model = tiny(3)
+    gen = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(0, 256, (n,), generator=gen).tolist()
+    c1, c2, c3 = rand(5), rand(5), rand(9)
+    pairs = [(c1, rand(1)), (c1, rand(4)), (c2, rand(3)), (c3, rand(2)), (c1, rand(6)), (c3, rand(1))]
+    for reuse in (True, False):
+        lps, logits = ev.continuation_logprobs(model, pairs, reuse_cache=reuse, keep_logits=True,
+                                               chunk=4)
+        for (ctx, cont), lp, lg in zip(pairs, lps, logits):
+            full = model(torch.tensor([ctx + cont]))[0][0]          # plain forward, alone
+            want = F.log_softmax(full, -1)[len(ctx) - 1:-1].gather(1, torch.tensor(cont)[:, None])[:, 0]
+            torch.testing.assert_close(lp, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lg, full[len(ctx) - 1:-1], atol=1e-5, rtol=1e-5)
+            assert lp.sum().item() == pytest.approx(want.sum().item(), abs=1e-4)
+    with pytest.raises(UserError):
+        ev.continuation_logprobs(model, [(c1, [])])
+
+
+def rigged(seed=0):
+    """A random tiny model whose "\\n" logit is boosted, so greedy answers end early and
+    some of them can be made right: exact match strictly between 0 and 1."""
+    model = tiny(seed)
+    with torch.no_grad():
+        model.output.weight[10] += 0.2 * torch.randn(model.config.n_embd,
+                                                     generator=torch.Generator().manual_seed(seed))
+    problems = data.make_problems(40, 0, 2, "+", "test")
+    outs = ev.greedy_answers(model, BYTES, problems, 8)
+    fixed = [data.Problem(p.prompt, data.extract_answer(BYTES.decode(o))) if 10 in o and i % 2 else p
+             for i, (p, o) in enumerate(zip(problems, outs))]
+    return model, fixed
+
+
+def test_api_reproduces_lora_rl_and_train():
+    import lora, rl, train
+    model, problems = rigged()
+    em = ev.exact_match(model, BYTES, problems)
+    assert 0 < em < 1
+    pairs = [(BYTES.encode_ordinary(p.prompt), BYTES.encode_ordinary(p.answer + data.TERMINATOR))
+             for p in problems]
+    lora_em, lora_loss = lora.evaluate(model, BYTES, problems, pairs)
+    assert em == lora_em
+    assert ev.answer_loss(model, BYTES, problems) == pytest.approx(lora_loss, abs=1e-5)
+    got = rl.evaluate(model, BYTES, problems, k=2, max_new=8)
+    assert ev.exact_match(model, BYTES, problems, 8) == got["greedy"]
+    assert ev.greedy_answers(model, BYTES, problems, 8) == got["greedy_out"]
+    tokens = np.random.default_rng(0).integers(0, 256, 3000).astype(np.uint16)
+    args = types.SimpleNamespace(eval_iters=3, batch_size=2, seq_len=16, seed=4, precision="fp32")
+    want = train.evaluate(model, types.SimpleNamespace(val=tokens), args, "cpu")
+    assert ev.validation_loss(model, tokens, 2, 16, 3, 5, "cpu") == pytest.approx(want, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------- contamination
+def test_ngram_detector_finds_exactly_the_planted_items():
+    rng = np.random.default_rng(0)
+    items = [rng.integers(0, 50, rng.integers(6, 20)).tolist() for _ in range(30)]
+    planted = np.zeros(30, dtype=bool)
+    planted[[1, 4, 5, 11, 20, 29]] = True
+    docs = [rng.integers(50, 100, 40).tolist() for _ in range(200)]       # other tokens
+    dirty = docs + [docs[i][:7] + items[j] + docs[i][7:] for i, j in enumerate(np.flatnonzero(planted))]
+    for n in (13, 8, 5):
+        score = ev.ngram_overlap(dirty, items, n)
+        flagged = score > 0
+        assert (flagged == planted).all()            # precision 1 and recall 1
+        assert (score[planted] == 1).all()
+        assert not (ev.ngram_overlap(docs, items, n) > 0).any()    # clean corpus: nothing
+    assert ev.auroc(ev.ngram_overlap(dirty, items, 13), planted) == 1.0
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        run_cli(ev.main, argv)
+    err = capsys.readouterr().err.strip()
+    return info.value.code, err
+
+
+def test_bad_input_is_one_clear_error(capsys, tmp_path):
+    small = ["--checkpoint", "none", "--out", str(tmp_path), "--plots", str(tmp_path)]
+    cases = [(["ppl", "--checkpoint", str(tmp_path / "missing.pt")], "not found"),
+             (["calibration", "--bins", "0", *small], "--bins"),
+             (["uncertainty", "--samples", "1", *small], "--samples"),
+             (["contamination", "--planted", "5000", "--eval-problems", "40", *small], "--planted"),
+             (["task", "--choices", "1", *small], "--choices"),
+             (["ppl", *small], "--text")]
+    for argv, words in cases:
+        code, err = run(argv, capsys)
+        assert code == 2 and err.startswith("error: ") and words in err and "\n" not in err, (argv, err)
+
+
+@pytest.mark.slow
+def test_contamination_experiment_prints_planted_vs_clean(capsys, tmp_path):
+    argv = ["contamination", "--checkpoint", "none", "--task-preset", "tiny", "--sft-steps", "20",
+            "--eval-problems", "60", "--planted", "10", "--repeats", "3", "--ft-clean", "40",
+            "--bootstrap", "20", "--out", str(tmp_path), "--plots", str(tmp_path)]
+    result = ev.main(argv)
+    out = capsys.readouterr().out
+    assert "planted acc" in out and "contaminated" in out and "control (clean)" in out
+    assert 0 <= result["contaminated"]["planted"] <= 1
+    assert result["ngram contaminated data"]["precision"] == 1.0
+    assert result["ngram contaminated data"]["recall"] == 1.0
+    assert result["ngram clean data"]["flagged"] == 0
+    ET.parse(tmp_path / "contamination_mink.svg")
+
+
+# ---------------------------------------------------------------------------- plots
+def test_svg_plots_are_well_formed_with_one_element_per_point_or_bar(tmp_path):
+    series = {"a": [(0, 1.0), (0.5, 2.0), (1, 1.5)], "b & <c>": [(0, 0), (1, 1), (2, 3), (3, float("nan"))]}
+    path = svg_line_plot("lines", series, title="t<1>", xlabel="x", ylabel="y", directory=str(tmp_path))
+    root = ET.parse(path).getroot()
+    points = [e for e in root.iter() if e.get("class") == "point"]
+    assert path.endswith("lines.svg") and len(points) == 6      # the NaN point is skipped
+    bars = {"before": [0.1, 0.5, 0.0, 0.9], "after": [0.2, 0.4, 0.3, float("nan")]}
+    path = svg_bar_chart("bars", ["0.0", "0.25", "0.5", "0.75"], bars, ymax=1.0, diagonal=True,
+                         directory=str(tmp_path))
+    root = ET.parse(path).getroot()
+    assert len([e for e in root.iter() if e.get("class") == "bar"]) == 8
+    text = terminal_plot(series)
+    assert "a = a" in text and len(text.splitlines()) > 14
+    assert len(terminal_bars(["0.0", "0.25", "0.5", "0.75"], bars).splitlines()) == 8
