@@ -69,18 +69,17 @@ COMMON_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "min_tokens", "ignore_eos", "priority", "user"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs"}
-REFUSED = {
-    "tools": "tool calling is not supported", "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "parallel_tool_calls": "tool calling is not supported",
-    "response_format": "structured output (JSON mode, JSON schema) is not supported",
-    "suffix": "insertion (text after the completion) is not supported",
-    "audio": "audio is not supported", "modalities": "only text is supported",
-    "prediction": "predicted outputs are not supported",
-    "reasoning_effort": "this is not a reasoning model",
-    "service_tier": "there is one service tier", "store": "nothing is stored",
-    "metadata": "nothing is stored", "web_search_options": "there is no web search"}
+TOOLS = "tool and function calling are not supported"
+REFUSED = {**dict.fromkeys(("tools", "tool_choice", "parallel_tool_calls", "functions",
+                            "function_call"), TOOLS),
+           "response_format": "structured output (JSON mode, JSON schema) is not supported",
+           "suffix": "insertion (text after the completion) is not supported",
+           **dict.fromkeys(("audio", "modalities"), "only text is supported"),
+           "prediction": "predicted outputs are not supported",
+           "reasoning_effort": "this is not a reasoning model",
+           "service_tier": "there is one service tier",
+           **dict.fromkeys(("store", "metadata"), "nothing is stored"),
+           "web_search_options": "there is no web search"}
 
 
 class ApiError(Exception):
@@ -441,6 +440,41 @@ def parse_bias(body, vocab):
     return tuple(out)
 
 
+def parse_sampling(body, chat, srv, max_tokens, logprobs):
+    """-> the SamplingParams fields every choice of the request shares."""
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(
+            isinstance(s, str) and s for s in stop)):
+        raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings",
+                       "stop")
+    stop_ids = _get(body, "stop_token_ids", (list,), [], lambda v: len(v) <= 16 and all(
+        type(t) is int and 0 <= t < srv.vocab_size for t in v),
+        f"must be up to 16 token ids in [0, {srv.vocab_size})")
+    if body.get("priority") is not None and not srv.allow_priority:
+        raise ApiError(400, "'priority' is accepted only by a server started with "
+                            "--allow-client-priority", "priority")
+    return dict(
+        max_tokens=max_tokens, logprobs=logprobs, stop_token_ids=tuple(stop_ids),
+        stop=tuple(_utf8(s, "stop") for s in stop or ()) + ((CHAT_STOP,) if chat else ()),
+        temperature=float(_get(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2,
+                               "must be in [0, 2]")),
+        top_p=float(_get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1,
+                         "must be in (0, 1]")),
+        top_k=max(0, _get(body, "top_k", (int,), 0, lambda v: -1 <= v < 2 ** 31,
+                          "must be >= -1 (-1 and 0 mean off)")),
+        presence_penalty=float(_get(body, "presence_penalty", (int, float), 0.0,
+                                    lambda v: -2 <= v <= 2, "must be in [-2, 2]")),
+        frequency_penalty=float(_get(body, "frequency_penalty", (int, float), 0.0,
+                                     lambda v: -2 <= v <= 2, "must be in [-2, 2]")),
+        logit_bias=parse_bias(body, srv.vocab_size),
+        min_tokens=_get(body, "min_tokens", (int,), 0, lambda v: 0 <= v <= max_tokens,
+                        "must be in [0, max_tokens]"),
+        ignore_eos=_get(body, "ignore_eos", (bool,), False),
+        priority=_get(body, "priority", (int,), 0, lambda v: abs(v) < 2 ** 31,
+                      "must be a 32-bit integer"))
+
+
 def parse_request(body, chat, srv):
     """-> Plan. Raises ApiError (400 naming the field) for anything refused or invalid."""
     check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
@@ -453,25 +487,14 @@ def parse_request(body, chat, srv):
     if _get(body, "best_of", (int,), 1) not in (1, n):
         raise ApiError(400, "'best_of' > n (ranking candidates on the server) is not "
                             "supported", "best_of")
-    if len(prompts) * n > min(MAX_CHOICES, srv.loop.max_in_flight):
-        raise ApiError(400, f"{len(prompts)} prompts x n={n} is over this server's "
-                            f"{min(MAX_CHOICES, srv.loop.max_in_flight)} choices per request", "n")
+    cap = min(MAX_CHOICES, srv.loop.max_in_flight)
+    if len(prompts) * n > cap:
+        raise ApiError(400, f"{len(prompts)} prompts x n={n} is over this server's {cap} "
+                            f"choices per request", "n")
     echo = _get(body, "echo", (bool,), False)
     logprobs = parse_logprobs(body, chat)
     max_tokens = parse_max_tokens(body, chat, prompts, srv, echo and logprobs is not None)
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop
-    if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(
-            isinstance(s, str) and s for s in stop)):
-        raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings",
-                       "stop")
-    stop = tuple(_utf8(s, "stop") for s in stop or ()) + ((CHAT_STOP,) if chat else ())
-    stop_ids = _get(body, "stop_token_ids", (list,), [], lambda v: len(v) <= 16 and all(
-        type(t) is int and 0 <= t < srv.vocab_size for t in v),
-        f"must be up to 16 token ids in [0, {srv.vocab_size})")
-    if body.get("priority") is not None and not srv.allow_priority:
-        raise ApiError(400, "'priority' is accepted only by a server started with "
-                            "--allow-client-priority", "priority")
+    kw = parse_sampling(body, chat, srv, max_tokens, logprobs)
     _get(body, "user", (str,), "")                       # an end-user id: type-checked only
     stream = _get(body, "stream", (bool,), False)
     options = _get(body, "stream_options", (dict,), None)
@@ -480,24 +503,6 @@ def parse_request(body, chat, srv):
         raise ApiError(400, "'stream_options' is {'include_usage': bool}, with stream: true",
                        "stream_options")
     seed = _get(body, "seed", (int,), None, lambda v: 0 <= v < 2 ** 63, "must be in [0, 2^63)")
-    kw = dict(
-        max_tokens=max_tokens, stop=stop, stop_token_ids=tuple(stop_ids),
-        temperature=float(_get(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2,
-                               "must be in [0, 2]")),
-        top_p=float(_get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1,
-                         "must be in (0, 1]")),
-        top_k=max(0, _get(body, "top_k", (int,), 0, lambda v: -1 <= v < 2 ** 31,
-                          "must be >= -1 (-1 and 0 mean off)")),
-        presence_penalty=float(_get(body, "presence_penalty", (int, float), 0.0,
-                                    lambda v: -2 <= v <= 2, "must be in [-2, 2]")),
-        frequency_penalty=float(_get(body, "frequency_penalty", (int, float), 0.0,
-                                     lambda v: -2 <= v <= 2, "must be in [-2, 2]")),
-        logit_bias=parse_bias(body, srv.vocab_size), logprobs=logprobs,
-        min_tokens=_get(body, "min_tokens", (int,), 0, lambda v: 0 <= v <= max_tokens,
-                        "must be in [0, max_tokens]"),
-        ignore_eos=_get(body, "ignore_eos", (bool,), False),
-        priority=_get(body, "priority", (int,), 0, lambda v: abs(v) < 2 ** 31,
-                      "must be a 32-bit integer"))
     choices, group = [], []
     for i, ids in enumerate(prompts):
         parent = len(choices)
@@ -512,7 +517,7 @@ def parse_request(body, chat, srv):
             choices.append((ids, params, None if j == 0 else parent))
             group.append(i)
     include_usage = bool((options or {}).get("include_usage"))
-    return Plan(chat, prompts, choices, group, stream, include_usage, echo, logprobs, stop)
+    return Plan(chat, prompts, choices, group, stream, include_usage, echo, logprobs, kw["stop"])
 
 
 # ----------------------------------------------------------------------------------------
@@ -704,6 +709,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if len(self.requestline.split()) != 3:
             raise ApiError(400, "HTTP/0.9 requests are not supported")
         if self.command == "GET":
+            self.server.track(self.connection, reading=False)
             return self.get(path)
         if self.command != "POST":
             raise ApiError(405, f"method {_short(self.command)[1:-1]} not allowed: use GET "
@@ -1047,7 +1053,7 @@ def run_server(args, model, enc):
         srv.server_close()
         srv.loop.stop()
         st = engine.stats
-        print(f"\nledger: {st['finished']} requests, {st['output_tokens']} tokens in "
+        print(f"\nledger: {st['finished']} sequences, {st['output_tokens']} tokens in "
               f"{st['steps']} steps, {st['aborted']} aborted, {st['failed']} failed, "
               f"{st['preemptions']} preemptions, prefix-cache hits {st['cached_tokens']}/"
               f"{st['prompt_tokens']} prompt tokens, peak {st['peak_blocks']}/"
