@@ -7,7 +7,7 @@ Run:  python lora.py --method lora --rank 8     # fine-tune out/ckpt.pt, evaluat
       python lora.py --method vera --save out/lora/vera.pt     # write the adapter file
       python lora.py --load out/lora/vera.pt --steps 100        # continue training it
       python lora.py eval --load out/lora/vera.pt --export out/lora/merged.pt  # merge it
-      python serve.py --ckpt out/lora/merged.pt ...             # a plain GPT: serve it
+      python serve.py --checkpoint out/lora/merged.pt           # a plain GPT: serve it
       python lora.py --estimate 65B             # QLoRA's "65B on one 48 GB GPU", by arithmetic
       torchrun --standalone --nproc_per_node=2 lora.py --method qlora    # data parallel
 
@@ -439,8 +439,12 @@ def save_adapter(model, spec, path, training=None):
                    hparams=spec["hparams"], targets=spec["targets"],
                    base=dict(sha256=spec["base_sha256"], config=asdict(model.config)),
                    tensors=adapter_state(model), training=training or {})
+    atomic_save(payload, path)
+
+
+def atomic_save(obj, path):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    torch.save(payload, path + ".tmp")
+    torch.save(obj, path + ".tmp")
     os.replace(path + ".tmp", path)            # a crash mid-save never leaves half a file
 
 
@@ -525,9 +529,7 @@ def export_checkpoint(plain, enc, path, spec):
                 model={k: v.detach().cpu() for k, v in plain.state_dict().items()},
                 merged_from=dict(method=spec["method"], base_sha256=spec["base_sha256"],
                                  targets=spec["targets"]))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    torch.save(ckpt, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    atomic_save(ckpt, path)
 
 
 def make_optimizer(model, method, lr, loraplus_ratio=16.0, weight_decay=0.0):
@@ -807,7 +809,7 @@ def write_outputs(model, spec, enc, args, rt):
         plain = model if spec["method"] == "full" else merge_and_unload(model)
         export_checkpoint(plain, enc, args.export, spec)
         print0(f"merged model (a plain GPT, train.py's checkpoint format) written to "
-               f"{args.export}: python serve.py --ckpt {args.export}")
+               f"{args.export}: python serve.py --checkpoint {args.export}")
 
 
 def evaluate_loaded(args, rt, base, enc, loaded):
