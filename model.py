@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plumbing import UserError
+from plumbing import UserError, fmt_bytes, run_cli
 
 
 # ----------------------------------------------------------------------------------------
@@ -671,9 +671,8 @@ def main(argv=None):
         raise UserError(f"{args.checkpoint} carries no tokenizer to export")
     sizes = llama_format.export_model(model, ckpt["tokenizer"], args.to, args.dtype)
     for name, n in sizes.items():
-        print(f"{os.path.join(args.to, name)}: {n / 1e6:.2f} MB")
+        print(f"{os.path.join(args.to, name)}: {fmt_bytes(n)}")
 
 
 if __name__ == "__main__":
-    from plumbing import run_cli
     run_cli(main)
