@@ -52,8 +52,8 @@ import torch.nn.functional as F
 
 import data
 from model import GPT, GPTConfig, MoE, RMSNorm, get_config, load_model
-from plumbing import (UserError, fmt_bytes, print0, require_at_least_one,
-                      run_cli, seed_everything)
+from plumbing import (UserError, fmt_bytes, print0, require_at_least_one, run_cli,
+                      seed_everything, tensor_bytes)
 
 SUPPORTED_BITS = (3, 4, 8)
 FORMAT_VERSION = 1
@@ -255,29 +255,24 @@ def replace_module(model, name, new):
     setattr(model.get_submodule(parent), attr, new)
 
 
-def quantize_model(model, bits, group_size, weights=None):
-    """RTN on every target linear (weights: name -> fp32 weight to use instead)."""
+def quantize_model(model, bits, group_size):
+    """RTN on every target linear, in place; -> model."""
     for name, lin in target_linears(model):
         g = check_format(bits, group_size, lin.in_features)
-        w = lin.weight.detach() if weights is None else weights[name]
+        w = lin.weight.detach()
         replace_module(model, name, QuantLinear(rtn(w, bits, g), w.shape, bits, g))
     return model
 
 
 def model_bytes(model):
     """-> (stored bytes of the quantized linears, their weights' count, all bytes). Counted
-    from the tensors the model holds (state_dict: parameters and stored buffers)."""
+    from the tensors the model holds: parameters and stored buffers (the state_dict)."""
     q_bytes = q_params = 0
     for m in model.modules():
         if isinstance(m, QuantLinear):
             q_bytes += stored_nbytes(m.stored())
             q_params += m.shape[0] * m.shape[1]
-    seen, total = set(), 0
-    for t in model.state_dict().values():
-        if t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.numel() * t.element_size()
-    return q_bytes, q_params, total
+    return q_bytes, q_params, tensor_bytes(model.state_dict(keep_vars=True).values())
 
 
 # ----------------------------------------------------------------------------------------
@@ -608,8 +603,10 @@ def finetune(model, corpus, steps, lr, batch_size, seq_len, seed):
     model.train()
     loss = torch.tensor(float("nan"))
     for step in range(steps):
+        # ten warm-up steps, then cosine down to lr/10
+        cosine = 0.55 + 0.45 * math.cos(math.pi * step / max(steps - 1, 1))
         for group in opt.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / 10)          # ten warm-up steps
+            group["lr"] = lr * min((step + 1) / 10, cosine)
         x, y = data.get_batch(corpus.train, batch_size, seq_len, seed, step)
         loss = model(x, y)[1]
         opt.zero_grad(set_to_none=True)
@@ -1110,12 +1107,12 @@ def build_parser():
                         "fresh tiny model trained here when that file does not exist")),
         ("--data", dict(default=None, help="UTF-8 text the checkpoint was trained on (None = "
                         "what the checkpoint records, else the built-in corpus)")),
-        ("--base-steps", dict(type=int, default=300, help="training steps of a fresh model")),
+        ("--base-steps", dict(type=int, default=600, help="training steps of a fresh model")),
         ("--calib-batches", dict(type=int, default=4, help="calibration batches (train split)")),
         ("--eval-batches", dict(type=int, default=8, help="validation batches")),
         ("--batch-size", dict(type=int, default=8, help="rows per batch")),
         ("--seq-len", dict(type=int, default=128, help="tokens per row")),
-        ("--prompts", dict(type=int, default=8, help="held-out prompts, greedy agreement")),
+        ("--prompts", dict(type=int, default=16, help="held-out prompts, greedy agreement")),
         ("--prompt-len", dict(type=int, default=16, help="tokens per prompt")),
         ("--new-tokens", dict(type=int, default=32, help="greedy tokens per prompt")),
         ("--repeats", dict(type=int, default=3, help="decode timing: best of this many")),

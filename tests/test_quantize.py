@@ -349,3 +349,20 @@ def test_bad_input_is_one_clear_error(fp32_ckpt, text_file, capsys, argv, messag
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
+
+
+@pytest.mark.slow
+def test_quantized_target_in_spec_decode(tmp_path, text_file):
+    """spec_decode.py takes the quantized checkpoint as its target: its plain decoding is
+    the quantized model's greedy output, and speculative decoding still reproduces it."""
+    import spec_decode
+    corpus = data.load_corpus(text_file, 512)
+    base = GPT(get_config("tiny", block_size=128), seed=4)      # drafter training needs 96+
+    qmodel = Q.quantize_model(copy.deepcopy(base), 4, 32)
+    path = str(tmp_path / "q.pt")
+    Q.save_checkpoint(path, qmodel, corpus.enc, dict(method="rtn", bits=4), text_file)
+    rows = spec_decode.main(["generate", "--ckpt", path, "--method", "medusa", "--prompt",
+                             "def f", "--train-steps", "2", "--out-dir", str(tmp_path),
+                             "--max-new-tokens", "8", "--repeats", "1"])
+    want = qmodel.generate(corpus.enc.encode_ordinary("def f"), 8, temperature=0)
+    assert rows[0]["outs"] == [want] and rows[1]["same"] == "yes"
