@@ -31,6 +31,7 @@ costs:
     `priority` from a client only with --allow-client-priority (under the SLO policy a
     negative priority would jump the queue).
 """
+import errno
 import http.server
 import itertools
 import json
@@ -989,7 +990,7 @@ def make_server(engine, enc, host="127.0.0.1", port=8000, model_name="nanoscale"
         srv.server_bind()
         srv.server_activate()
     except OSError as e:
-        if e.errno == 98:       # EADDRINUSE
+        if e.errno == errno.EADDRINUSE:
             raise UserError(f"port {port} on {host} is already in use: stop the other "
                             f"server or pick another --port") from None
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
