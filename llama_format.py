@@ -356,7 +356,9 @@ def bpe_merges(ranks):
 def tokenizer_json(state):
     """data.encoding_to_state's dict -> the tokenizer.json object (HF tokenizers)."""
     b2u = bytes_to_unicode()
-    spell = lambda b: "".join(b2u[x] for x in b)        # noqa: E731
+
+    def spell(token_bytes):
+        return "".join(b2u[x] for x in token_bytes)
     ranks, specials = state["mergeable_ranks"], state["special_tokens"]
     return {
         "version": "1.0",

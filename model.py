@@ -534,9 +534,10 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 CONVERT_HINT = "python model.py convert {path} NEW.pt"
 
 
-def load_checkpoint(path, map_location="cpu", what="checkpoint"):
+def load_checkpoint(path, map_location="cpu", what="checkpoint", fix=None):
     """torch.load(path, weights_only=True), every failure one UserError naming the file.
-    Shared by every script that opens a .pt file a user named (or a cache it wrote)."""
+    Shared by every script that opens a .pt file a user named (or a cache it wrote).
+    fix: what to tell the user when the file holds objects (default: the convert command)."""
     if not os.path.exists(path):
         raise UserError(f"{what} {path!r} not found")
     if os.path.isdir(path):
@@ -550,8 +551,9 @@ def load_checkpoint(path, map_location="cpu", what="checkpoint"):
         if refused:
             raise UserError(
                 f"{path} asks to run {refused[1]} when opened, which safe loading refuses "
-                f"(weights_only=True). If it is an older checkpoint of this repo and you trust "
-                f"its source, convert it once: {CONVERT_HINT.format(path=path)}") from None
+                f"(weights_only=True). " + (fix or "If it is an older checkpoint of this repo "
+                f"and you trust its source, convert it once: {CONVERT_HINT.format(path=path)}")
+            ) from None
         raise UserError(f"{path} is not a PyTorch checkpoint of plain data (safe loading, "
                         "weights_only=True, cannot read it)") from None
     except KeyError:           # torch.load's "invalid load key": not a pickle at all

@@ -538,7 +538,8 @@ def build_drafters(methods, target, args, target_ckpt):
             FeatureDrafter(target, m, args.drafter_layers)).to(dev).eval()
         path = os.path.join(args.out_dir, f"spec_{m}.pt")
         # data only (weights_only=True): a planted or corrupt file is one clear error
-        saved = load_checkpoint(path, dev, what="drafter cache") if os.path.exists(path) else {}
+        saved = load_checkpoint(path, dev, what="drafter cache", fix="Delete it to retrain "
+                                "the drafter.") if os.path.exists(path) else {}
         if not isinstance(saved, dict):
             raise UserError(f"{path} is not a drafter cache (delete it to retrain)")
         if saved.get("key") == key:             # trained for this target and these settings
