@@ -220,7 +220,12 @@ class EngineLoop:
                     self._push(seq.id, Update(error=ApiError(500, f"engine error: {e}")))
                 continue
             for seq in updated:
-                self._deliver(seq)
+                try:
+                    self._deliver(seq)
+                except Exception as e:    # a bug in one answer: that request fails alone
+                    traceback.print_exc()
+                    eng.abort(seq.id)
+                    self._push(seq.id, Update(error=ApiError(500, f"internal error: {e}")))
 
     def _add(self, items):
         seqs = []

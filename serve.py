@@ -422,7 +422,11 @@ class Engine:
             seq.tokens.append(tok)
             seq.token_times.append(now)
             self.stats["output_tokens"] += 1
-            reason = self._stop_reason(seq, tok)
+            try:
+                reason = self._stop_reason(seq, tok)
+            except Exception as e:         # (decoding its text for stop strings)
+                self._fail(seq, e)
+                continue
             if reason:
                 self._finish(seq, reason)
         self._account(batch, now - t0)
