@@ -1,0 +1,1014 @@
+"""
+curate.py -- the corpus before the tokenizer: where the documents come from, which ones
+are copies, which ones are junk, and in what proportions the model sees each domain.
+
+    python curate.py stats                 # documents, bytes, tokens per domain; dups; rules
+    python curate.py dedup                 # exact + MinHash/LSH near-dup clusters, S-curve
+    python curate.py filter                # each quality rule: what it removes, examples
+    python curate.py mix --weights lib=0.5,tests=0.2,prose=0.2,arith=0.1
+    python train.py --data out/curate/mix.txt --preset tiny   # train on that mixture
+    python curate.py sweep                 # mixtures and dedup vs raw: val loss per domain
+
+What it teaches, and what each step saves / adds / sacrifices
+- Domains. The raw material is the standard library cut into domains that really differ:
+  top-level modules (lib), packages (pkgs), the test suite (tests: large, repetitive), the
+  docstrings and comments as prose, C headers, and data.py's synthetic arithmetic. A model
+  is only as good on a domain as the share of its training tokens that domain gets.
+- Exact dedup: a hash of the normalized text (case, whitespace) finds copies in O(n); the
+  repeated-paragraph pass removes spans that recur across documents (C4, Raffel et al.
+  2020, did this for three-sentence spans). Saves tokens spent re-reading the same bytes.
+- Near-dup dedup: MinHash (Broder 1997): for a random permutation of all shingles,
+  P[min h(A) = min h(B)] = |A∩B|/|A∪B| (the Jaccard similarity), so k permutations estimate
+  it with std sqrt(J(1-J)/k). LSH banding: b bands of r rows; a pair becomes a candidate
+  when any band matches entirely, with probability 1 - (1 - s^r)^b (the S-curve): sub-
+  quadratic search for similar pairs at the price of a few misses near the threshold and
+  a few false candidates below it. FineWeb's setting: 5-word shingles, 112 hashes in
+  14 bands of 8 (threshold ~ (1/14)^(1/8) = 0.72). Costs: k hashes per shingle.
+- Quality rules (Gopher, Rae et al. 2021; C4; Codex, Chen et al. 2021): cheap document-
+  level heuristics. Written for web prose, they remove real code (measured in `filter`):
+  a rule is a bet on what "junk" looks like in one domain.
+- Mixture: exact token shares per domain by taking each domain's documents in seeded
+  epochs until its quota is filled; a small domain with a large weight is *repeated*
+  (epochs > 1, Muennighoff et al. 2023: up to ~4 epochs is nearly as good as new data).
+  What one domain gains, another loses: `sweep` measures it per domain.
+"""
+import argparse
+import ast
+import glob
+import hashlib
+import io
+import json
+import math
+import os
+import re
+import sysconfig
+import time
+import tokenize
+import unicodedata
+import zlib
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import data
+from model import GPT, get_config
+from plumbing import UserError, fmt_bytes, fmt_count, run_cli, seed_everything
+
+OUT_DIR = os.path.join("out", "curate")
+BUILTIN_DOMAINS = ("lib", "pkgs", "tests", "prose", "headers", "arith")
+PRIME = 4294967291            # largest prime < 2^32: (a·x + b) mod p fits in uint64
+MIX64 = np.uint64(0x9E3779B97F4A7C15)  # odd constant (2^64/φ) to roll word hashes together
+
+
+@dataclass(frozen=True)
+class Document:
+    domain: str
+    path: str                 # where it came from (relative to its root), or a synthetic name
+    text: str                 # decoded with errors="replace": a bad byte becomes U+FFFD
+
+
+# ---------------------------------------------------------------------------------------
+# Domains. Everything is read from the interpreter's own installation: no download.
+# ---------------------------------------------------------------------------------------
+def _read(path: str) -> str:
+    with open(path, "rb") as f:  # keep undecodable files: the bad-bytes rule must see them
+        return f.read().decode("utf-8", errors="replace")
+
+
+def _stdlib_sources() -> dict[str, list[str]]:
+    """lib: top-level *.py; tests: Lib/test plus the packages' own test folders; pkgs: the
+    rest of every package. site-packages is not the standard library."""
+    root = sysconfig.get_paths()["stdlib"]
+    out = {"lib": sorted(glob.glob(os.path.join(root, "*.py"))), "pkgs": [], "tests": []}
+    for f in sorted(glob.glob(os.path.join(root, "*", "**", "*.py"), recursive=True)):
+        rel = os.path.relpath(f, root)
+        if rel.startswith("site-packages"):
+            continue
+        parts = rel.split(os.sep)
+        is_test = parts[0] == "test" or any(p in ("test", "tests", "idle_test") for p in parts[1:-1])
+        out["tests" if is_test else "pkgs"].append(f)
+    return out
+
+
+def extract_prose(source: str) -> str:
+    """Docstrings (ast) and comments (tokenize) of one source file, one paragraph each:
+    the natural-language part of code."""
+    paragraphs = []
+    try:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc:
+                    paragraphs.append(doc)
+        comment, last_row = [], -2
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type != tokenize.COMMENT:
+                continue
+            if tok.start[0] != last_row + 1 and comment:  # a gap ends the comment block
+                paragraphs.append(" ".join(comment))
+                comment = []
+            comment.append(tok.string.lstrip("#").strip())
+            last_row = tok.start[0]
+        if comment:
+            paragraphs.append(" ".join(comment))
+    except (SyntaxError, tokenize.TokenError, ValueError):
+        return ""  # a few test files are deliberately broken Python
+    return "\n\n".join(p for p in paragraphs if p.strip())
+
+
+def arithmetic_documents(n_docs: int, lines: int, seed: int) -> list[Document]:
+    """data.py's synthetic task as a domain: documents of `lines` solved problems."""
+    problems = data.make_problems(n_docs * lines, seed) if n_docs else []
+    return [Document("arith", f"arith/{i:05d}", "".join(data.format_example(p) for p in
+                                                         problems[i * lines:(i + 1) * lines]))
+            for i in range(n_docs)]
+
+
+def folder_documents(folder: str) -> list[Document]:
+    """--data DIR: every regular file under the folder is one document of domain <DIR name>."""
+    if not os.path.isdir(folder):
+        raise UserError(f"--data {folder}: not a folder")
+    name = os.path.basename(os.path.normpath(folder))
+    files = sorted(f for f in glob.glob(os.path.join(folder, "**", "*"), recursive=True) if os.path.isfile(f))
+    docs = [Document(name, os.path.relpath(f, folder), _read(f)) for f in files]
+    if not any(d.text.strip() for d in docs):
+        raise UserError(f"domain {name!r} from --data {folder} is empty (no text in its files)")
+    return docs
+
+
+def stable_unit(*parts) -> float:
+    """A number in [0, 1) from a SHA-256 of the parts: the same on every machine and run
+    (Python's hash() of a str is salted per process)."""
+    h = hashlib.sha256("\0".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2 ** 64
+
+
+def subset(docs: list[Document], max_bytes: int, seed: int) -> list[Document]:
+    """A seeded subset of at most max_bytes (documents in stable-hash order; 0 = all)."""
+    if max_bytes <= 0:
+        return docs
+    kept, n = [], 0
+    for d in sorted(docs, key=lambda d: stable_unit(seed, d.domain, d.path)):
+        if n + len(d.text.encode()) <= max_bytes or not kept:
+            kept.append(d)
+            n += len(d.text.encode())
+    return sorted(kept, key=lambda d: d.path)
+
+
+def load_domains(data_dir=None, arith_docs=300, arith_lines=64, max_bytes=0, seed=0) -> dict[str, list[Document]]:
+    """All domains; max_bytes > 0 keeps a seeded subset of each (the prose is extracted
+    from the kept sources). Blank files (empty __init__.py) carry no tokens: dropped."""
+    extra = folder_documents(data_dir) if data_dir else []  # its errors first: no waiting
+    if extra and extra[0].domain in BUILTIN_DOMAINS:
+        raise UserError(f"--data folder name {extra[0].domain!r} collides with a built-in domain")
+    root = sysconfig.get_paths()["stdlib"]
+    domains = {name: subset([Document(name, os.path.relpath(f, root), _read(f)) for f in files], max_bytes, seed)
+               for name, files in _stdlib_sources().items()}
+    domains["prose"] = subset([Document("prose", d.path, p) for d in domains["lib"] + domains["pkgs"]
+                               if (p := extract_prose(d.text))], max_bytes, seed)
+    include = sysconfig.get_paths()["include"]
+    headers = sorted(glob.glob(os.path.join(include, "**", "*.h"), recursive=True))
+    if headers:  # present when the Python development headers are installed
+        domains["headers"] = subset([Document("headers", os.path.relpath(f, include), _read(f))
+                                     for f in headers], max_bytes, seed)
+    domains["arith"] = arithmetic_documents(arith_docs, arith_lines, seed)
+    if extra:
+        domains[extra[0].domain] = subset(extra, max_bytes, seed)
+    return {name: [d for d in docs if d.text.strip()] for name, docs in domains.items()
+            if any(d.text.strip() for d in docs)}
+
+
+def flatten(domains: dict[str, list[Document]]) -> list[Document]:
+    return [d for docs in domains.values() for d in docs]
+
+
+# ---------------------------------------------------------------------------------------
+# Exact deduplication
+# ---------------------------------------------------------------------------------------
+def normalize(text: str) -> str:
+    """Copies rarely match byte for byte (CRLF, trailing spaces, case): compare NFKC,
+    lower-cased text with every whitespace run collapsed to one space."""
+    return " ".join(unicodedata.normalize("NFKC", text).lower().split())
+
+
+def content_key(text: str) -> bytes:
+    return hashlib.sha256(normalize(text).encode()).digest()
+
+
+def canonical(doc: Document) -> tuple:
+    """Which copy survives: the smallest (domain, path, text). Not the first one seen, so
+    the result does not depend on the order documents arrive in."""
+    return doc.domain, doc.path, doc.text
+
+
+def exact_clusters(docs: list[Document]) -> list[list[int]]:
+    """Groups (size >= 2) of documents with the same normalized content."""
+    groups = defaultdict(list)
+    for i, d in enumerate(docs):
+        groups[content_key(d.text)].append(i)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def drop_all_but_one(docs: list[Document], clusters: list[list[int]]) -> tuple[list[Document], list[Document]]:
+    """(kept, removed): each cluster keeps its canonical member; input order is kept."""
+    removed = set()
+    for g in clusters:
+        keep = min(g, key=lambda i: canonical(docs[i]))
+        removed.update(i for i in g if i != keep)
+    return ([d for i, d in enumerate(docs) if i not in removed],
+            [d for i, d in enumerate(docs) if i in removed])
+
+
+def dedup_spans(docs: list[Document], unit: str = "paragraph", min_chars: int = 200) -> tuple[list[Document], int, int]:
+    """Remove every repeat of a line or paragraph (>= min_chars normalized characters)
+    after its first occurrence, documents visited in canonical order. Short spans are
+    kept: `return None` or `}` repeats everywhere and means nothing. Returns
+    (documents, spans removed, bytes removed); documents left empty are dropped."""
+    if unit not in ("paragraph", "line"):
+        raise UserError(f"span unit must be paragraph or line, got {unit!r}")
+    split = re.compile(r"(\n[ \t]*\n)") if unit == "paragraph" else re.compile(r"(\n)")
+    seen, n_spans, n_bytes, out = set(), 0, 0, {}
+    for i in sorted(range(len(docs)), key=lambda i: canonical(docs[i])):
+        pieces = split.split(docs[i].text)  # text, separator, text, separator, ...
+        kept = []
+        for j in range(0, len(pieces), 2):
+            span, sep = pieces[j], pieces[j + 1] if j + 1 < len(pieces) else ""
+            norm = normalize(span)
+            if len(norm) >= min_chars:
+                key = hashlib.sha256(norm.encode()).digest()
+                if key in seen:
+                    n_spans += 1
+                    n_bytes += len((span + sep).encode())
+                    continue
+                seen.add(key)
+            kept.append(span + sep)
+        out[i] = Document(docs[i].domain, docs[i].path, "".join(kept))
+    result = [out[i] for i in range(len(docs)) if out[i].text.strip()]
+    return result, n_spans, n_bytes
+
+
+# ---------------------------------------------------------------------------------------
+# MinHash + LSH (Broder 1997; Indyk & Motwani 1998 for the banding)
+# ---------------------------------------------------------------------------------------
+def word_ids(text: str) -> np.ndarray:
+    """64-bit ids of the lower-cased words (\\w+; punctuation dropped, as FineWeb's
+    normalization does), from BLAKE2b: deterministic across processes and machines."""
+    cache = {}
+    for w in re.findall(r"\w+", text.lower()):
+        if w not in cache:
+            cache[w] = int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little")
+    return np.fromiter((cache[w] for w in re.findall(r"\w+", text.lower())), dtype=np.uint64)
+
+
+def shingle_set(ids: np.ndarray, k: int) -> np.ndarray:
+    """Sorted unique 64-bit hashes of the k-word shingles (a text shorter than k words is
+    one shingle). Rolling h = h·C + w (mod 2^64) then a xor-shift so the low bits mix."""
+    if k < 1:
+        raise UserError(f"shingle size must be >= 1, got {k}")
+    if len(ids) == 0:
+        return np.zeros(0, dtype=np.uint64)
+    k = min(k, len(ids))
+    h = np.zeros(len(ids) - k + 1, dtype=np.uint64)
+    for j in range(k):
+        h = h * MIX64 + ids[j: len(ids) - k + 1 + j]
+    return np.unique(h ^ (h >> np.uint64(29)))
+
+
+def exact_jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    union = len(np.union1d(a, b))
+    return len(np.intersect1d(a, b, assume_unique=True)) / union if union else 1.0
+
+
+def check_lsh(permutations: int, bands: int, rows: int) -> None:
+    if permutations < 1 or bands < 1 or rows < 1 or bands * rows != permutations:
+        raise UserError(f"LSH needs bands × rows = permutations (each hash in exactly one band), "
+                        f"all >= 1; got {bands} × {rows} vs {permutations}")
+
+
+class MinHasher:
+    """k hash functions h_i(x) = (a_i·x + b_i) mod p, a random permutation each of Z_p
+    (p prime, a_i != 0): the signature is the k minima over a document's shingles."""
+
+    def __init__(self, permutations: int, seed: int = 0):
+        rng = np.random.default_rng([seed, 1997])
+        self.a = rng.integers(1, PRIME, size=(permutations, 1), dtype=np.uint64)
+        self.b = rng.integers(0, PRIME, size=(permutations, 1), dtype=np.uint64)
+
+    def signature(self, shingles: np.ndarray) -> np.ndarray:
+        sig = np.full(len(self.a), PRIME, dtype=np.uint64)  # PRIME = "no shingle" (empty doc)
+        x = shingles % np.uint64(PRIME)
+        for start in range(0, len(x), 4096):  # (k × 4096) at a time: bounded memory
+            chunk = (self.a * x[None, start:start + 4096] + self.b) % np.uint64(PRIME)
+            sig = np.minimum(sig, chunk.min(axis=1))
+        return sig
+
+
+def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> float:
+    return float(np.mean(sig_a == sig_b))
+
+
+def s_curve(s: float, bands: int, rows: int) -> float:
+    """P[a pair of Jaccard s shares at least one whole band] = 1 - (1 - s^r)^b."""
+    return 1.0 - (1.0 - s ** rows) ** bands
+
+
+def lsh_buckets(sigs: np.ndarray, bands: int, rows: int) -> list[list[int]]:
+    """Documents whose signatures agree on all r rows of some band share a bucket; only
+    buckets of >= 2 documents are returned. Empty documents never match anything."""
+    buckets = []
+    valid = [i for i in range(len(sigs)) if sigs[i, 0] != PRIME]
+    for band in range(bands):
+        table = defaultdict(list)
+        for i in valid:
+            table[sigs[i, band * rows:(band + 1) * rows].tobytes()].append(i)
+        buckets.extend(g for g in table.values() if len(g) > 1)
+    return buckets
+
+
+def candidate_pairs(buckets: list[list[int]]) -> set[tuple[int, int]]:
+    return {(a, b) for g in buckets for i, a in enumerate(g) for b in g[i + 1:]}
+
+
+def union_find(n: int, groups: list[list[int]]) -> list[list[int]]:
+    """Connected components (size >= 2) of the graph where each group is a clique."""
+    parent = list(range(n))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]  # path halving
+            i = parent[i]
+        return i
+    for g in groups:
+        root = find(g[0])
+        for j in g[1:]:
+            parent[find(j)] = root
+    comps = defaultdict(list)
+    for i in range(n):
+        comps[find(i)].append(i)
+    return [c for c in comps.values() if len(c) > 1]
+
+
+def signatures(docs: list[Document], shingle: int, permutations: int, seed: int):
+    """(shingle sets, signature matrix) of every document."""
+    hasher = MinHasher(permutations, seed)
+    sets = [shingle_set(word_ids(d.text), shingle) for d in docs]
+    return sets, np.stack([hasher.signature(s) for s in sets]) if sets else np.zeros((0, permutations), np.uint64)
+
+
+def duplicate_clusters(docs: list[Document], args) -> tuple[list[list[int]], list[list[int]], dict]:
+    """(exact clusters, near-dup clusters incl. the exact ones, details for printing).
+    Like FineWeb, an LSH bucket is taken as a duplicate group without a check of the
+    exact similarity (cheap; a chain of similar pairs can merge two distant documents)."""
+    check_lsh(args.permutations, args.bands, args.rows)
+    exact = exact_clusters(docs)
+    sets, sigs = signatures(docs, args.shingle, args.permutations, args.seed)
+    buckets = lsh_buckets(sigs, args.bands, args.rows)
+    near = union_find(len(docs), exact + buckets)
+    return exact, near, {"sets": sets, "sigs": sigs, "pairs": candidate_pairs(buckets)}
+
+
+def planted_detection(docs: list[Document], args, n_pairs: int = 1000) -> list[tuple[float, float, bool]]:
+    """Measure the S-curve on real text: take a document, replace a random fraction of
+    its words with new ones, and ask LSH whether the pair collides. Returns
+    (exact Jaccard, estimated Jaccard, candidate?) per pair."""
+    rng = np.random.default_rng([args.seed, 42])
+    hasher = MinHasher(args.permutations, args.seed)
+    pool = [ids for d in docs if len(ids := word_ids(d.text)) >= 200]
+    out = []
+    for _ in range(n_pairs if pool else 0):
+        ids = pool[rng.integers(len(pool))]
+        # aim at a Jaccard J uniform in [0, 1]: keeping each word with prob. 1 - p keeps a
+        # k-shingle with q = (1 - p)^k, and J = q / (2 - q), so q = 2J / (1 + J)
+        target = rng.uniform(0, 1)
+        p = 1 - (2 * target / (1 + target)) ** (1 / args.shingle)
+        mutated = ids.copy()
+        where = rng.random(len(ids)) < p
+        mutated[where] = rng.integers(0, 2 ** 63, size=int(where.sum()), dtype=np.uint64)
+        a, b = shingle_set(ids, args.shingle), shingle_set(mutated, args.shingle)
+        sa, sb = hasher.signature(a), hasher.signature(b)
+        hit = any(np.array_equal(sa[i:i + args.rows], sb[i:i + args.rows])
+                  for i in range(0, args.permutations, args.rows))
+        out.append((exact_jaccard(a, b), estimated_jaccard(sa, sb), hit))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Quality rules. Each takes the document's features and its threshold; True = remove.
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rule:
+    name: str                 # = its threshold flag: min_* removes below, max_* above
+    feature: str              # the key of doc_features() it reads
+    default: float
+    source: str
+
+
+RULES = (
+    Rule("min_words", "words", 50, "Gopher: fewer than 50 words"),
+    Rule("max_words", "words", 100_000, "Gopher: more than 100,000 words"),
+    Rule("min_word_len", "mean_word_len", 3, "Gopher: mean word length below 3"),
+    Rule("max_word_len", "mean_word_len", 10, "Gopher: mean word length above 10"),
+    Rule("max_symbol_ratio", "symbol_ratio", 0.1, "Gopher: ('#' + '...') per word above 0.1"),
+    Rule("min_alpha_words", "alpha_words", 0.8, "Gopher: under 80% of words contain a letter"),
+    Rule("max_dup_lines", "dup_lines", 0.3, "Gopher: over 30% of non-blank lines repeat one"),
+    Rule("max_mean_line", "mean_line", 100, "Codex: mean line longer than 100 characters"),
+    Rule("max_line", "max_line", 1000, "Codex: a line longer than 1000 characters"),
+    Rule("min_alnum", "alnum", 0.25, "StarCoder: under 25% alphanumeric characters"),
+    Rule("max_bad_chars", "bad_chars", 0.0, "non-UTF-8 bytes (U+FFFD) or binary control chars"),
+    Rule("max_curly", "curly", 0, "C4: the page contains '{' (skipped by default)"),
+)
+RULE_NAMES = tuple(r.name for r in RULES)
+
+
+def removes(rule: Rule, features: dict, threshold: float) -> bool:
+    value = features[rule.feature]
+    return value < threshold if rule.name.startswith("min_") else value > threshold
+
+
+def doc_features(text: str) -> dict:
+    words = text.split()                 # Gopher counts whitespace-separated words
+    lines = text.splitlines() or [""]
+    nonblank = [line.strip() for line in lines if line.strip()]
+    n = max(len(text), 1)
+    return {
+        "words": len(words),
+        "mean_word_len": sum(map(len, words)) / max(len(words), 1),
+        "symbol_ratio": (text.count("#") + text.count("...") + text.count("\u2026")) / max(len(words), 1),
+        "alpha_words": sum(1 for w in words if re.search(r"[^\W\d_]", w)) / max(len(words), 1),
+        "dup_lines": 1 - len(set(nonblank)) / len(nonblank) if nonblank else 0.0,
+        "mean_line": len(text) / len(lines),
+        "max_line": max(map(len, lines)),
+        "alnum": (n - len(re.sub(r"[^\W_]", "", text))) / n,
+        "bad_chars": len(re.findall(r"[\x00-\x08\x0e-\x1f\x7f\ufffd]", text)) / n,
+        "curly": int("{" in text),
+    }
+
+
+def failed_rules(text: str, thresholds: dict, skip=()) -> list[str]:
+    f = doc_features(text)
+    return [r.name for r in RULES if r.name not in skip and removes(r, f, thresholds[r.name])]
+
+
+def quality_filter(docs: list[Document], args) -> tuple[list[Document], dict]:
+    """(kept, {rule: [removed documents]}); a document fails every rule it breaks, and is
+    removed once. Exempt domains (default: the synthetic arithmetic, which the prose rules
+    would remove entirely: '37+45=82' has no letter) pass untouched."""
+    thresholds = {r.name: getattr(args, r.name) for r in RULES}
+    skip, exempt = set(_names(args.skip_rules)), set(_names(args.exempt))
+    unknown = skip - set(RULE_NAMES)
+    if unknown:
+        raise UserError(f"--skip-rules: unknown rule(s) {', '.join(sorted(unknown))}; rules: {', '.join(RULE_NAMES)}")
+    kept, removed = [], {r.name: [] for r in RULES}
+    for d in docs:
+        failed = [] if d.domain in exempt else failed_rules(d.text, thresholds, skip)
+        for name in failed:
+            removed[name].append(d)
+        if not failed:
+            kept.append(d)
+    return kept, removed
+
+
+def _names(spec: str) -> list[str]:
+    return [s.strip() for s in spec.split(",") if s.strip()]
+
+
+# ---------------------------------------------------------------------------------------
+# Tokens and the mixture sampler
+# ---------------------------------------------------------------------------------------
+def union_tokenizer(domains: dict[str, list[Document]], vocab_size: int, bytes_per_domain: int = 150_000):
+    """One BPE (data.train_bpe) for every mixture, trained on an equal-bytes sample of each
+    domain: losses of different mixtures are then comparable token for token."""
+    texts = []
+    for docs in domains.values():
+        n = 0
+        for d in sorted(docs, key=lambda d: stable_unit("tok", d.domain, d.path)):
+            if n >= bytes_per_domain:
+                break
+            texts.append(d.text[: bytes_per_domain - n])
+            n += len(texts[-1].encode())
+    return data.make_encoding(data.train_bpe(texts, vocab_size))
+
+
+def parse_weights(spec: str, domains: dict) -> dict[str, float]:
+    """'lib=0.5,tests=0.2' -> normalized weights; every mistake is one UserError."""
+    weights = {}
+    for item in _names(spec):
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise UserError(f"--weights: {item!r} is not domain=weight")
+        if name not in domains:
+            raise UserError(f"--weights: unknown domain {name!r}; domains: {', '.join(domains)}")
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            raise UserError(f"--weights: {value!r} for {name} is not a number") from None
+        if not weights[name] >= 0 or math.isinf(weights[name]):
+            raise UserError(f"--weights: {name}={value} must be a finite number >= 0")
+    total = sum(weights.values())
+    if not total > 0:
+        raise UserError(f"--weights {spec!r} must sum to a positive number (got {total})")
+    return {name: w / total for name, w in weights.items() if w > 0}
+
+
+def temperature_weights(tokens: dict[str, int], temperature: float) -> dict[str, float]:
+    """p_d ∝ n_d^(1/T) (XLM, Conneau & Lample 2019; mT5's α = 1/T = 0.3): T = 1 keeps the
+    natural shares, T → ∞ makes them uniform, upsampling the small domains."""
+    if not temperature > 0:
+        raise UserError(f"--temperature must be > 0, got {temperature}")
+    raw = {d: n ** (1.0 / temperature) for d, n in tokens.items() if n > 0}
+    return {d: v / sum(raw.values()) for d, v in raw.items()}
+
+
+def sample_mixture(doc_tokens: dict[str, list[int]], weights: dict[str, float], total: int, seed: int) -> dict:
+    """Pick documents so that domain d holds weights[d]·total tokens: whole documents, in
+    a fresh seeded permutation per epoch, until the quota is reached (so each domain is
+    off by less than one of its documents). Returns {domain: {docs, tokens, epochs}}."""
+    out = {}
+    for name, w in weights.items():
+        sizes = doc_tokens.get(name, [])
+        available = sum(sizes)
+        if available == 0:
+            raise UserError(f"domain {name!r} is empty (no tokens left after curation); drop its weight")
+        quota = w * total
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])  # crc32: not salted
+        picked, taken, passes = [], 0, 0
+        while taken < quota:
+            passes += 1
+            for i in rng.permutation(len(sizes)):
+                if taken >= quota:
+                    break
+                picked.append(int(i))
+                taken += sizes[i]
+        out[name] = {"docs": picked, "tokens": taken, "available": available,
+                     "epochs": taken / available, "passes": passes, "largest_doc": max(sizes)}
+    return out
+
+
+def largest_unrepeated(tokens: dict[str, int], weights: dict[str, float]) -> int:
+    """The biggest mixture in which no domain repeats: min over d of n_d / w_d."""
+    return int(min(tokens[d] / w for d, w in weights.items()))
+
+
+# ---------------------------------------------------------------------------------------
+# The curation pipeline shared by mix and sweep: filter -> exact + near dedup -> spans
+# ---------------------------------------------------------------------------------------
+def curate(docs: list[Document], args, log=print) -> tuple[list[Document], list[list[int]]]:
+    """Returns (curated documents, near-dup clusters of the filtered documents)."""
+    kept, removed = quality_filter(docs, args) if args.filter else (docs, {})
+    n_removed = len(docs) - len(kept)
+    log(f"filter   removed {n_removed} documents ({fmt_bytes(sum(len(d.text.encode()) for d in docs) - sum(len(d.text.encode()) for d in kept))})"
+        + (f": {', '.join(f'{k} {len(v)}' for k, v in removed.items() if v)}" if n_removed else ""))
+    clusters = []
+    if args.dedup != "none":
+        exact, near, _ = duplicate_clusters(kept, args)
+        clusters = near if args.dedup == "near" else exact
+        before = len(kept)
+        kept, _ = drop_all_but_one(kept, clusters)
+        log(f"dedup    {args.dedup}: {len(clusters)} clusters, removed {before - len(kept)} documents")
+    if args.spans != "none":
+        kept, n, b = dedup_spans(kept, args.spans, args.min_span_chars)
+        log(f"spans    removed {n} repeated {args.spans}s ({fmt_bytes(b)})")
+    return kept, clusters
+
+
+def encode_docs(enc, docs: list[Document]) -> list[list[int]]:
+    # EOT is the separator, so a literal "<|endoftext|>" inside a text would split it:
+    # encode_ordinary reads it as plain characters, and mix.txt drops it (write_mixture).
+    return enc.encode_ordinary_batch([d.text for d in docs])
+
+
+def write_mixture(docs: list[Document], manifest: dict, out_dir: str, seed: int) -> str:
+    """One UTF-8 file, documents in a seeded shuffle separated by data.EOT (what
+    `train.py --data` reads; its val split is the last 5% of the stream, so shuffling
+    puts every domain in it), plus a JSON manifest next to it."""
+    os.makedirs(out_dir, exist_ok=True)
+    order = np.random.default_rng([seed, 7]).permutation(len(docs))
+    path = os.path.join(out_dir, "mix.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(data.EOT.join(docs[i].text.replace(data.EOT, "") for i in order))
+    with open(os.path.join(out_dir, "mix.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# The sweep: what a mixture and duplicates do to the model, per domain
+# ---------------------------------------------------------------------------------------
+def split_by_cluster(docs: list[Document], clusters: list[list[int]], args) -> dict:
+    """Whole near-dup clusters, never single copies: a seeded --subset of each domain's
+    clusters (so the domains keep their natural sizes and duplicates their share), a val
+    set such that no near-copy of a val document is trained on (raw data would otherwise
+    look better on val by memorizing). Each domain keeps >= 1 val cluster. Returns
+    documents: raw train (every copy), dedup train (one per cluster), val (one per
+    cluster), and the train representatives repeated in the raw data vs unique ones."""
+    members = {i: [i] for i in range(len(docs))}
+    for c in clusters:
+        for i in c:
+            members[i] = c
+    reps = {min(m, key=lambda i: canonical(docs[i])): m for m in members.values()}
+    score = {r: stable_unit(args.seed, "split", docs[r].domain, docs[r].path) for r in reps}
+    # the synthetic domain's size is set by --arith-docs, not by the subset
+    chosen = [r for r in sorted(reps) if score[r] < args.subset or docs[r].domain == "arith"]
+    val = set()
+    for r in chosen:  # val: a hash-chosen share of the clusters, independent of the subset
+        if stable_unit(args.seed, "val", docs[r].domain, docs[r].path) < args.val_fraction:
+            val.add(r)
+    for domain in {docs[r].domain for r in chosen}:
+        mine = [r for r in chosen if docs[r].domain == domain]
+        if not val.intersection(mine):
+            val.add(mine[-1])
+    train = sorted(r for r in chosen if r not in val)
+    return {"raw": [docs[i] for r in train for i in sorted(reps[r])],
+            "dedup": [docs[r] for r in train],
+            "val": [docs[r] for r in sorted(val)],
+            "repeated": [docs[r] for r in train if len(reps[r]) > 1],
+            "unique": [docs[r] for r in train if len(reps[r]) == 1]}
+
+
+def token_stream(token_lists: list[list[int]], eot: int) -> np.ndarray:
+    ids = []
+    for toks in token_lists:
+        ids.extend(toks)
+        ids.append(eot)
+    return np.array(ids, dtype=np.uint16)
+
+
+def train_on(stream: np.ndarray, cfg, args) -> GPT:
+    """A plain loop (AdamW, warmup + cosine, clipping), written here because train.py's
+    loop reads one corpus file and brings its distributed machinery; this one reads a
+    token array. One pass over the stream in seeded order, windows not overlapping:
+    every token of the mixture is seen once (random windows would repeat some)."""
+    seed_everything(args.seed)
+    model = GPT(cfg, seed=args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    seq, batch = cfg.block_size, args.batch_size
+    order = np.random.default_rng([args.seed, 3]).permutation((len(stream) - 1) // seq)
+    if len(order) < args.steps * batch:
+        raise UserError(f"the mixture has {len(order)} windows, the run needs {args.steps * batch}")
+    warmup = max(1, args.steps // 20)
+    for step in range(args.steps):
+        lr = args.lr * min(1.0, (step + 1) / warmup)
+        lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps))  # cosine to lr/10
+        for group in opt.param_groups:
+            group["lr"] = lr
+        rows = [stream[s * seq: s * seq + seq + 1] for s in order[step * batch:(step + 1) * batch]]
+        xy = torch.from_numpy(np.stack(rows).astype(np.int64))
+        _, loss = model(xy[:, :-1], xy[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return model
+
+
+@torch.no_grad()
+def eval_loss(model: GPT, token_lists: list[list[int]], byte_len: np.ndarray, eot: int,
+              max_tokens: int) -> tuple[float, float]:
+    """(nats per token, bits per byte) on up to max_tokens of these documents. Targets
+    that are the separator are skipped (they are not text; their 'bytes' are not data).
+    bits/byte = Σ nats / ln 2 / Σ bytes: comparable across tokenizers."""
+    seq = model.config.block_size
+    stream = token_stream(token_lists, eot)[: max_tokens + 1].astype(np.int64)
+    n = (len(stream) - 1) // seq
+    if n == 0:  # e.g. no repeated documents in this subset
+        return float("nan"), float("nan")
+    x = torch.from_numpy(stream[: n * seq].reshape(n, seq))
+    y = torch.from_numpy(stream[1: n * seq + 1].reshape(n, seq))
+    y = torch.where(y == eot, -1, y)
+    nats, tokens, nbytes = 0.0, 0, 0
+    for start in range(0, n, 64):
+        logits, _ = model(x[start:start + 64])
+        yy = y[start:start + 64]
+        nats += F.cross_entropy(logits.flatten(0, 1), yy.flatten(), ignore_index=-1, reduction="sum").item()
+        valid = yy[yy >= 0].numpy()
+        tokens += len(valid)
+        nbytes += int(byte_len[valid].sum())
+    return nats / tokens, nats / math.log(2) / nbytes
+
+
+def sweep_runs(tokens: dict, args) -> list[tuple[str, str, dict]]:
+    """(label, train set, weights) per run. 'natural' = T = 1 over the dedup'd token
+    counts; the raw and filtered runs use those same weights, so only the documents
+    inside each domain differ."""
+    natural = temperature_weights(tokens["dedup"], 1.0)
+    runs = []
+    for spec in [s.strip() for s in args.mixtures.split(";") if s.strip()]:
+        if spec == "natural":
+            runs.append(("natural", "dedup", natural))
+        elif spec == "uniform":
+            runs.append(("uniform", "dedup", {d: 1 / len(natural) for d in natural}))
+        elif spec.startswith("T="):
+            runs.append((spec, "dedup", temperature_weights(tokens["dedup"], float(spec[2:]))))
+        else:
+            runs.append((spec, "dedup", parse_weights(spec, tokens["dedup"])))
+    runs.append(("natural, raw (not dedup'd)", "raw", natural))
+    runs.append(("natural, dedup'd + quality rules", "filtered", natural))
+    return runs
+
+
+def prepare_sweep(args, cfg) -> dict:
+    """Domains -> clusters -> split -> one tokenizer (on the dedup'd train documents) ->
+    token ids of every set, grouped by domain."""
+    docs = flatten(_load(args))
+    _, near, _ = duplicate_clusters(docs, args)
+    split = split_by_cluster(docs, near, args)
+    split["filtered"] = quality_filter(split["dedup"], args)[0]
+    by_domain = defaultdict(list)
+    for d in split["dedup"]:
+        by_domain[d.domain].append(d)
+    enc = union_tokenizer(by_domain, cfg.vocab_size)
+    ids = {name: encode_docs(enc, split[name]) for name in split}
+    per_domain = {}
+    for name in ("raw", "dedup", "filtered"):
+        per_domain[name] = defaultdict(list)
+        for d, t in zip(split[name], ids[name]):
+            per_domain[name][d.domain].append(t)
+    return {"enc": enc, "split": split, "ids": ids, "per_domain": per_domain,
+            "tokens": {n: {d: sum(map(len, v)) for d, v in per_domain[n].items()} for n in per_domain},
+            "domains": sorted(by_domain)}
+
+
+def sweep(args) -> dict:
+    t0 = time.perf_counter()
+    cfg = get_config(args.preset)
+    prep = prepare_sweep(args, cfg)
+    enc, split, ids, domains = prep["enc"], prep["split"], prep["ids"], prep["domains"]
+    eot = enc.encode_single_token(data.EOT)
+    byte_len = np.array([0 if t == eot else len(enc.decode_single_token_bytes(t)) for t in range(enc.n_vocab)])
+    tokens = prep["tokens"]
+    print(f"sweep: {len(domains)} domains, train tokens {sum(tokens['raw'].values()):,} raw / "
+          f"{sum(tokens['dedup'].values()):,} dedup'd / {sum(tokens['filtered'].values()):,} filtered, "
+          f"{len(split['val'])} val and {len(split['repeated'])} repeated train documents; "
+          f"prepared in {time.perf_counter() - t0:.0f} s", flush=True)
+    budget = args.steps * args.batch_size * cfg.block_size
+    results = []
+    for label, which, weights in sweep_runs(tokens, args):
+        t1 = time.perf_counter()
+        pool = prep["per_domain"][which]
+        mix = sample_mixture({d: list(map(len, v)) for d, v in pool.items()}, weights, budget, args.seed)
+        picked = [pool[d][i] for d, m in mix.items() for i in m["docs"]]
+        order = np.random.default_rng([args.seed, 7]).permutation(len(picked))
+        model = train_on(token_stream([picked[i] for i in order], eot), cfg, args).eval()
+        row = {"run": label, "data": which, "weights": weights,
+               "epochs": {d: m["epochs"] for d, m in mix.items()}, "val": {}}
+        for d in domains:
+            val_ids = [t for doc, t in zip(split["val"], ids["val"]) if doc.domain == d]
+            row["val"][d] = eval_loss(model, val_ids, byte_len, eot, args.eval_tokens)
+        for group in ("repeated", "unique"):
+            row[group] = eval_loss(model, ids[group], byte_len, eot, args.eval_tokens)
+        row["seconds"] = time.perf_counter() - t1
+        results.append(row)
+        print(f"  {label}: {row['seconds']:.0f} s", flush=True)
+    report = {"preset": args.preset, "steps": args.steps, "tokens_per_run": budget,
+              "domains": domains, "runs": results, "seconds": time.perf_counter() - t0}
+    print_sweep(report)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "sweep.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def print_sweep(report: dict) -> None:
+    domains = report["domains"]
+    print(f"\nval loss per domain, nats/token (bits/byte below); {report['preset']}, "
+          f"{report['tokens_per_run']:,} training tokens per run; total {report['seconds']:.0f} s")
+    head = f"{'run':<38}" + "".join(f"{d:>9}" for d in domains) + f"{'repeated':>10}{'unique':>8}"
+    print(head)
+    for col in (0, 1):
+        for r in report["runs"]:
+            cells = "".join(f"{r['val'][d][col]:9.3f}" for d in domains)
+            print(f"{r['run'][:38]:<38}{cells}{r['repeated'][col]:10.3f}{r['unique'][col]:8.3f}")
+        print()
+    print("training share (epochs) per domain")
+    print(f"{'run':<38}" + "".join(f"{d:>13}" for d in domains))
+    for r in report["runs"]:
+        cells = "".join(f"{r['weights'].get(d, 0):7.2f} ({r['epochs'].get(d, 0):3.1f})" for d in domains)
+        print(f"{r['run'][:38]:<38}{cells}")
+
+
+# ---------------------------------------------------------------------------------------
+# Commands
+# ---------------------------------------------------------------------------------------
+def _load(args) -> dict[str, list[Document]]:
+    return load_domains(args.data, args.arith_docs, args.arith_lines, args.max_bytes_per_domain, args.seed)
+
+
+def cmd_stats(args) -> None:
+    t0 = time.perf_counter()
+    domains = _load(args)
+    docs = flatten(domains)
+    enc = data.get_tokenizer()  # data.py's default BPE: the tokens train.py would count
+    exact, near, _ = duplicate_clusters(docs, args)
+    exact_removed = {id(d) for d in drop_all_but_one(docs, exact)[1]}
+    near_removed = {id(d) for d in drop_all_but_one(docs, near)[1]}
+    kept, removed = quality_filter(docs, args)
+    kept_ids = {id(d) for d in kept}
+    print(f"{'domain':<10}{'docs':>7}{'bytes':>11}{'tokens':>10}{'exact dup':>11}{'near dup':>10}{'filtered':>10}")
+    for name, ds in domains.items():
+        n_tok = sum(map(len, enc.encode_ordinary_batch([d.text for d in ds])))
+        print(f"{name:<10}{len(ds):>7}{fmt_bytes(sum(len(d.text.encode()) for d in ds)):>11}"
+              f"{fmt_count(n_tok):>10}{sum(id(d) in exact_removed for d in ds):>11}"
+              f"{sum(id(d) in near_removed for d in ds):>10}{sum(id(d) not in kept_ids for d in ds):>10}")
+    print("\nrule (what each would remove; a document can fail several)")
+    for rule in RULES:
+        gone = removed[rule.name]
+        example = f"  e.g. {gone[0].domain}/{gone[0].path}" if gone else ""
+        print(f"  {rule.name:<17}{len(gone):>6} docs {fmt_bytes(sum(len(d.text.encode()) for d in gone)):>10}{example}")
+    print(f"\nstats in {time.perf_counter() - t0:.1f} s")
+
+
+def cmd_dedup(args) -> None:
+    t0 = time.perf_counter()
+    docs = flatten(_load(args))
+    exact, near, info = duplicate_clusters(docs, args)
+    n_bytes = lambda ds: fmt_bytes(sum(len(d.text.encode()) for d in ds))  # noqa: E731
+    _, gone = drop_all_but_one(docs, exact)
+    print(f"exact: {len(exact)} clusters, {len(gone)} copies removed ({n_bytes(gone)} of {n_bytes(docs)})")
+    _, gone = drop_all_but_one(docs, near)
+    print(f"near (shingle {args.shingle}, {args.bands} bands × {args.rows} rows): {len(near)} clusters, "
+          f"{len(gone)} documents removed ({n_bytes(gone)}); largest clusters:")
+    for c in sorted(near, key=len, reverse=True)[:args.show]:
+        names = ", ".join(f"{docs[i].domain}/{docs[i].path}" for i in sorted(c)[:3])
+        print(f"  {len(c):>4} docs  {names}{', ...' if len(c) > 3 else ''}")
+    for unit in ("paragraph", "line"):
+        _, n, b = dedup_spans(docs, unit, args.min_span_chars)
+        print(f"repeated {unit}s (>= {args.min_span_chars} chars) across the corpus: {n} removable, {fmt_bytes(b)}")
+    rng = np.random.default_rng(args.seed)
+    pairs = sorted(info["pairs"])
+    print(f"\n{len(pairs)} candidate pairs; sampled, estimated vs exact Jaccard:")
+    for k in rng.permutation(len(pairs))[:args.show] if pairs else []:
+        a, b = pairs[k]
+        est = estimated_jaccard(info["sigs"][a], info["sigs"][b])
+        print(f"  est {est:.3f}  exact {exact_jaccard(info['sets'][a], info['sets'][b]):.3f}  "
+              f"{docs[a].path} ~ {docs[b].path}")
+    print_s_curve(planted_detection(docs, args), args)
+    print(f"\ndedup in {time.perf_counter() - t0:.1f} s")
+
+
+def print_s_curve(planted: list, args) -> None:
+    print(f"\nS-curve on planted edits of real documents ({len(planted)} pairs, "
+          f"{args.permutations} permutations): detection vs 1 - (1 - s^{args.rows})^{args.bands}")
+    print(f"  {'Jaccard':<12}{'pairs':>6}{'detected':>10}{'theory':>8}{'|est-exact|':>13}{'expected':>10}")
+    for lo in np.arange(0.0, 1.0, 0.1):
+        rows = [p for p in planted if lo <= p[0] < lo + 0.1 or (lo >= 0.9 and p[0] == 1.0)]
+        if not rows:
+            continue
+        theory = np.mean([s_curve(j, args.bands, args.rows) for j, _, _ in rows])
+        err = np.mean([abs(e - j) for j, e, _ in rows])
+        std = np.mean([math.sqrt(j * (1 - j) / args.permutations) for j, _, _ in rows])
+        print(f"  {lo:.1f}-{lo + 0.1:.1f}{len(rows):>10}{np.mean([h for _, _, h in rows]):10.3f}"
+              f"{theory:8.3f}{err:13.3f}{std * math.sqrt(2 / math.pi):10.3f}")
+
+
+def cmd_filter(args) -> None:
+    t0 = time.perf_counter()
+    domains = _load(args)
+    docs = flatten(domains)
+    kept, removed = quality_filter(docs, args)
+    total = sum(len(d.text.encode()) for d in docs)
+    for rule in RULES:
+        gone = removed[rule.name]
+        per = Counter(d.domain for d in gone)
+        print(f"{rule.name:<17}{len(gone):>6} docs {fmt_bytes(sum(len(d.text.encode()) for d in gone)):>10}  "
+              f"{rule.source}; --{rule.name.replace('_', '-')} {getattr(args, rule.name)}"
+              + (" (skipped)" if rule.name in _names(args.skip_rules) else ""))
+        if per:
+            print(f"{'':<17}by domain: " + ", ".join(f"{k} {v}" for k, v in per.most_common()))
+        for d in gone[:args.show]:
+            snippet = " ".join(d.text[:70].split())
+            print(f"{'':<19}{d.domain}/{d.path} [{rule.feature} = {doc_features(d.text)[rule.feature]:.3g}] {snippet!r}")
+    kept_bytes = sum(len(d.text.encode()) for d in kept)
+    print(f"\nall rules: removed {len(docs) - len(kept)} of {len(docs)} documents, "
+          f"{fmt_bytes(total - kept_bytes)} of {fmt_bytes(total)}")
+    for name, ds in domains.items():
+        left = [d for d in kept if d.domain == name]
+        print(f"  {name:<10} keeps {len(left):>5} / {len(ds):<5} documents")
+    print(f"filter in {time.perf_counter() - t0:.1f} s")
+
+
+def cmd_mix(args) -> None:
+    t0 = time.perf_counter()
+    loaded = _load(args)
+    docs, _ = curate(flatten(loaded), args)
+    by_domain = {name: [] for name in loaded}
+    for d in docs:
+        by_domain[d.domain].append(d)
+    enc = union_tokenizer(by_domain, args.vocab_size)
+    doc_tokens = {name: list(map(len, encode_docs(enc, ds))) for name, ds in by_domain.items()}
+    tokens = {name: sum(v) for name, v in doc_tokens.items()}
+    # --weights wins; without it, temperature sampling over the domains' token counts
+    weights = parse_weights(args.weights, loaded) if args.weights else temperature_weights(tokens, args.temperature)
+    total = args.tokens or largest_unrepeated(tokens, weights)
+    mix = sample_mixture(doc_tokens, weights, total, args.seed)
+    taken = sum(m["tokens"] for m in mix.values())
+    print(f"{'domain':<10}{'weight':>8}{'available':>11}{'taken':>10}{'share':>8}{'epochs':>8}")
+    for name, m in mix.items():
+        print(f"{name:<10}{weights[name]:8.3f}{m['available']:>11,}{m['tokens']:>10,}"
+              f"{m['tokens'] / taken:8.3f}{m['epochs']:8.2f}")
+    chosen = [by_domain[name][i] for name, m in mix.items() for i in m["docs"]]
+    manifest = {"weights": weights, "tokens": taken, "documents": len(chosen), "seed": args.seed,
+                "vocab_size": args.vocab_size,
+                "tokenizer": "union BPE (curate.union_tokenizer)", "filter": args.filter,
+                "dedup": args.dedup, "spans": args.spans,
+                "domains": {n: {**{k: v for k, v in m.items() if k != "docs"}, "documents": len(m["docs"])}
+                            for n, m in mix.items()}}
+    path = write_mixture(chosen, manifest, args.out_dir, args.seed)
+    print(f"wrote {path} ({len(chosen)} documents, {taken:,} tokens) and mix.json in "
+          f"{time.perf_counter() - t0:.1f} s\ntrain on it: python train.py --data {path}")
+
+
+def add_flags(p: argparse.ArgumentParser, max_bytes: int, lsh=True, rules=False, pipeline=False) -> None:
+    p.add_argument("--data", default=None, help="a folder of text files: one more domain, named after it")
+    p.add_argument("--arith-docs", type=int, default=300, help="documents of synthetic arithmetic")
+    p.add_argument("--arith-lines", type=int, default=64, help="problems per arithmetic document")
+    p.add_argument("--max-bytes-per-domain", type=int, default=max_bytes,
+                   help="keep a seeded subset of each domain (0 = everything)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matrices: "
+                   "a second thread mostly waits, and on a shared box it spins)")
+    p.add_argument("--show", type=int, default=3, help="examples / clusters to print")
+    p.add_argument("--out-dir", default=OUT_DIR)
+    if lsh:
+        p.add_argument("--shingle", type=int, default=5, help="words per shingle (FineWeb: 5)")
+        p.add_argument("--permutations", type=int, default=112, help="MinHash hashes (FineWeb: 112)")
+        p.add_argument("--bands", type=int, default=14, help="LSH bands (FineWeb: 14)")
+        p.add_argument("--rows", type=int, default=8, help="hashes per band (FineWeb: 8)")
+        p.add_argument("--min-span-chars", type=int, default=200, help="shortest repeated line/paragraph removed")
+    if rules:
+        for r in RULES:
+            p.add_argument(f"--{r.name.replace('_', '-')}", type=float, default=r.default, help=r.source)
+        p.add_argument("--skip-rules", default="max_curly", help="rules to turn off, comma-separated")
+        p.add_argument("--exempt", default="arith", help="domains the rules do not touch")
+    if pipeline:
+        p.add_argument("--filter", action="store_true", help="apply the quality rules (written for web "
+                       "prose they remove about half of the code: see `filter`)")
+        p.add_argument("--dedup", default="near", choices=["none", "exact", "near"])
+        p.add_argument("--spans", default="none", choices=["none", "paragraph", "line"],
+                       help="also drop repeated paragraphs/lines")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(description="Curate the corpus: domains, dedup, filters, mixtures.",
+                                formatter_class=fmt)
+    sub = p.add_subparsers(dest="mode", required=True)
+    add_flags(sub.add_parser("stats", help="documents, bytes, tokens; dups; rules", formatter_class=fmt),
+              0, rules=True)
+    q = sub.add_parser("dedup", help="exact + MinHash/LSH near-duplicates, S-curve", formatter_class=fmt)
+    add_flags(q, 0)
+    add_flags(sub.add_parser("filter", help="quality rules: removals and examples", formatter_class=fmt),
+              0, lsh=False, rules=True)
+    q = sub.add_parser("mix", help="write a mixture train.py --data can read", formatter_class=fmt)
+    add_flags(q, 0, rules=True, pipeline=True)
+    q.add_argument("--weights", default="", help="domain=weight,... (empty = --temperature over sizes)")
+    q.add_argument("--temperature", type=float, default=1.0, help="p_d ∝ tokens_d^(1/T) without --weights")
+    q.add_argument("--tokens", type=int, default=0, help="mixture size (0 = largest with no domain repeated)")
+    q.add_argument("--vocab-size", type=int, default=data.DEFAULT_VOCAB_SIZE, help="BPE used to count tokens")
+    q = sub.add_parser("sweep", help="train on several mixtures; val loss per domain", formatter_class=fmt)
+    add_flags(q, 0, rules=True)
+    q.add_argument("--subset", type=float, default=0.1, help="share of each domain's clusters used")
+    q.add_argument("--mixtures", default="natural;uniform;lib=0.5,tests=0.2,prose=0.2,arith=0.1",
+                   help="';'-separated: natural, uniform, T=<temperature> or domain=weight,...")
+    q.add_argument("--preset", default="tiny")
+    q.add_argument("--steps", type=int, default=1500)
+    q.add_argument("--batch-size", type=int, default=16)
+    q.add_argument("--lr", type=float, default=3e-3)
+    q.add_argument("--val-fraction", type=float, default=0.1, help="share of clusters held out")
+    q.add_argument("--eval-tokens", type=int, default=16384, help="tokens scored per domain")
+    return p.parse_args(argv)
+
+
+def check_args(args) -> None:
+    for name in ("arith_docs", "arith_lines", "max_bytes_per_domain", "show"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if hasattr(args, "shingle"):
+        if args.shingle < 1:
+            raise UserError(f"--shingle must be >= 1 (words per shingle), got {args.shingle}")
+        check_lsh(args.permutations, args.bands, args.rows)
+    for name in ("steps", "batch_size", "eval_tokens", "threads"):
+        if hasattr(args, name) and getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def check_weights(args) -> None:
+    """Names and numbers of --weights before minutes of loading: unknown names are those
+    that are neither built in nor the --data folder's."""
+    if getattr(args, "weights", ""):
+        names = set(BUILTIN_DOMAINS) | ({os.path.basename(os.path.normpath(args.data))} if args.data else set())
+        parse_weights(args.weights, names)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    check_args(args)
+    check_weights(args)
+    torch.set_num_threads(args.threads)
+    {"stats": cmd_stats, "dedup": cmd_dedup, "filter": cmd_filter, "mix": cmd_mix, "sweep": sweep}[args.mode](args)
+
+
+if __name__ == "__main__":
+    run_cli(main)
