@@ -50,6 +50,7 @@ import os
 import random
 import re
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -251,6 +252,14 @@ def _prompt_ids(enc, problems):
     return [enc.encode_ordinary(p.prompt) for p in problems]
 
 
+def _by_length(prompts):
+    """{prompt length: indices}: a contiguous KV cache holds one length per batch."""
+    groups = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(len(p), []).append(i)
+    return groups
+
+
 @torch.no_grad()
 def greedy_answers(model, enc, problems, max_new=None):
     """Greedy answers with the KV cache, equal-length prompts batched together; each cut
@@ -261,10 +270,8 @@ def greedy_answers(model, enc, problems, max_new=None):
         max_new = max(len(enc.encode_ordinary(p.answer + data.TERMINATOR)) for p in problems) + 1
     was_training, device = model.training, model.output.weight.device
     model.eval()
-    prompts, out, by_len = _prompt_ids(enc, problems), [None] * len(problems), {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
-    for ids in by_len.values():
+    prompts, out = _prompt_ids(enc, problems), [None] * len(problems)
+    for ids in _by_length(prompts).values():
         rows = model.generate(torch.tensor([prompts[i] for i in ids], device=device), max_new,
                               temperature=0, eos_id=nl).tolist()
         for i, row in zip(ids, rows):
@@ -664,10 +671,8 @@ def run_calibration(args, device):
 def sample_answers(model, enc, problems, k, temperature, max_new, seed):
     """k sampled answers per problem (cut after "\\n"), equal-length prompts batched."""
     nl, device = enc.encode_ordinary(data.TERMINATOR)[0], model.output.weight.device
-    prompts, out, by_len = _prompt_ids(enc, problems), [None] * len(problems), {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
-    for n, ids in by_len.items():
+    prompts, out = _prompt_ids(enc, problems), [None] * len(problems)
+    for n, ids in _by_length(prompts).items():
         rows = model.generate(torch.tensor([prompts[i] for i in ids for _ in range(k)], device=device),
                               max_new, temperature=temperature, seed=seed + n, eos_id=nl).tolist()
         for j, i in enumerate(ids):
@@ -688,16 +693,9 @@ def consistency_scores(enc, greedy, samples):
     for g, ss in zip(greedy, samples):
         means = [meaning(enc.decode(s)) for s in ss]
         agree.append(np.mean([m == meaning(enc.decode(g)) for m in means]))
-        naive.append(entropy(list(_counts(tuple(s) for s in ss).values())))
-        semantic.append(entropy(list(_counts(means).values())))
+        naive.append(entropy(list(Counter(tuple(s) for s in ss).values())))
+        semantic.append(entropy(list(Counter(means).values())))
     return np.array(agree), np.array(naive), np.array(semantic)
-
-
-def _counts(items):
-    out = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return out
 
 
 def run_uncertainty(args, device):
@@ -714,20 +712,20 @@ def run_uncertainty(args, device):
     agree, naive, semantic = consistency_scores(enc, rec["greedy"], samples)
     t2 = time.perf_counter()
     wrong = 1 - rec["correct"]
-    detectors = {"max prob (1-p)": 1 - seq, "first-token prob": 1 - first,
-                 "mean token entropy": ent, f"self-consistency K={args.samples}": 1 - agree,
-                 "naive entropy": naive, "semantic entropy": semantic}
+    k = f"{args.samples} samples"
+    detectors = {"max prob (1-p)": (1 - seq, "one pass"), "first-token prob": (1 - first, "one pass"),
+                 "mean token entropy": (ent, "one pass"),
+                 f"self-consistency K={args.samples}": (1 - agree, k),
+                 "naive entropy": (naive, k), "semantic entropy": (semantic, k)}
     print0(f"{len(test)} test problems, greedy accuracy {rec['correct'].mean():.1%} | one pass "
            f"{t1 - t0:.1f} s, {args.samples} samples each (T={args.temperature}) {t2 - t1:.1f} s")
     print0(f"{'detector (of a wrong answer)':<30}{'AUROC':>7}   95% CI{'acc@50%':>11}{'acc@80%':>9}{'cost':>14}")
     curves, result = {}, {}
-    for name, score in detectors.items():
+    for name, (score, cost) in detectors.items():
         a = auroc(score, wrong)
         lo, hi = bootstrap_ci(lambda i: auroc(score[i], wrong[i]), len(score), args.bootstrap, args.seed)
-        curve = accuracy_coverage(-score, rec["correct"])
-        curves[name] = curve
+        curves[name] = accuracy_coverage(-score, rec["correct"])
         at = dict((round(c, 2), acc) for c, acc in accuracy_coverage(-score, rec["correct"], 10))
-        cost = f"{args.samples} samples" if "entropy" in name and "token" not in name or "consist" in name else "one pass"
         print0(f"{name:<30}{a:7.3f}  [{lo:.2f}, {hi:.2f}]{at.get(0.5, float('nan')):10.1%}"
                f"{at.get(0.8, float('nan')):9.1%}{cost:>14}")
         result[name] = dict(auroc=a, ci=(lo, hi))
@@ -770,6 +768,37 @@ def finetune_copy(model, seqs, args, label, device):
     return adam_steps(copy.deepcopy(model), batch, steps, args.ft_lr, label, max(1, steps // 2))
 
 
+def planted_data(args, enc, items):
+    """-> (planted mask over items, contaminated fine-tune rows, control rows). Same recipe
+    twice: ft_clean train problems + `planted` problems repeated `repeats` times; in the
+    contaminated data the repeated ones are held-out items, in the control train problems."""
+    planted = np.zeros(len(items), dtype=bool)
+    planted[random.Random(args.seed + 5).sample(range(len(items)), args.planted)] = True
+    encode = lambda probs: [enc.encode_ordinary(data.format_example(p)) for p in probs]
+    pool = encode(data.make_problems(args.ft_clean + args.planted, args.seed + 2, args.digits,
+                                     args.ops, "train"))
+    dirty = pool[:args.ft_clean] + [s for s, p in zip(encode(items), planted) if p] * args.repeats
+    clean = pool[:args.ft_clean] + pool[args.ft_clean:] * args.repeats
+    return planted, dirty, clean
+
+
+def membership(model, enc, items, planted, args):
+    """Accuracy on planted vs clean items, and the loss / Min-K% scores of every item's
+    text (its first token is the context)."""
+    right = np.array([data.score(enc.decode(a), p.answer)
+                      for a, p in zip(greedy_answers(model, enc, items, args.max_new), items)])
+    seqs = [enc.encode_ordinary(data.format_example(p)) for p in items]
+    lps = continuation_logprobs(model, [(s[:1], s[1:]) for s in seqs])
+    loss = np.array([-lp.mean().item() for lp in lps])
+    mink = np.array([min_k_prob(lp, args.min_k) for lp in lps])
+    row = dict(planted=right[planted].mean(), clean=right[~planted].mean(),
+               auroc_loss=auroc(-loss, planted), auroc_mink=auroc(mink, planted))
+    row["inflation"] = row["planted"] - row["clean"]
+    row["mink_ci"] = bootstrap_ci(lambda i: auroc(mink[i], planted[i]), len(mink),
+                                  args.bootstrap, args.seed)
+    return row, mink
+
+
 def run_contamination(args, device):
     dev, test = eval_problems(args)
     items = dev + test
@@ -778,16 +807,10 @@ def run_contamination(args, device):
                         f"(raise --eval-problems or plant fewer)")
     _, enc, _ = load_base(args, device)
     model, sft_probs = task_model(args, enc, device)
-    planted = np.zeros(len(items), dtype=bool)
-    planted[random.Random(args.seed + 5).sample(range(len(items)), args.planted)] = True
-    encode = lambda probs: [enc.encode_ordinary(data.format_example(p)) for p in probs]
-    item_seqs = encode(items)
-    extra = args.planted * args.repeats
-    clean = encode(data.make_problems(args.ft_clean + extra, args.seed + 2, args.digits, args.ops, "train"))
-    dirty = clean[:args.ft_clean] + [s for s, p in zip(item_seqs, planted) if p] * args.repeats
+    planted, dirty, clean = planted_data(args, enc, items)
     print0(f"{len(items)} held-out items, {args.planted} planted {args.repeats}x among "
-           f"{args.ft_clean} clean rows ({extra / len(dirty):.1%} of the fine-tune); the control "
-           f"fine-tunes on {len(clean)} clean rows")
+           f"{args.ft_clean} clean rows ({1 - args.ft_clean / len(dirty):.1%} of the fine-tune); "
+           f"the control repeats {args.planted} train problems instead")
     t0 = time.perf_counter()
     models = {"before fine-tune": model,
               "contaminated": finetune_copy(model, dirty, args, "contaminated", device),
@@ -795,37 +818,18 @@ def run_contamination(args, device):
     print0(f"two fine-tunes in {time.perf_counter() - t0:.1f} s")
     print0(f"{'model':<18}{'planted acc':>12}{'clean acc':>11}{'inflation':>11}"
            f"{'AUROC loss':>12}{f'Min-{args.min_k:g}%':>10}")
-    pairs = [(s[:1], s[1:]) for s in item_seqs]
-    result, hist = {}, {}
+    result = {}
     for name, m in models.items():
-        right = np.array([data.score(enc.decode(a), p.answer)
-                          for a, p in zip(greedy_answers(m, enc, items, args.max_new), items)])
-        lps = continuation_logprobs(m, pairs)
-        loss = np.array([-lp.mean().item() for lp in lps])
-        mink = np.array([min_k_prob(lp, args.min_k) for lp in lps])
-        row = dict(planted=right[planted].mean(), clean=right[~planted].mean(),
-                   auroc_loss=auroc(-loss, planted), auroc_mink=auroc(mink, planted))
-        row["inflation"] = row["planted"] - row["clean"]
-        ci = bootstrap_ci(lambda i: auroc(mink[i], planted[i]), len(mink), args.bootstrap, args.seed)
+        row, mink = membership(m, enc, items, planted, args)
         print0(f"{name:<18}{row['planted']:12.1%}{row['clean']:11.1%}{row['inflation']:+11.1%}"
-               f"{row['auroc_loss']:12.3f}{row['auroc_mink']:10.3f}  (Min-K CI [{ci[0]:.2f}, {ci[1]:.2f}])")
+               f"{row['auroc_loss']:12.3f}{row['auroc_mink']:10.3f}  (Min-K CI "
+               f"[{row['mink_ci'][0]:.2f}, {row['mink_ci'][1]:.2f}])")
         result[name] = row
         if name == "contaminated":
             edges = np.linspace(mink.min(), mink.max() + 1e-9, 13)
-            for label, sel in (("planted", planted), ("clean", ~planted)):
-                hist[label] = (np.histogram(mink[sel], edges)[0] / max(sel.sum(), 1)).tolist()
-    train_seqs = encode(sft_probs)
-    print0(f"n-gram overlap with the training data (n={args.ngram}; items are "
-           f"{min(map(len, item_seqs))}-{max(map(len, item_seqs))} tokens, so shorter n = whole item):")
-    for name, corpus in (("contaminated data", train_seqs + dirty), ("clean data", train_seqs + clean)):
-        score = ngram_overlap(corpus, item_seqs, args.ngram)
-        flagged = score > 0
-        tp = int((flagged & planted).sum())
-        precision = tp / flagged.sum() if flagged.any() else float("nan")
-        recall = tp / planted.sum()
-        print0(f"  {name:<18} flagged {int(flagged.sum()):4d} | precision {precision:.3f} | "
-               f"recall {recall:.3f} | AUROC {auroc(score, planted):.3f}")
-        result[f"ngram {name}"] = dict(flagged=int(flagged.sum()), precision=precision, recall=recall)
+            hist = {label: (np.histogram(mink[sel], edges)[0] / max(sel.sum(), 1)).tolist()
+                    for label, sel in (("planted", planted), ("clean", ~planted))}
+    result.update(report_ngrams(args, enc, sft_probs, items, planted, dirty, clean))
     labels = [f"{e:.2f}" for e in edges[:-1]]
     path = svg_bar_chart("contamination_mink", labels, hist, xlabel=f"Min-{args.min_k:g}% log-prob",
                          title="Min-K% Prob of held-out items, contaminated model",
@@ -835,11 +839,31 @@ def run_contamination(args, device):
     return result
 
 
+def report_ngrams(args, enc, sft_probs, items, planted, dirty, clean):
+    """The n-gram detector against everything each model was trained on (SFT + fine-tune)."""
+    item_seqs = [enc.encode_ordinary(data.format_example(p)) for p in items]
+    train_seqs = [enc.encode_ordinary(data.format_example(p)) for p in sft_probs]
+    print0(f"n-gram overlap with the training data (n={args.ngram}; items are "
+           f"{min(map(len, item_seqs))}-{max(map(len, item_seqs))} tokens, a shorter item is "
+           f"one n-gram: itself):")
+    result = {}
+    for name, corpus in (("contaminated data", train_seqs + dirty), ("clean data", train_seqs + clean)):
+        score = ngram_overlap(corpus, item_seqs, args.ngram)
+        flagged = score > 0
+        tp = int((flagged & planted).sum())
+        precision = tp / flagged.sum() if flagged.any() else float("nan")
+        recall = tp / planted.sum()
+        print0(f"  {name:<18} flagged {int(flagged.sum()):4d} | precision {precision:.3f} | "
+               f"recall {recall:.3f} | AUROC {auroc(score, planted):.3f}")
+        result[f"ngram {name}"] = dict(flagged=int(flagged.sum()), precision=precision, recall=recall)
+    return result
+
+
 # ----------------------------------------------------------------------------------------
 # The command line
 
-def parse_args(argv=None):
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+def parent_parsers():
+    """Flags every mode takes, and those of the modes that use the task model."""
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("model and run")
     g.add_argument("--checkpoint", default=None, help=f"model checkpoint; unset = {DEFAULT_CKPT}, "
@@ -863,6 +887,12 @@ def parse_args(argv=None):
     g.add_argument("--eval-problems", type=int, default=600, help="held-out draws (deduplicated; "
                    "half dev, half test)")
     g.add_argument("--max-new", type=int, default=8, help="most answer tokens generated")
+    return common, task
+
+
+def parse_args(argv=None):
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    common, task = parent_parsers()
     p = argparse.ArgumentParser(description="Evaluate the shared GPT: perplexity, task scoring, "
                                 "calibration, uncertainty, contamination.", formatter_class=fmt)
     sub = p.add_subparsers(dest="mode", required=True)
@@ -885,15 +915,15 @@ def parse_args(argv=None):
     s = sub.add_parser("contamination", parents=[common, task], formatter_class=fmt,
                        help="plant test items in a fine-tune; inflation and detectors")
     s.add_argument("--planted", type=int, default=100, help="held-out items planted")
-    s.add_argument("--repeats", type=int, default=4, help="copies of each planted item")
+    s.add_argument("--repeats", type=int, default=16, help="copies of each planted item")
     s.add_argument("--ft-clean", type=int, default=3000, help="clean training rows in the fine-tune")
     s.add_argument("--ft-batch", type=int, default=32, help="fine-tune rows per step")
-    s.add_argument("--ft-lr", type=float, default=5e-4, help="fine-tune peak learning rate")
+    s.add_argument("--ft-lr", type=float, default=1e-3, help="fine-tune peak learning rate")
     s.add_argument("--ngram", type=int, default=13, help="n of the n-gram overlap detector")
     s.add_argument("--min-k", type=float, default=20.0, help="k of Min-K%% Prob (percent)")
     args = p.parse_args(argv)
     for name in ("bootstrap", "threads", "sft_steps", "sft_batch", "n_train", "eval_problems",
-                 "max_new", "batch_size", "max_tokens", "repeats", "ft_clean", "ft_batch"):
+                 "max_new", "batch_size", "max_tokens", "repeats", "ft_clean", "ft_batch", "ngram"):
         if getattr(args, name, 1) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if getattr(args, "bins", 1) < 1:

@@ -60,6 +60,7 @@ def test_auroc_is_mann_whitney_with_ties():
     assert ev.auroc(s, y) == pytest.approx(np.mean(pairs))
 
 
+@pytest.mark.slow
 def test_temperature_scaling_recovers_a_known_temperature():
     # A calibrated model: 100 logit vectors z, each with 200 labels drawn from softmax(z) by
     # stratified sampling (the inverse CDF at (j + ½)/200), so the label frequencies equal
