@@ -30,6 +30,7 @@ data_offsets: [begin, end)}, "__metadata__": {str: str}} (padded with spaces to 
 of 8 so the data starts aligned), then the tensors' raw little-endian bytes, back to back.
 """
 import json
+import mmap
 import os
 import re
 import struct
@@ -145,18 +146,19 @@ def read_safetensors(path):
         raise UserError("safetensors is little-endian; reading it on a big-endian host is "
                         "not supported here")
     header, metadata, data_len = read_safetensors_header(path)
-    with open(path, "rb") as f:
-        f.seek(os.path.getsize(path) - data_len)
-        buf = f.read()
+    start = os.path.getsize(path) - data_len
     out = {}
-    for name, e in header.items():
-        begin, stop = e["data_offsets"]
-        dtype = SAFETENSORS_DTYPES[e["dtype"]]
-        if stop == begin:
-            out[name] = torch.empty(e["shape"], dtype=dtype)
-            continue
-        # a fresh, aligned copy per tensor (an odd-sized bf16 tensor would misalign the next)
-        out[name] = torch.frombuffer(bytearray(buf[begin:stop]), dtype=dtype).reshape(e["shape"])
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        for name, e in header.items():
+            begin, stop = e["data_offsets"]
+            dtype = SAFETENSORS_DTYPES[e["dtype"]]
+            if stop == begin:
+                out[name] = torch.empty(e["shape"], dtype=dtype)
+                continue
+            # one fresh, aligned copy per tensor, read through the map: the file is never
+            # held twice in memory (and an odd-sized bf16 tensor cannot misalign the next)
+            chunk = bytearray(mapped[start + begin:start + stop])
+            out[name] = torch.frombuffer(chunk, dtype=dtype).reshape(e["shape"])
     return out, metadata
 
 
@@ -501,13 +503,12 @@ def _read_weights(folder):
     return tensors
 
 
-def state_dict_from_hf(tensors, cfg, folder):
+def state_dict_from_hf(tensors, cfg, folder, reference):
     """HF names and rotate-half q/k -> the GPT's state dict (fp32), checking every name
-    and shape against the config."""
+    and shape against `reference` (the state dict of a GPT built from the config)."""
     biases = [n for n in tensors if n.endswith(".bias")]
     if biases:
         raise UserError(f"{folder}: the weights have biases ({biases[0]}, ...): the GPT has none")
-    reference = GPT(cfg, seed=None).state_dict()
     out = {}
     for gpt_name, hf_name in hf_names(cfg):
         if hf_name not in tensors:
@@ -534,19 +535,23 @@ def load_folder(folder, device="cpu", need_tokenizer=True):
         raise UserError(f"{folder} is a folder without config.json: not a Hugging Face "
                         "model folder (nor a checkpoint file)")
     cfg = gpt_config_from_hf(_read_json(config_path), config_path)
-    state = state_dict_from_hf(_read_weights(folder), cfg, folder)
-    model = GPT(cfg, seed=None)
-    model.load_state_dict(state)
-    ckpt = {"config": asdict(cfg), "model": state, "format": "hf-llama", "source": folder}
     tok_path = os.path.join(folder, "tokenizer.json")
-    if os.path.exists(tok_path):
+    tokenizer = None
+    if os.path.exists(tok_path):         # checked first: it is cheap, the weights are not
         tokenizer = tokenizer_state_from_json(_read_json(tok_path), tok_path)
         top = max([*tokenizer["mergeable_ranks"].values(), *tokenizer["special_tokens"].values()])
         if top >= cfg.vocab_size:
             raise UserError(f"{tok_path} has token id {top}, beyond the model's vocab_size "
                             f"{cfg.vocab_size}")
-        ckpt["tokenizer"] = tokenizer
     elif need_tokenizer:
         raise UserError(f"{folder} has no tokenizer.json: the scripts here need the tokenizer "
                         "(byte-level BPE) next to the weights")
+    model = GPT(cfg, seed=None)
+    state = state_dict_from_hf(_read_weights(folder), cfg, folder, model.state_dict())
+    model.load_state_dict(state)
+    # like a native checkpoint, ckpt["model"] is a copy: changing the model leaves it alone
+    state = {k: v.to(device) for k, v in state.items()}
+    ckpt = {"config": asdict(cfg), "model": state, "format": "hf-llama", "source": folder}
+    if tokenizer is not None:
+        ckpt["tokenizer"] = tokenizer
     return model.to(device), ckpt
