@@ -393,7 +393,8 @@ def tokenizer_state_from_json(tok, path):
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
     splits = [s for s in steps if s.get("type") == "Split"]
-    supported = "supported: byte-level BPE (model BPE + a ByteLevel pre-tokenizer, GPT-2/Llama 3 style)"
+    supported = ("supported: byte-level BPE (model BPE + a ByteLevel pre-tokenizer, "
+                 "GPT-2/Llama 3 style)")
     if model.get("type") != "BPE" or not byte_level or model.get("byte_fallback") \
             or tok.get("normalizer") or len(steps) != len(byte_level) + len(splits):
         raise UserError(f"{path}: tokenizer (model {model.get('type')!r}, pre-tokenizer "

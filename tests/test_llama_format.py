@@ -187,8 +187,9 @@ def write_reference_folder(path, model, enc, dtype=torch.float32):
           "model.norm.weight": sd["norm.weight"], "lm_head.weight": sd["output.weight"]}
     for i in range(cfg.n_layer):
         g, p = f"layers.{i}.", f"model.layers.{i}."
-        hf[p + "self_attn.q_proj.weight"] = rotate_half_rows(sd[g + "attention.wq.weight"], cfg.n_head)
-        hf[p + "self_attn.k_proj.weight"] = rotate_half_rows(sd[g + "attention.wk.weight"], cfg.n_kv_head)
+        wq, wk = sd[g + "attention.wq.weight"], sd[g + "attention.wk.weight"]
+        hf[p + "self_attn.q_proj.weight"] = rotate_half_rows(wq, cfg.n_head)
+        hf[p + "self_attn.k_proj.weight"] = rotate_half_rows(wk, cfg.n_kv_head)
         hf[p + "self_attn.v_proj.weight"] = sd[g + "attention.wv.weight"]
         hf[p + "self_attn.o_proj.weight"] = sd[g + "attention.wo.weight"]
         hf[p + "mlp.gate_proj.weight"] = sd[g + "feed_forward.w1.weight"]
@@ -302,7 +303,8 @@ def edit_json(path, **changes):
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(architectures=["MistralForCausalLM"], model_type="mistral"), "only LlamaForCausalLM"),
     (dict(head_dim=16), "head_dim 16"),
-    (dict(intermediate_size=999), "gate_proj.weight has shape [96, 32], config.json implies [999, 32]"),
+    (dict(intermediate_size=999),
+     "gate_proj.weight has shape [96, 32], config.json implies [999, 32]"),
 ])
 def test_config_the_gpt_cannot_represent_is_refused(folder, changes, message):
     edit_json(folder / "config.json", **changes)
