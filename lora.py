@@ -460,9 +460,10 @@ def read_adapter(path):
     except Exception as e:     # zip, pickle, or "unsupported global": all mean "not ours"
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise UserError(f"cannot read adapter file {path!r}: {why}") from None
-    keys = ("method", "hparams", "targets", "base", "tensors")
+    shape = dict(method=str, hparams=dict, targets=list, base=dict, tensors=dict)
     if not isinstance(ad, dict) or ad.get("format") != ADAPTER_FORMAT or \
-            not all(k in ad for k in keys) or not isinstance(ad["tensors"], dict) or \
+            not all(isinstance(ad.get(k), t) for k, t in shape.items()) or \
+            not isinstance(ad["base"].get("sha256"), str) or \
             not all(isinstance(t, torch.Tensor) for t in ad["tensors"].values()):
         raise UserError(f"{path!r} is not a lora.py adapter file (write one with --save)")
     if ad.get("version") != ADAPTER_VERSION:
