@@ -102,7 +102,8 @@ def test_model_cache_generate_and_attention_kernels(device):
                for h in (4, 2, 2))
     a, b = math_attention(q, k, v), sdpa_attention(q, k, v)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    for x, y in zip(torch.autograd.grad(a.sum(), (q, k, v)), torch.autograd.grad(b.sum(), (q, k, v))):
+    grads_math = torch.autograd.grad(a.sum(), (q, k, v))
+    for x, y in zip(grads_math, torch.autograd.grad(b.sum(), (q, k, v))):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
 
 
@@ -254,22 +255,36 @@ def test_checkpointing_same_grads_fewer_bytes(device, attn):
 # bench (hand schedules vs torch.distributed.pipelining), the comm meter's wrappers. One
 # torchrun launch of the worker at the bottom of this file.
 
-def worker_verdicts(world, device):
-    lines = [f"CHECK comm N={world} {device}"]
-    lines += [f"CHECK train --dp {m} N={world} {device}" for m in DP_MODES]
-    lines += [f"CHECK parallel N={world} {device}", f"CHECK pipeline bench N={world} {device}"]
+# which script each part of the worker checks, and the verdict lines it must print
+WORKER_PARTS = {"plumbing": "comm", "data_parallel": "train", "parallel": "parallel",
+                "pipeline": "pipeline"}
+
+
+def worker_verdicts(world, device, parts=tuple(WORKER_PARTS.values())):
+    lines = []
+    if "comm" in parts:
+        lines.append(f"CHECK comm N={world} {device}")
+    if "train" in parts:
+        lines += [f"CHECK train --dp {m} N={world} {device}" for m in DP_MODES]
+    if "parallel" in parts:
+        lines.append(f"CHECK parallel N={world} {device}")
+    if "pipeline" in parts:
+        lines.append(f"CHECK pipeline bench N={world} {device}")
     return lines
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", BOTH)
-def test_world_of_one_process_group(device, text_file, tmp_path):
-    """On CUDA: NCCL at a world of one, every collective and P2P path on CUDA tensors. On the
-    CPU (gloo) the same launch checks the worker itself."""
-    result = torchrun(WORKER, ["all", device, tmp_path, text_file], nproc=1, timeout=600)
+@pytest.mark.parametrize("device,script", [
+    pytest.param("cuda", s, marks=pytest.mark.gpu, id=f"cuda-{s}") for s in WORKER_PARTS]
+    + [pytest.param("cpu", "data_parallel", id="cpu-data_parallel")])
+def test_world_of_one_process_group(device, script, text_file, tmp_path):
+    """On CUDA: NCCL at a world of one, the script's collectives and P2P paths on CUDA
+    tensors, against one process. On the CPU (gloo) the same launch checks the worker."""
+    part = WORKER_PARTS[script]
+    result = torchrun(WORKER, [part, device, tmp_path, text_file], nproc=1, timeout=600)
     assert result.returncode == 0, result.output[-4000:]
-    assert "(nccl)" in result.output or device == "cpu"
-    for line in worker_verdicts(1, device):
+    assert f"({'nccl' if device == 'cuda' else 'gloo'})" in result.output, result.output[-4000:]
+    for line in worker_verdicts(1, device, [part]):
         assert line in result.output, result.output[-4000:]
 
 
@@ -353,7 +368,8 @@ def test_paged_cache_forward_equals_dense(device):
     assert alloc.num_free == 40
 
 
-ENGINE_CASES = {"continuous": dict(), "chunked_prefill_small_budget": dict(max_num_batched_tokens=5),
+ENGINE_CASES = {"continuous": dict(),
+                "chunked_prefill_small_budget": dict(max_num_batched_tokens=5),
                 "forced_preemption_tiny_pool": dict(block_size=4, num_blocks=16),
                 "int8_kv_close": dict(kv_dtype="int8")}
 
@@ -459,12 +475,14 @@ def test_spec_decode_every_method_equals_greedy(device):
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(device) * 0.01)
     methods = ["draft", "medusa", "mtp", "eagle", "dflash"] if device == "cuda" else \
         ["draft", "eagle"]
-    built = {"medusa": lambda: sd.MedusaHeads(target, 4), "mtp": lambda: sd.FeatureDrafter(target, "mtp"),
+    built = {"medusa": lambda: sd.MedusaHeads(target, 4),
+             "mtp": lambda: sd.FeatureDrafter(target, "mtp"),
              "eagle": lambda: sd.FeatureDrafter(target, "eagle"),
              "dflash": lambda: sd.DFlashDrafter(target, 6)}
     todo = {m: built[m]().double().to(device) for m in methods if m != "draft"}
     corpus = types.SimpleNamespace(train=np.random.default_rng(0).integers(0, 64, 4000))
-    pool = sd.distill_pool(target, corpus, n_seq=48, seq=32, prompt_len=8, chunk=48)
+    pool = sd.distill_pool(target, corpus, n_seq=48 if device == "cuda" else 16, seq=32,
+                           prompt_len=8, chunk=48)
     drafters = {"draft": sd.ModelDrafter(draft), **sd.train_drafters(
         todo, target, pool, steps=40 if device == "cuda" else 10, batch=16, lr=3e-3)}
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14], [3]]
@@ -628,7 +646,8 @@ def test_multigpu_lora_and_rl_data_parallel_equal_one_process(tmp_path):
                 for f in ("one.pt", "many.pt"))
         assert a.keys() == b.keys() and len(a) > 0
         for k in a:
-            torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4, msg=lambda m: f"{script} {k}: {m}")
+            torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4,
+                                       msg=lambda m: f"{script} {k}: {m}")
 
 
 # ----------------------------------------------------------------------------------------
