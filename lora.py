@@ -53,7 +53,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import asdict
 
 import numpy as np
@@ -62,7 +61,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
-from model import GPT, get_config, load_model, PRESETS
+from model import GPT, get_config, load_checkpoint, load_model, PRESETS
 from plumbing import (ActivationMeter, Runtime, StepTimer, UserError, comm, fmt_bytes,
                       fmt_count, model_state_bytes, print0, run_cli, seed_everything,
                       setup_runtime, tensor_bytes,
@@ -450,16 +449,8 @@ def atomic_save(obj, path):
 
 def read_adapter(path):
     """-> the adapter file's dict, or one UserError line: missing, unreadable (corrupt, or
-    not plain data: nothing a user hands us is unpickled), or not an adapter file."""
-    if not os.path.exists(path):
-        raise UserError(f"adapter file {path!r} not found (write one with lora.py --save)")
-    try:
-        with warnings.catch_warnings():        # e.g. "pickle protocol 4": the error says it
-            warnings.simplefilter("ignore")
-            ad = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:     # zip, pickle, or "unsupported global": all mean "not ours"
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise UserError(f"cannot read adapter file {path!r}: {why}") from None
+    not plain data: model.load_checkpoint never unpickles objects), not an adapter file."""
+    ad = load_checkpoint(path, what="adapter file", fix="Write a new one with lora.py --save.")
     shape = dict(method=str, hparams=dict, targets=list, base=dict, tensors=dict)
     if not isinstance(ad, dict) or ad.get("format") != ADAPTER_FORMAT or \
             not all(isinstance(ad.get(k), t) for k, t in shape.items()) or \

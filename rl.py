@@ -50,7 +50,6 @@ import numbers
 import os
 import sys
 import time
-import warnings
 from dataclasses import asdict
 
 import numpy as np
@@ -59,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
-from model import GPT, KVCache, get_config, load_model, PRESETS
+from model import GPT, KVCache, get_config, load_checkpoint, load_model, PRESETS
 from plumbing import (ActivationMeter, StepTimer, UserError, comm, fmt_bytes, fmt_count,
                       model_state_bytes, print0, run_cli, setup_runtime, tensor_bytes,
                       require_at_least_one)
@@ -352,16 +351,12 @@ def cached(path, meta, enc, build, rt):
 
 
 def checkpoint_tokenizer(path):
-    """The tokenizer a checkpoint carries, read as plain data (weights_only=True: nothing a
-    user names is unpickled); a file that is not one of ours is one UserError line."""
-    try:
-        with warnings.catch_warnings():          # e.g. "pickle protocol 4": the error says it
-            warnings.simplefilter("ignore")
-            ck = torch.load(path, map_location="cpu", weights_only=True)
-        return data.encoding_from_state(ck["tokenizer"])
-    except Exception as e:      # zip, pickle, "unsupported global", no/odd "tokenizer" entry
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise UserError(f"cannot read a tokenizer from checkpoint {path!r}: {why}") from None
+    """The tokenizer a checkpoint carries, read as plain data (model.load_checkpoint: never
+    unpickles objects); a file that is not one of ours is one UserError line."""
+    ck = load_checkpoint(path)
+    if not isinstance(ck, dict) or not isinstance(ck.get("tokenizer"), dict):
+        raise UserError(f"{path} carries no tokenizer (not a checkpoint written by train.py)")
+    return data.encoding_from_state(ck["tokenizer"])
 
 
 def make_critic(policy):

@@ -505,14 +505,15 @@ def test_bad_files_are_one_line_errors(tmp_path):
     with open(tmp_path / "evil.pt", "wb") as f:
         pickle.dump({"format": lora.ADAPTER_FORMAT, "x": Evil()}, f)
     write_base(tmp_path / "base.pt")
-    for name, why in (("junk.pt", "cannot read adapter file"), ("evil.pt", "cannot read"),
+    for name, why in (("junk.pt", "is not a PyTorch checkpoint"),
+                      ("evil.pt", "safe loading"),
                       ("base.pt", "is not a lora.py adapter file"), ("none.pt", "not found")):
         with pytest.raises(UserError, match=why):
             lora.read_adapter(str(tmp_path / name))
     r = run_python("lora.py", ["eval", "--ckpt", tmp_path / "base.pt", "--load",
                                tmp_path / "evil.pt"], timeout=60)
     assert r.returncode == 2 and "unpickled!" not in r.output
-    assert r.output.strip().splitlines()[-1].startswith("error: cannot read adapter file")
+    assert r.output.strip().startswith("error: ") and "safe loading" in r.output
     assert len(r.output.strip().splitlines()) == 1
 
 

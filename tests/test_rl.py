@@ -316,8 +316,10 @@ def test_bad_input_errors(tmp_path, monkeypatch):
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with open(tmp_path / "evil.pt", "wb") as f:
         pickle.dump({"tokenizer": Evil()}, f)
-    for name in ("junk.pt", "evil.pt"):
-        with pytest.raises(UserError, match="cannot read a tokenizer from checkpoint"):
+    torch.save({"model": model.state_dict()}, tmp_path / "notok.pt")     # no tokenizer
+    for name, why in (("junk.pt", "is not a PyTorch checkpoint"),
+                      ("evil.pt", "safe loading"), ("notok.pt", "carries no tokenizer")):
+        with pytest.raises(UserError, match=why):
             rl.main(["--ckpt", str(tmp_path / name), "--algo", "grpo"])
 
 
