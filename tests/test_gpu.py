@@ -39,6 +39,7 @@ import optim                                                      # noqa: E402
 import parallel                                                   # noqa: E402
 import pipeline                                                   # noqa: E402
 import rl                                                         # noqa: E402
+import serve                                                      # noqa: E402
 import spec_decode as sd                                          # noqa: E402
 import train                                                      # noqa: E402
 from harness import ROOT, run_python, torchrun                    # noqa: E402
@@ -48,13 +49,22 @@ from model import (GPT, KVCache, get_config, load_model, math_attention,  # noqa
 from plumbing import (ActivationMeter, Runtime, StepTimer, comm, model_state_bytes,  # noqa: E402
                       print0, setup_runtime)
 from ring_attention import make_ring_attn_fn                      # noqa: E402
-from serve import Engine, SamplingParams                          # noqa: E402
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")
 CPU = pytest.param("cpu", id="cpu")          # the self-check: the same body, on this machine
 ON_GPU, BOTH = [CUDA], [CUDA, CPU]
 DP_MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 WORKER = "tests/test_gpu.py"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The CPU self-checks' tiny tensors run fastest on one thread (two spinning OpenMP
+    threads on a busy 2-core machine are many times slower); restored after this module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_args(text_file, device, *extra):
@@ -385,8 +395,9 @@ def test_engine_greedy_equals_generate(device, case):
     prompts = [[rng.randrange(512) for _ in range(rng.randint(1, 40))] for _ in range(10)]
     ns = [rng.randint(1, 20) for _ in prompts]
     ref = [model.generate(p, n, temperature=0) for p, n in zip(prompts, ns)]
-    eng = Engine(model, **ENGINE_CASES[case])
-    seqs = eng.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in ns])
+    eng = serve.Engine(model, **ENGINE_CASES[case])
+    seqs = eng.generate(prompts, [serve.SamplingParams(max_tokens=n, temperature=0)
+                                   for n in ns])
     got = [s.output_ids for s in seqs]
     if case == "int8_kv_close":
         same = sum(a == b for x, y in zip(got, ref) for a, b in zip(x, y))
@@ -437,9 +448,12 @@ def test_http_server_on_device_answers_like_generate(device, tmp_path):
                           "--port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:
-        first = p.stdout.readline()
-        port = re.search(r"http://127\.0\.0\.1:(\d+)/v1", first)
-        assert port, first + p.stdout.read()
+        seen, port = "", None
+        while port is None:                 # the start-up line names the port it got
+            line = p.stdout.readline()
+            assert line, seen                # exited before serving
+            seen += line
+            port = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
         conn = http.client.HTTPConnection("127.0.0.1", int(port.group(1)), timeout=120)
         prompt = "def add(a, b):"
         conn.request("POST", "/v1/completions", body=json.dumps(
@@ -452,7 +466,7 @@ def test_http_server_on_device_answers_like_generate(device, tmp_path):
         model, ck = load_model(ckpt, device)
         enc = data.encoding_from_state(ck["tokenizer"])
         ids = model.eval().generate(enc.encode_ordinary(prompt), 12, temperature=0)
-        assert body["choices"][0]["text"] == enc.decode(ids)
+        assert body["choices"][0]["text"] == serve.decode_tokens(enc, ids)
     finally:
         p.send_signal(signal.SIGTERM)
         rest, _ = p.communicate(timeout=60)
