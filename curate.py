@@ -552,28 +552,6 @@ def largest_unrepeated(tokens: dict[str, int], weights: dict[str, float]) -> int
     return int(min(tokens[d] / w for d, w in weights.items()))
 
 
-# ---------------------------------------------------------------------------------------
-# The curation pipeline shared by mix and sweep: filter -> exact + near dedup -> spans
-# ---------------------------------------------------------------------------------------
-def curate(docs: list[Document], args, log=print) -> tuple[list[Document], list[list[int]]]:
-    """Returns (curated documents, near-dup clusters of the filtered documents)."""
-    kept, removed = quality_filter(docs, args) if args.filter else (docs, {})
-    n_removed = len(docs) - len(kept)
-    log(f"filter   removed {n_removed} documents ({fmt_bytes(sum(len(d.text.encode()) for d in docs) - sum(len(d.text.encode()) for d in kept))})"
-        + (f": {', '.join(f'{k} {len(v)}' for k, v in removed.items() if v)}" if n_removed else ""))
-    clusters = []
-    if args.dedup != "none":
-        exact, near, _ = duplicate_clusters(kept, args)
-        clusters = near if args.dedup == "near" else exact
-        before = len(kept)
-        kept, _ = drop_all_but_one(kept, clusters)
-        log(f"dedup    {args.dedup}: {len(clusters)} clusters, removed {before - len(kept)} documents")
-    if args.spans != "none":
-        kept, n, b = dedup_spans(kept, args.spans, args.min_span_chars)
-        log(f"spans    removed {n} repeated {args.spans}s ({fmt_bytes(b)})")
-    return kept, clusters
-
-
 def encode_docs(enc, docs: list[Document]) -> list[list[int]]:
     # EOT is the separator, so a literal "<|endoftext|>" inside a text would split it:
     # encode_ordinary reads it as plain characters, and mix.txt drops it (write_mixture).
@@ -636,16 +614,16 @@ def token_stream(token_lists: list[list[int]], eot: int) -> np.ndarray:
     return np.array(ids, dtype=np.uint16)
 
 
-def train_on(stream: np.ndarray, cfg, args) -> GPT:
+def train_on(stream: np.ndarray, cfg, args, seed: int) -> GPT:
     """A plain loop (AdamW, warmup + cosine, clipping), written here because train.py's
     loop reads one corpus file and brings its distributed machinery; this one reads a
     token array. One pass over the stream in seeded order, windows not overlapping:
     every token of the mixture is seen once (random windows would repeat some)."""
-    seed_everything(args.seed)
-    model = GPT(cfg, seed=args.seed)
+    seed_everything(seed)
+    model = GPT(cfg, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     seq, batch = cfg.block_size, args.batch_size
-    order = np.random.default_rng([args.seed, 3]).permutation((len(stream) - 1) // seq)
+    order = np.random.default_rng([seed, 3]).permutation((len(stream) - 1) // seq)
     if len(order) < args.steps * batch:
         raise UserError(f"the mixture has {len(order)} windows, the run needs {args.steps * batch}")
     warmup = max(1, args.steps // 20)
@@ -692,7 +670,8 @@ def eval_loss(model: GPT, token_lists: list[list[int]], byte_len: np.ndarray, eo
 def sweep_runs(tokens: dict, args) -> list[tuple[str, str, dict]]:
     """(label, train set, weights) per run. 'natural' = T = 1 over the dedup'd token
     counts; the raw and filtered runs use those same weights, so only the documents
-    inside each domain differ."""
+    inside each domain differ. The last run repeats 'natural' with another seed (init,
+    sampling, order): differences smaller than its distance to 'natural' are noise."""
     natural = temperature_weights(tokens["dedup"], 1.0)
     runs = []
     for spec in [s.strip() for s in args.mixtures.split(";") if s.strip()]:
@@ -706,6 +685,7 @@ def sweep_runs(tokens: dict, args) -> list[tuple[str, str, dict]]:
             runs.append((spec, "dedup", parse_weights(spec, tokens["dedup"])))
     runs.append(("natural, raw (not dedup'd)", "raw", natural))
     runs.append(("natural, dedup'd + quality rules", "filtered", natural))
+    runs.append(("natural, seed + 1 (the noise)", "dedup", natural))
     return runs
 
 
@@ -748,10 +728,11 @@ def sweep(args) -> dict:
     for label, which, weights in sweep_runs(tokens, args):
         t1 = time.perf_counter()
         pool = prep["per_domain"][which]
-        mix = sample_mixture({d: list(map(len, v)) for d, v in pool.items()}, weights, budget, args.seed)
+        seed = args.seed + 1 if "seed + 1" in label else args.seed
+        mix = sample_mixture({d: list(map(len, v)) for d, v in pool.items()}, weights, budget, seed)
         picked = [pool[d][i] for d, m in mix.items() for i in m["docs"]]
-        order = np.random.default_rng([args.seed, 7]).permutation(len(picked))
-        model = train_on(token_stream([picked[i] for i in order], eot), cfg, args).eval()
+        order = np.random.default_rng([seed, 7]).permutation(len(picked))
+        model = train_on(token_stream([picked[i] for i in order], eot), cfg, args, seed).eval()
         row = {"run": label, "data": which, "weights": weights,
                "epochs": {d: m["epochs"] for d, m in mix.items()}, "val": {}}
         for d in domains:
@@ -796,113 +777,114 @@ def _load(args) -> dict[str, list[Document]]:
     return load_domains(args.data, args.arith_docs, args.arith_lines, args.max_bytes_per_domain, args.seed)
 
 
+def nbytes(docs: list[Document]) -> int:
+    return sum(len(d.text.encode()) for d in docs)
+
+
+def print_rules(docs: list[Document], args, show: int) -> list[Document]:
+    """Each rule's removals (a document can fail several), by domain, with examples."""
+    kept, removed = quality_filter(docs, args)
+    for rule in RULES:
+        gone = removed[rule.name]
+        off = " (skipped)" if rule.name in _names(args.skip_rules) else ""
+        print(f"{rule.name:<17}{len(gone):>6} docs {fmt_bytes(nbytes(gone)):>10}  {rule.source}; "
+              f"threshold {getattr(args, rule.name):g}{off}")
+        if gone:
+            print(f"{'':<19}by domain: " + ", ".join(f"{k} {v}" for k, v in Counter(d.domain for d in gone).most_common()))
+        for d in gone[:show]:
+            print(f"{'':<19}{d.domain}/{d.path} [{rule.feature} = {doc_features(d.text)[rule.feature]:.3g}] "
+                  f"{' '.join(d.text[:60].split())!r}")
+    print(f"all rules: remove {len(docs) - len(kept)} of {len(docs)} documents, "
+          f"{fmt_bytes(nbytes(docs) - nbytes(kept))} of {fmt_bytes(nbytes(docs))}")
+    return kept
+
+
 def cmd_stats(args) -> None:
     t0 = time.perf_counter()
     domains = _load(args)
     docs = flatten(domains)
     enc = data.get_tokenizer()  # data.py's default BPE: the tokens train.py would count
     exact, near, _ = duplicate_clusters(docs, args)
-    exact_removed = {id(d) for d in drop_all_but_one(docs, exact)[1]}
-    near_removed = {id(d) for d in drop_all_but_one(docs, near)[1]}
-    kept, removed = quality_filter(docs, args)
-    kept_ids = {id(d) for d in kept}
-    print(f"{'domain':<10}{'docs':>7}{'bytes':>11}{'tokens':>10}{'exact dup':>11}{'near dup':>10}{'filtered':>10}")
+    gone_exact = {id(d) for d in drop_all_but_one(docs, exact)[1]}
+    gone_near = {id(d) for d in drop_all_but_one(docs, near)[1]}
+    kept = {id(d) for d in print_rules(docs, args, show=1)}
+    print(f"\n{'domain':<10}{'docs':>7}{'bytes':>11}{'tokens':>10}{'exact dup':>11}{'near dup':>10}{'rules':>8}")
     for name, ds in domains.items():
         n_tok = sum(map(len, enc.encode_ordinary_batch([d.text for d in ds])))
-        print(f"{name:<10}{len(ds):>7}{fmt_bytes(sum(len(d.text.encode()) for d in ds)):>11}"
-              f"{fmt_count(n_tok):>10}{sum(id(d) in exact_removed for d in ds):>11}"
-              f"{sum(id(d) in near_removed for d in ds):>10}{sum(id(d) not in kept_ids for d in ds):>10}")
-    print("\nrule (what each would remove; a document can fail several)")
-    for rule in RULES:
-        gone = removed[rule.name]
-        example = f"  e.g. {gone[0].domain}/{gone[0].path}" if gone else ""
-        print(f"  {rule.name:<17}{len(gone):>6} docs {fmt_bytes(sum(len(d.text.encode()) for d in gone)):>10}{example}")
-    print(f"\nstats in {time.perf_counter() - t0:.1f} s")
+        print(f"{name:<10}{len(ds):>7}{fmt_bytes(nbytes(ds)):>11}{fmt_count(n_tok):>10}"
+              f"{sum(id(d) in gone_exact for d in ds):>11}{sum(id(d) in gone_near for d in ds):>10}"
+              f"{sum(id(d) not in kept for d in ds):>8}")
+    print(f"stats in {time.perf_counter() - t0:.1f} s")
 
 
 def cmd_dedup(args) -> None:
     t0 = time.perf_counter()
     docs = flatten(_load(args))
     exact, near, info = duplicate_clusters(docs, args)
-    n_bytes = lambda ds: fmt_bytes(sum(len(d.text.encode()) for d in ds))  # noqa: E731
-    _, gone = drop_all_but_one(docs, exact)
-    print(f"exact: {len(exact)} clusters, {len(gone)} copies removed ({n_bytes(gone)} of {n_bytes(docs)})")
-    _, gone = drop_all_but_one(docs, near)
+    gone = drop_all_but_one(docs, exact)[1]
+    print(f"exact: {len(exact)} clusters, {len(gone)} copies removed ({fmt_bytes(nbytes(gone))} "
+          f"of {fmt_bytes(nbytes(docs))})")
+    gone = drop_all_but_one(docs, near)[1]
     print(f"near (shingle {args.shingle}, {args.bands} bands × {args.rows} rows): {len(near)} clusters, "
-          f"{len(gone)} documents removed ({n_bytes(gone)}); largest clusters:")
+          f"{len(gone)} documents removed ({fmt_bytes(nbytes(gone))}); largest clusters:")
     for c in sorted(near, key=len, reverse=True)[:args.show]:
         names = ", ".join(f"{docs[i].domain}/{docs[i].path}" for i in sorted(c)[:3])
         print(f"  {len(c):>4} docs  {names}{', ...' if len(c) > 3 else ''}")
     for unit in ("paragraph", "line"):
         _, n, b = dedup_spans(docs, unit, args.min_span_chars)
-        print(f"repeated {unit}s (>= {args.min_span_chars} chars) across the corpus: {n} removable, {fmt_bytes(b)}")
-    rng = np.random.default_rng(args.seed)
+        print(f"repeated {unit}s (>= {args.min_span_chars} chars) across documents: {n}, {fmt_bytes(b)}")
     pairs = sorted(info["pairs"])
-    print(f"\n{len(pairs)} candidate pairs; sampled, estimated vs exact Jaccard:")
-    for k in rng.permutation(len(pairs))[:args.show] if pairs else []:
+    print(f"\n{len(pairs)} candidate pairs; a sample, estimated vs exact Jaccard:")
+    for k in np.random.default_rng(args.seed).permutation(len(pairs))[:args.show]:
         a, b = pairs[k]
-        est = estimated_jaccard(info["sigs"][a], info["sigs"][b])
-        print(f"  est {est:.3f}  exact {exact_jaccard(info['sets'][a], info['sets'][b]):.3f}  "
-              f"{docs[a].path} ~ {docs[b].path}")
+        print(f"  est {estimated_jaccard(info['sigs'][a], info['sigs'][b]):.3f}  exact "
+              f"{exact_jaccard(info['sets'][a], info['sets'][b]):.3f}  {docs[a].path} ~ {docs[b].path}")
     print_s_curve(planted_detection(docs, args), args)
-    print(f"\ndedup in {time.perf_counter() - t0:.1f} s")
+    print(f"dedup in {time.perf_counter() - t0:.1f} s")
 
 
 def print_s_curve(planted: list, args) -> None:
-    print(f"\nS-curve on planted edits of real documents ({len(planted)} pairs, "
-          f"{args.permutations} permutations): detection vs 1 - (1 - s^{args.rows})^{args.bands}")
+    """Measured detection per Jaccard bin next to the S-curve, and the estimate's mean
+    error next to E|N(0, J(1-J)/k)| = sqrt(2/π)·sqrt(J(1-J)/k)."""
+    print(f"\nS-curve on planted edits of real documents ({len(planted)} pairs, {args.permutations} "
+          f"hashes): detected vs 1 - (1 - s^{args.rows})^{args.bands}")
     print(f"  {'Jaccard':<12}{'pairs':>6}{'detected':>10}{'theory':>8}{'|est-exact|':>13}{'expected':>10}")
     for lo in np.arange(0.0, 1.0, 0.1):
         rows = [p for p in planted if lo <= p[0] < lo + 0.1 or (lo >= 0.9 and p[0] == 1.0)]
-        if not rows:
-            continue
-        theory = np.mean([s_curve(j, args.bands, args.rows) for j, _, _ in rows])
-        err = np.mean([abs(e - j) for j, e, _ in rows])
-        std = np.mean([math.sqrt(j * (1 - j) / args.permutations) for j, _, _ in rows])
-        print(f"  {lo:.1f}-{lo + 0.1:.1f}{len(rows):>10}{np.mean([h for _, _, h in rows]):10.3f}"
-              f"{theory:8.3f}{err:13.3f}{std * math.sqrt(2 / math.pi):10.3f}")
+        if rows:
+            theory = np.mean([s_curve(j, args.bands, args.rows) for j, _, _ in rows])
+            err = np.mean([abs(e - j) for j, e, _ in rows])
+            std = np.mean([math.sqrt(j * (1 - j) / args.permutations) for j, _, _ in rows])
+            print(f"  {lo:.1f}-{lo + 0.1:.1f}{len(rows):>10}{np.mean([h for _, _, h in rows]):10.3f}"
+                  f"{theory:8.3f}{err:13.3f}{std * math.sqrt(2 / math.pi):10.3f}")
 
 
 def cmd_filter(args) -> None:
     t0 = time.perf_counter()
     domains = _load(args)
-    docs = flatten(domains)
-    kept, removed = quality_filter(docs, args)
-    total = sum(len(d.text.encode()) for d in docs)
-    for rule in RULES:
-        gone = removed[rule.name]
-        per = Counter(d.domain for d in gone)
-        print(f"{rule.name:<17}{len(gone):>6} docs {fmt_bytes(sum(len(d.text.encode()) for d in gone)):>10}  "
-              f"{rule.source}; --{rule.name.replace('_', '-')} {getattr(args, rule.name)}"
-              + (" (skipped)" if rule.name in _names(args.skip_rules) else ""))
-        if per:
-            print(f"{'':<17}by domain: " + ", ".join(f"{k} {v}" for k, v in per.most_common()))
-        for d in gone[:args.show]:
-            snippet = " ".join(d.text[:70].split())
-            print(f"{'':<19}{d.domain}/{d.path} [{rule.feature} = {doc_features(d.text)[rule.feature]:.3g}] {snippet!r}")
-    kept_bytes = sum(len(d.text.encode()) for d in kept)
-    print(f"\nall rules: removed {len(docs) - len(kept)} of {len(docs)} documents, "
-          f"{fmt_bytes(total - kept_bytes)} of {fmt_bytes(total)}")
+    kept = print_rules(flatten(domains), args, args.show)
     for name, ds in domains.items():
-        left = [d for d in kept if d.domain == name]
-        print(f"  {name:<10} keeps {len(left):>5} / {len(ds):<5} documents")
+        print(f"  {name:<10} keeps {sum(d.domain == name for d in kept):>5} / {len(ds):<5} documents")
     print(f"filter in {time.perf_counter() - t0:.1f} s")
 
 
 def cmd_mix(args) -> None:
+    """filter (opt-in) -> exact/near dedup -> repeated spans -> token counts -> sample."""
     t0 = time.perf_counter()
     loaded = _load(args)
-    docs, _ = curate(flatten(loaded), args)
-    by_domain = {name: [] for name in loaded}
-    for d in docs:
-        by_domain[d.domain].append(d)
+    docs = quality_filter(flatten(loaded), args)[0] if args.filter else flatten(loaded)
+    if args.dedup != "none":
+        exact, near, _ = duplicate_clusters(docs, args)
+        docs = drop_all_but_one(docs, near if args.dedup == "near" else exact)[0]
+    if args.spans != "none":
+        docs = dedup_spans(docs, args.spans, args.min_span_chars)[0]
+    by_domain = {name: [d for d in docs if d.domain == name] for name in loaded}
     enc = union_tokenizer(by_domain, args.vocab_size)
     doc_tokens = {name: list(map(len, encode_docs(enc, ds))) for name, ds in by_domain.items()}
     tokens = {name: sum(v) for name, v in doc_tokens.items()}
     # --weights wins; without it, temperature sampling over the domains' token counts
     weights = parse_weights(args.weights, loaded) if args.weights else temperature_weights(tokens, args.temperature)
-    total = args.tokens or largest_unrepeated(tokens, weights)
-    mix = sample_mixture(doc_tokens, weights, total, args.seed)
+    mix = sample_mixture(doc_tokens, weights, args.tokens or largest_unrepeated(tokens, weights), args.seed)
     taken = sum(m["tokens"] for m in mix.values())
     print(f"{'domain':<10}{'weight':>8}{'available':>11}{'taken':>10}{'share':>8}{'epochs':>8}")
     for name, m in mix.items():
@@ -910,8 +892,7 @@ def cmd_mix(args) -> None:
               f"{m['tokens'] / taken:8.3f}{m['epochs']:8.2f}")
     chosen = [by_domain[name][i] for name, m in mix.items() for i in m["docs"]]
     manifest = {"weights": weights, "tokens": taken, "documents": len(chosen), "seed": args.seed,
-                "vocab_size": args.vocab_size,
-                "tokenizer": "union BPE (curate.union_tokenizer)", "filter": args.filter,
+                "tokenizer": f"curate.union_tokenizer, vocab {args.vocab_size}", "filter": args.filter,
                 "dedup": args.dedup, "spans": args.spans,
                 "domains": {n: {**{k: v for k, v in m.items() if k != "docs"}, "documents": len(m["docs"])}
                             for n, m in mix.items()}}
