@@ -719,7 +719,7 @@ class Evaluator:
     continuations of held-out prompts (windows of the validation split), decode ms/token."""
 
     def __init__(self, fp32, corpus, args):
-        seq = min(fp32.config.block_size - args.new_tokens, args.seq_len)
+        seq = min(fp32.config.block_size, args.seq_len)
         self.batches = [data.get_batch(corpus.val, args.batch_size, seq, args.seed + 1, i)
                         for i in range(args.eval_batches)]
         gen = torch.Generator().manual_seed(args.seed)
@@ -777,17 +777,18 @@ def _prefix(a, b):
 
 
 LEDGER_HEAD = ("| method | format | bits/weight | model bytes | val loss | Δ loss | ppl | "
-               "top-1 = fp32 | greedy = fp32 | decode ms/tok | × fp32 | calib passes | s |")
+               "top-1 = fp32 | greedy = fp32 | decode ms/tok | × fp32 | calib passes | s | "
+               "note |")
 
 
 def ledger_lines(rows):
-    lines = [LEDGER_HEAD, "|" + "---|" * 13]
+    lines = [LEDGER_HEAD, "|" + "---|" * 14]
     for r in rows:
         lines.append(f"| {r['method']} | {r['format']} | {r['bits_per_weight']:.3f} | "
                      f"{fmt_bytes(r['model_bytes'])} | {r['val_loss']:.4f} | "
                      f"{r['d_loss']:+.4f} | {r['ppl']:.2f} | {r['top1']:.1%} | "
                      f"{r['greedy']:.1%} | {r['ms_per_token']:.2f} | {r['vs_fp32']:.2f} | "
-                     f"{r['calib_passes']} | {r['seconds']:.1f} |")
+                     f"{r['calib_passes']} | {r['seconds']:.1f} | {r['note']} |")
     return lines
 
 
@@ -1008,9 +1009,12 @@ def cmd_compare(args, base, corpus, ev):
     table.add(ev.row(base, "fp32", "fp32"))
     for bits in bits_list:
         g = default_group(bits, args.group_size)
-        for method in ("rtn", "gptq", "awq"):
+        act_order = argparse.Namespace(**{**vars(args), "act_order": True})
+        for method, opts in (("rtn", args), ("gptq", args), ("gptq", act_order), ("awq", args)):
+            if opts is act_order and (bits == 8 or args.act_order):
+                continue
             t0 = time.perf_counter()
-            model, passes, note = ptq(base, method, bits, g, calib, args)
+            model, passes, note = ptq(base, method, bits, g, calib, opts)
             table.add(ev.row(model, method, fmt_name(bits, g), time.perf_counter() - t0,
                              passes, note))
     t0 = time.perf_counter()
