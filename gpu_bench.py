@@ -53,7 +53,7 @@ GPU_PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
                       "A100-SXM4-80GB": 2.039e12, "A100 80GB PCIe": 1.935e12,
                       "A100": 1.555e12, "L4": 300e9, "4090": 1.008e12}
 
-# (n_layer, n_embd, n_head, n_kv_head, block_size, batch, seq): ~100M params, or toy size
+# the target (and the draft model) and the train batch: ~100M parameters, or toy size
 SIZES = {"full": dict(n_layer=16, n_embd=768, n_head=12, n_kv_head=4, block_size=1024,
                       batch=16, seq=1024, vocab=4096, draft_layers=2, draft_embd=256),
          "tiny": dict(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, block_size=64,
@@ -270,13 +270,14 @@ def bench_spec(target, draft, corpus, device, tiny, methods, train_steps, log):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="The GPU table: train tokens/s and MFU, decode "
-                                "bandwidth, serving, speculative decoding, in one run.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", default="auto", help="auto, cuda or cpu")
+                                "bandwidth, serving, speculative decoding, in one run.")
+    p.add_argument("--device", default="auto", help="auto, cuda or cpu (default: auto)")
     p.add_argument("--tiny", action="store_true", help="toy sizes (the CPU test of this file)")
     p.add_argument("--data", default=None, help="text file (default: the built-in corpus)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads (0 = torch's default; 1 is steadier on a busy CPU)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: 0 = "
+                   "torch's own; 1 is steadier on a busy CPU)")
+    p.add_argument("--batch-size", type=int, default=None, help="train sequences per step "
+                   "(default: 16 of 1024 tokens; tiny 4 of 64; lower it on a 24 GB GPU)")
     p.add_argument("--learn-steps", type=int, default=None,
                    help="steps the target learns before decoding (default: 300, tiny 8)")
     p.add_argument("--timed-steps", type=int, default=None,
@@ -284,12 +285,13 @@ def parse_args(argv=None):
     p.add_argument("--decode-tokens", type=int, default=None,
                    help="tokens of the batch-1 decode (default: 256, tiny 8)")
     p.add_argument("--spec-methods", default="draft,tree,medusa,mtp,eagle,dflash",
-                   help="drafters of the spec rows ('' = no spec rows)")
+                   help="drafters of the spec rows, '' = none (default: all six)")
     p.add_argument("--spec-train-steps", type=int, default=None,
                    help="drafter training steps (default: 400, tiny 5)")
-    p.add_argument("--skip", default="", help="comma-separated sections to skip: "
-                   "train is always run (it makes the target); decode, serve, spec")
-    p.add_argument("--out-dir", default="out/gpu_bench", help="logs, checkpoint, table.txt")
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: decode, "
+                   "serve, spec; train always runs, it makes the target (default: none)")
+    p.add_argument("--out-dir", default="out/gpu_bench",
+                   help="logs, checkpoint, table.txt (default: out/gpu_bench)")
     args = p.parse_args(argv)
     tiny = args.tiny
     for name, full, toy in (("learn_steps", 300, 8), ("timed_steps", 10, 2),
@@ -298,7 +300,12 @@ def parse_args(argv=None):
             setattr(args, name, toy if tiny else full)
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UserError("--batch-size must be at least 1")
     args.learn_steps = max(args.learn_steps, args.timed_steps + 2)
+    args.skip = {part for part in args.skip.split(",") if part}
+    if args.skip - {"decode", "serve", "spec"}:
+        raise UserError(f"--skip takes decode, serve, spec; got {args.skip}")
     args.spec_methods = [m for m in args.spec_methods.split(",") if m]
     for m in args.spec_methods:
         if m not in sd.METHODS:
@@ -327,11 +334,12 @@ def main(argv=None):
     device = pick_device(args.device)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    size = SIZES["tiny" if args.tiny else "full"]
+    size = dict(SIZES["tiny" if args.tiny else "full"])
+    size["batch"] = args.batch_size or size["batch"]
     os.makedirs(args.out_dir, exist_ok=True)
     t0 = time.perf_counter()
     corpus = data.load_corpus(args.data, vocab_size=size["vocab"])
-    skip = set(args.skip.split(","))
+    skip = args.skip
     with open(os.path.join(args.out_dir, "bench.log"), "w") as log:
         rows, target, draft, loss = bench_train(size, corpus, device, args.learn_steps,
                                                 args.timed_steps, log)
