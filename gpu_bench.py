@@ -1,7 +1,7 @@
 """
 gpu_bench.py -- one command, one table: what the scripts achieve on this machine's GPU.
 
-Run:  python gpu_bench.py                          # one GPU, ~100M parameters, < 6 minutes
+Run:  python gpu_bench.py                          # one GPU, ~100M parameters (sized for < 6 min; unmeasured)
       python gpu_bench.py --device cpu --tiny      # the same code at toy size (its test)
 
 Every figure the README explains on 2 CPU cores, measured where the users run:
