@@ -1,6 +1,7 @@
-"""The HTTP layer (api_server.py) over real sockets on 127.0.0.1: hostile and malformed
-input, isolation of a poisoned request, idle/slow connections, disconnects, the OpenAI
-parameters (checked against the engine and the model), /metrics."""
+"""The HTTP layer (api_server.py) and the protocol it speaks (openai_api.py) over real
+sockets on 127.0.0.1: hostile and malformed input, isolation of a poisoned request,
+idle/slow connections, disconnects, the OpenAI parameters (checked against the engine and
+the model), /metrics."""
 import concurrent.futures
 import http.client
 import json
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import data
+import openai_api
 from api_server import make_server
 from model import GPT, get_config
 from serve import Engine, SamplingParams, decode_tokens
@@ -272,6 +274,24 @@ def test_refused_fields_are_named():
         assert post(srv, "/v1/completions", {"prompt": "x", "priority": 1})[0] == 200
     finally:
         stop(srv)
+
+
+def test_every_refused_field_is_refused_with_its_reason_and_listed(capsys):
+    """openai_api.REFUSED is the contract: each of its fields gets a 400 naming it and
+    saying why, and `python openai_api.py` lists it with that reason."""
+    srv = start()
+    try:
+        for field, why in openai_api.REFUSED.items():
+            status, _, err = post(srv, "/v1/chat/completions",
+                                  {"messages": [{"role": "user", "content": "x"}], field: 1})
+            assert status == 400 and err["error"]["param"] == field, (field, err)
+            assert why in err["error"]["message"], (field, err)
+    finally:
+        stop(srv)
+    openai_api.main([])
+    out = capsys.readouterr().out
+    for field, why in openai_api.REFUSED.items():
+        assert f"  {field}: {why}\n" in out
 
 
 # ----------------------------------------------------------------------------------------

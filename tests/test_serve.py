@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import data
+import serve
+import serve_bench
 from harness import run_python
 from model import GPT, get_config
 from plumbing import UserError
@@ -693,6 +695,17 @@ def test_cli_start_up_errors_are_one_line(tiny_checkpoint, tmp_path):
     for (_, message), r in zip(cases, results):
         assert r.returncode == 2, r.output
         assert message in r.output and "Traceback" not in r.output, r.output
+
+
+def test_cli_bench_is_its_own_mode(tiny_checkpoint):
+    """`bench` hands the rest of the command line to serve_bench.py: its flags exist only
+    there, and `bench` after a flag is a one-line error, not a server start."""
+    with pytest.raises(UserError, match="comes first"):
+        serve.main(["--checkpoint", tiny_checkpoint, "bench"])
+    with pytest.raises(UserError, match="--num-requests.*must be positive"):
+        serve.main(["bench", "--checkpoint", tiny_checkpoint, "--num-requests", "0"])
+    assert "--num-requests" not in serve.build_parser().format_help()
+    assert "--port" not in serve_bench.build_parser().format_help()
 
 
 @pytest.mark.slow
