@@ -582,6 +582,16 @@ def run_task(args, device):
                             ll_right_gen_wrong=float(((acc == 1) & (gen == 0)).mean()))
         print0(f"{'':<22}ranked right but generated wrong: {result[name]['ll_right_gen_wrong']:.1%} "
                f"of problems; generated right but ranked wrong: {((acc == 0) & (gen == 1)).mean():.1%}")
+    pairs = [(enc.encode_ordinary(p.prompt), enc.encode_ordinary(f"{c}{data.TERMINATOR}"))
+             for p in problems for c in candidates(p, args.choices, args.seed)]
+    seconds, lps = {}, {}
+    for reuse in (True, False):                  # the harness primitive, both ways
+        t0 = time.perf_counter()
+        lps[reuse] = continuation_logprobs(tuned, pairs, reuse_cache=reuse)
+        seconds[reuse] = time.perf_counter() - t0
+    diff = max((a - b).abs().max().item() for a, b in zip(lps[True], lps[False]))
+    print0(f"scoring {len(pairs)} continuations: prompt KV cache reused {seconds[True]:.2f} s, "
+           f"prompt re-run per candidate {seconds[False]:.2f} s; max |Δ log-prob| {diff:.1e}")
     print0("Ranking only asks the model to put the answer above a few near misses (chance "
            f"{1 / args.choices:.0%}); generation must produce it from the whole vocabulary "
            "and stop.")
@@ -650,7 +660,7 @@ def run_calibration(args, device):
             result[f"{kind} T={temp:.3f}"] = dict(ece=e, brier=b, nll=n, conf=float(conf.mean()))
             if kind == "sequence prob":
                 reliability[f"T={temp:.2f}"] = [0.0 if c == 0 else a for _, _, c, a, _ in bins]
-                labels = [f"{lo:.1f}" for lo, _, _, _, _ in bins]
+                labels = [f"{lo:.2f}" for lo, _, _, _, _ in bins]
                 counts = [c for _, _, c, _, _ in bins]
                 print0(f"{'':<22}items per bin: {counts}")
     print0("NLL = of the reference answer (what T minimises); accuracy is the same at every T: "
