@@ -256,11 +256,9 @@ def dedup_spans(docs: list[Document], unit: str = "paragraph", min_chars: int = 
 def word_ids(text: str) -> np.ndarray:
     """64-bit ids of the lower-cased words (\\w+; punctuation dropped, as FineWeb's
     normalization does), from BLAKE2b: deterministic across processes and machines."""
-    cache = {}
-    for w in re.findall(r"\w+", text.lower()):
-        if w not in cache:
-            cache[w] = int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little")
-    return np.fromiter((cache[w] for w in re.findall(r"\w+", text.lower())), dtype=np.uint64)
+    words = re.findall(r"\w+", text.lower())
+    ids = {w: int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little") for w in set(words)}
+    return np.fromiter((ids[w] for w in words), dtype=np.uint64, count=len(words))
 
 
 def shingle_set(ids: np.ndarray, k: int) -> np.ndarray:
@@ -907,11 +905,11 @@ def add_flags(p: argparse.ArgumentParser, max_bytes: int, lsh=True, rules=False,
     p.add_argument("--arith-lines", type=int, default=64, help="problems per arithmetic document")
     p.add_argument("--max-bytes-per-domain", type=int, default=max_bytes,
                    help="keep a seeded subset of each domain (0 = everything)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds subsets, hashes, sampling, training")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matrices: "
                    "a second thread mostly waits, and on a shared box it spins)")
     p.add_argument("--show", type=int, default=3, help="examples / clusters to print")
-    p.add_argument("--out-dir", default=OUT_DIR)
+    p.add_argument("--out-dir", default=OUT_DIR, help="where mix.txt, mix.json, sweep.json go")
     if lsh:
         p.add_argument("--shingle", type=int, default=5, help="words per shingle (FineWeb: 5)")
         p.add_argument("--permutations", type=int, default=112, help="MinHash hashes (FineWeb: 112)")
@@ -920,13 +918,15 @@ def add_flags(p: argparse.ArgumentParser, max_bytes: int, lsh=True, rules=False,
         p.add_argument("--min-span-chars", type=int, default=200, help="shortest repeated line/paragraph removed")
     if rules:
         for r in RULES:
-            p.add_argument(f"--{r.name.replace('_', '-')}", type=float, default=r.default, help=r.source)
+            p.add_argument(f"--{r.name.replace('_', '-')}", type=float, default=r.default,
+                           help=r.source.replace("%", "%%"))  # argparse formats help with %
         p.add_argument("--skip-rules", default="max_curly", help="rules to turn off, comma-separated")
         p.add_argument("--exempt", default="arith", help="domains the rules do not touch")
     if pipeline:
         p.add_argument("--filter", action="store_true", help="apply the quality rules (written for web "
                        "prose they remove about half of the code: see `filter`)")
-        p.add_argument("--dedup", default="near", choices=["none", "exact", "near"])
+        p.add_argument("--dedup", default="near", choices=["none", "exact", "near"],
+                       help="drop copies: none, exact (normalized hash) or near (+ MinHash/LSH)")
         p.add_argument("--spans", default="none", choices=["none", "paragraph", "line"],
                        help="also drop repeated paragraphs/lines")
 
@@ -953,10 +953,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     q.add_argument("--subset", type=float, default=0.1, help="share of each domain's clusters used")
     q.add_argument("--mixtures", default="natural;uniform;lib=0.5,tests=0.2,prose=0.2,arith=0.1",
                    help="';'-separated: natural, uniform, T=<temperature> or domain=weight,...")
-    q.add_argument("--preset", default="tiny")
-    q.add_argument("--steps", type=int, default=1500)
-    q.add_argument("--batch-size", type=int, default=16)
-    q.add_argument("--lr", type=float, default=3e-3)
+    q.add_argument("--preset", default="tiny", help="model.py preset (its vocab sizes the tokenizer)")
+    q.add_argument("--steps", type=int, default=1500, help="optimizer steps per run")
+    q.add_argument("--batch-size", type=int, default=16, help="sequences of block_size tokens per step")
+    q.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
     q.add_argument("--val-fraction", type=float, default=0.1, help="share of clusters held out")
     q.add_argument("--eval-tokens", type=int, default=16384, help="tokens scored per domain")
     return p.parse_args(argv)

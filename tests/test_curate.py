@@ -390,3 +390,12 @@ def test_train_on_reads_the_stream_and_learns_it():
     assert nats < math.log(cfg.vocab_size) - 1.5
     again = curate.train_on(stream, cfg, args, seed=0)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+
+
+@pytest.mark.parametrize("mode", ["stats", "dedup", "filter", "mix", "sweep"])
+def test_help_shows_every_default_once(mode, capsys):
+    with pytest.raises(SystemExit) as e:
+        curate.parse_args([mode, "--help"])
+    out = capsys.readouterr().out
+    flags = [line for line in out.splitlines() if line.startswith("  --")]
+    assert e.value.code == 0 and out.count("(default:") == len(flags) > 5
