@@ -34,12 +34,13 @@ resume with any world size (or any mode) reads the ranges it now needs -- reshar
 """
 import math
 import os
+import shutil
 import warnings
 
 import torch
 
 from model import load_checkpoint
-from plumbing import UserError, comm, tensor_bytes
+from plumbing import UserError, comm, model_state_bytes, tensor_bytes
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 # ZeRO-3 gathers the embedding before its backward like every other unit (as FSDP does),
@@ -61,6 +62,47 @@ def decay_groups(tensors, weight_decay):
 
 
 # ----------------------------------------------------------------------------------------
+# The interface every mode shares (see wrap), and the world of one: train.py's step and
+# loop call the same methods whether one process trains or N do, so they have no "if dp".
+
+class OneProcess:
+    """One process, no communication: the gradients are already whole and final. params:
+    what the optimizer steps (the model's parameters, or train.py's fp32 master copies in
+    mixed precision); grads are those params' .grad."""
+
+    def __init__(self, model, params):
+        self.model = model
+        self.params = list(params)
+
+    def set_sync(self, sync):
+        pass
+
+    def finish_grads(self):
+        pass
+
+    def grads(self):
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def clip_grads(self, max_norm):
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+
+    def after_step(self):
+        pass
+
+    def zero_grad(self):
+        self.model.zero_grad(set_to_none=True)
+
+    def optimizer_groups(self, weight_decay):
+        return decay_groups([(p, p.dim()) for p in self.params], weight_decay)
+
+    def state_bytes(self, optimizer):
+        own = {id(p) for p in self.model.parameters()}
+        master = [p for p in self.params if id(p) not in own]   # fp32 copies, if any
+        rows = model_state_bytes(self.model, optimizer, master)
+        return {k: v for k, v in rows.items() if k != "total"}
+
+
+# ----------------------------------------------------------------------------------------
 # DDP by hand: gradients bucketed, each bucket all-reduced as soon as all its gradients
 # exist, while backward continues on earlier layers (overlap). Li et al. 2020 (PyTorch DDP).
 
@@ -71,6 +113,9 @@ class WholeParameters:
 
     def grads(self):
         return [p.grad for p in self.params if p.grad is not None]
+
+    def clip_grads(self, max_norm):
+        return clip_grad_norm(self, max_norm)
 
     def after_step(self):
         pass
@@ -300,6 +345,9 @@ class ZeRO:
     def grads(self):
         return [view.grad for *_, view in self.pieces]
 
+    def clip_grads(self, max_norm):
+        return clip_grad_norm(self, max_norm)
+
     def after_step(self):
         """Stages 1-2: every rank needs the whole updated model for the next forward:
         all-gather the updated slices into the flat buffers the parameters view."""
@@ -486,6 +534,33 @@ def load_shards(directory, dp, optimizer, rank):
             optimizer.state[key] = state
     dp.after_step()          # stages 1-2: gather the full parameters from the slices
     return meta
+
+
+def latest_shards(root):
+    """The folder `root/latest` points at (the last complete save), or None."""
+    pointer = os.path.join(root, "latest")
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as f:
+        return os.path.join(root, f.read().strip())
+
+
+def save_sharded_checkpoint(root, step, dp, optimizer, rt, meta):
+    """Every rank writes its ranges into root/step_K/, then rank 0 points `latest` at it
+    and removes the previous save: a crash mid-save leaves `latest` on the previous
+    complete checkpoint. Collective (barriers): every rank calls it."""
+    folder = os.path.join(root, f"step_{step}")
+    save_shards(folder, dp, optimizer, rt.rank, meta if rt.is_main else None)
+    if rt.distributed:
+        torch.distributed.barrier()
+    if rt.is_main:
+        previous = latest_shards(root)
+        with open(os.path.join(root, "latest.tmp"), "w") as f:
+            f.write(f"step_{step}")
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        if previous and os.path.abspath(previous) != os.path.abspath(folder):
+            shutil.rmtree(previous, ignore_errors=True)
+    return folder
 
 
 def _atomic_save(obj, path):

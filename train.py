@@ -34,9 +34,9 @@ Techniques here and their price:
 import argparse
 import math
 import os
-import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -47,9 +47,8 @@ import data_parallel
 import optim
 from model import GPT, GPTConfig, PRESETS, get_config, load_checkpoint
 from plumbing import (ActivationMeter, StepTimer, UserError, comm, fmt_bytes, fmt_count,
-                      gpu_peak_flops, model_state_bytes, print0, rng_state, run_cli,
-                      seed_everything, set_rng_state, setup_runtime,
-                      require_at_least_one)
+                      gpu_peak_flops, print0, require_at_least_one, rng_state, run_cli,
+                      seed_everything, set_rng_state, setup_runtime)
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -184,44 +183,40 @@ def autocast_ctx(args, device):
                           enabled=args.precision == "autocast-bf16")
 
 
-def train_step(model, optimizer, batches, args, device, scaler=None, master=None, dp=None):
+def train_step(model, optimizer, batches, args, device, scaler=None, master=None, sync=None):
     """One optimizer step over len(batches) micro-batches (gradient accumulation: the loss
     of each is divided by their number, so the summed gradient is that of the mean loss).
-    dp: a data_parallel wrapper; it communicates the gradients (during backward and in
+    sync: who holds the gradients -- data_parallel.OneProcess (the default) or a
+    data-parallel wrapper, which communicates the gradients (during backward and in
     finish_grads) and, for ZeRO-1/2, the updated parameters (after_step).
     Returns (mean loss, activation bytes of one micro-batch, step skipped?)."""
-    total, act_bytes = 0.0, 0
+    if sync is None:
+        sync = data_parallel.OneProcess(model, master.params if master else
+                                        [p for p in model.parameters() if p.requires_grad])
     scale = scaler.scale if scaler is not None and scaler.enabled else 1.0
+    total = 0.0
+    act_bytes = 0
     for i, (x, y) in enumerate(batches):
-        if dp is not None:
-            dp.set_sync(i == len(batches) - 1)    # communicate on the last micro-step only
+        sync.set_sync(i == len(batches) - 1)      # communicate on the last micro-step only
         with ActivationMeter(model) as meter, autocast_ctx(args, device):
             _, loss = model(x, y)
         act_bytes = max(act_bytes, meter.bytes)
         (loss * (scale / len(batches))).backward()
         total += loss.item() / len(batches)
-    found_inf = False
-    if dp is not None:
-        dp.finish_grads()
-    elif master is not None:
-        found_inf = master.grads_to_master(1.0 / scale)
+    sync.finish_grads()                           # data parallel: the gradients averaged
+    found_inf = master.grads_to_master(1.0 / scale) if master is not None else False
     if scaler is not None and scaler.enabled:
-        scaler.update(found_inf)
-    if not found_inf:
-        if args.grad_clip > 0 and dp is not None:
-            data_parallel.clip_grad_norm(dp, args.grad_clip)
-        elif args.grad_clip > 0:
-            params = master.params if master is not None else \
-                [p for p in model.parameters() if p.requires_grad]
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-        optimizer.step()
-        if master is not None:
-            master.master_to_model()
-        if dp is not None:
-            dp.after_step()
-    elif master is not None:
+        scaler.update(found_inf)                  # fp16: inf/NaN -> skip, halve the scale
+    if found_inf:
         for p in master.params:
             p.grad = None
+    else:
+        if args.grad_clip > 0:
+            sync.clip_grads(args.grad_clip)
+        optimizer.step()
+        if master is not None:
+            master.master_to_model()              # round the fp32 update into the model
+        sync.after_step()                         # ZeRO-1/2: gather the updated slices
     if args.qk_clip:   # MuonClip, with the maxima this step's forward recorded
         optim.apply_qk_clip(model, dict(zip(master.model_params, master.params)) if master else None)
     return total, act_bytes, found_inf
@@ -375,31 +370,41 @@ def parse_count(text):
 # ----------------------------------------------------------------------------------------
 # Building and the loop
 
+@dataclass
+class Run:
+    """What one training run holds: built by build(), carried by the loop, saved by save()."""
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+    master: Optional[MasterWeights]   # fp32 copies of the weights (bf16 / fp16 only)
+    sync: object                      # data_parallel.OneProcess, or a --dp wrapper
+    corpus: data.Corpus
+    step: int                         # optimizer steps done = the data position
+    history: dict                     # losses so far (saved with the checkpoint)
+
+
 def shards_dir(args):
     """--dp runs save sharded checkpoints here, one folder per saved step."""
     return os.path.splitext(args.ckpt)[0] + "_shards"
 
 
-def latest_shards(args):
-    pointer = os.path.join(shards_dir(args), "latest")
-    if not os.path.exists(pointer):
+def find_resume(args):
+    """The checkpoint --resume continues from (read safely), or None without --resume."""
+    if not args.resume:
         return None
-    with open(pointer) as f:
-        return os.path.join(shards_dir(args), f.read().strip())
-
-
-def build(args, rt):
-    """-> model, optimizer, scaler, master weights, corpus, starting step, history, dp."""
-    resume = None
-    if args.resume and args.dp:
-        if latest_shards(args) is None:
+    if args.dp:
+        folder = data_parallel.latest_shards(shards_dir(args))
+        if folder is None:
             raise UserError(f"--resume --dp: no sharded checkpoint in {shards_dir(args)!r} "
                             "(written by a --dp run with --save-interval)")
-        resume = load_resume(os.path.join(latest_shards(args), "meta.pt"), "--resume --dp: meta")
-    elif args.resume:
-        if not os.path.exists(args.ckpt):
-            raise UserError(f"--resume: checkpoint {args.ckpt!r} not found")
-        resume = load_resume(args.ckpt, "--resume: checkpoint")
+        return load_resume(os.path.join(folder, "meta.pt"), "--resume --dp: meta")
+    if not os.path.exists(args.ckpt):
+        raise UserError(f"--resume: checkpoint {args.ckpt!r} not found")
+    return load_resume(args.ckpt, "--resume: checkpoint")
+
+
+def build_model(args, rt, resume):
+    """The config (the checkpoint's when resuming), the corpus and the model on the device."""
     if resume:
         cfg = GPTConfig(**resume["config"]).validate()
     else:
@@ -417,8 +422,31 @@ def build(args, rt):
         raise UserError(f"--seq-len {args.seq_len} is longer than the model's context "
                         f"(block_size={cfg.block_size})")
     model = GPT(cfg, seed=args.seed).to(rt.device)
-    if resume and not args.dp:
+    if resume and not args.dp:      # (a --dp resume reads its shards into the wrapper)
         model.load_state_dict(resume["model"])
+    return model, corpus
+
+
+def build_optimizer(args, model, sync, master):
+    """AdamW over decay / no-decay groups, or Muon on the hidden matrices + AdamW."""
+    if args.optimizer != "muon":
+        return torch.optim.AdamW(sync.optimizer_groups(args.weight_decay), lr=args.lr,
+                                 betas=(args.beta1, args.beta2), eps=1e-8)
+    if args.dp not in (None, "ddp"):
+        raise UserError(f"--optimizer muon runs without --dp or with --dp ddp: --dp {args.dp} "
+                        "shards flat slices and Newton–Schulz needs whole matrices")
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = master.params if master else [p for p in model.parameters() if p.requires_grad]
+    return optim.build_optimizer(zip(names, params), "muon", lr=args.lr,
+                                 weight_decay=args.weight_decay, muon_lr=args.muon_lr,
+                                 betas=(args.beta1, args.beta2))
+
+
+def build(args, rt):
+    """-> Run: the model (checkpointed, in its precision, wrapped for --dp), its optimizer
+    and loss scaler, the corpus, and where a --resume continues from."""
+    resume = find_resume(args)
+    model, corpus = build_model(args, rt, resume)
     master = None
     if args.precision in LOW_PRECISION:
         if args.dp:
@@ -426,63 +454,43 @@ def build(args, rt):
                             "only; with --dp use fp32 or autocast-bf16")
         master = MasterWeights(model, LOW_PRECISION[args.precision])
     apply_activation_checkpointing(model, args.checkpointing)
-    dp = data_parallel.wrap(model, args.dp, rt, args.bucket_mb) if args.dp else None
-    if dp is not None:
-        groups = dp.optimizer_groups(args.weight_decay)
+    if args.dp:
+        sync = data_parallel.wrap(model, args.dp, rt, args.bucket_mb)
     else:
-        params = master.params if master else list(model.parameters())
-        groups = data_parallel.decay_groups([(p, p.dim()) for p in params], args.weight_decay)
-    if args.optimizer == "muon":
-        if args.dp not in (None, "ddp"):
-            raise UserError(f"--optimizer muon runs without --dp or with --dp ddp: --dp {args.dp} "
-                            "shards flat slices and Newton–Schulz needs whole matrices")
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
-        params = master.params if master else [p for p in model.parameters() if p.requires_grad]
-        optimizer = optim.build_optimizer(zip(names, params), "muon", lr=args.lr,
-                                          weight_decay=args.weight_decay, muon_lr=args.muon_lr,
-                                          betas=(args.beta1, args.beta2))
-    else:
-        optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2),
-                                      eps=1e-8)
+        sync = data_parallel.OneProcess(model, master.params if master else
+                                        [p for p in model.parameters() if p.requires_grad])
+    optimizer = build_optimizer(args, model, sync, master)
     if args.qk_clip:
         optim.enable_qk_clip(model, args.qk_clip)
     scaler = LossScaler(args.loss_scale, args.scale_window, enabled=args.precision == "fp16")
-    step, history = 0, {"loss": [], "val": []}
+    run = Run(model, optimizer, scaler, master, sync, corpus, 0, {"loss": [], "val": []})
     if resume:
-        if dp is not None:
-            data_parallel.load_shards(latest_shards(args), dp, optimizer, rt.rank)
+        if args.dp:
+            folder = data_parallel.latest_shards(shards_dir(args))
+            data_parallel.load_shards(folder, sync, optimizer, rt.rank)
         else:
             optimizer.load_state_dict(resume["optimizer"])
         scaler.load_state_dict(resume["scaler"])
-        step, history = resume["step"], resume["history"]
+        run.step = resume["step"]
+        run.history = resume["history"]
         restore_rng_state(resume["rng"])
-    return model, optimizer, scaler, master, corpus, step, history, dp
+    return run
 
 
-def save(args, rt, model, optimizer, scaler, master, dp, step, corpus, history):
-    if dp is None:
-        return save_checkpoint(args.ckpt, model, optimizer, scaler, master, step, args, corpus,
-                               history)
-    # Sharded: every rank writes its ranges into step_K/, then rank 0 points `latest` at
-    # it. A crash mid-save leaves `latest` on the previous complete checkpoint.
-    folder = os.path.join(shards_dir(args), f"step_{step}")
-    meta = dict(config=asdict(model.config), scaler=scaler.state_dict(), step=step,
-                args=vars(args), rng=plain_rng_state(),
-                tokenizer=data.encoding_to_state(corpus.enc),
-                corpus=corpus.name, history=history, world_size=rt.world_size, mode=args.dp)
-    data_parallel.save_shards(folder, dp, optimizer, rt.rank, meta if rt.is_main else None)
-    weights = data_parallel.full_state_dict(model, dp)   # collective for zero3 / fsdp
-    if rt.distributed:
-        dist.barrier()
+def save(args, rt, run):
+    """One file for one process; sharded (data_parallel.py) plus a single-file export of
+    the weights for the other scripts under --dp."""
+    if not args.dp:
+        return save_checkpoint(args.ckpt, run.model, run.optimizer, run.scaler, run.master,
+                               run.step, args, run.corpus, run.history)
+    meta = dict(config=asdict(run.model.config), scaler=run.scaler.state_dict(),
+                step=run.step, args=vars(args), rng=plain_rng_state(),
+                tokenizer=data.encoding_to_state(run.corpus.enc), corpus=run.corpus.name,
+                history=run.history, world_size=rt.world_size, mode=args.dp)
+    data_parallel.save_sharded_checkpoint(shards_dir(args), run.step, run.sync,
+                                          run.optimizer, rt, meta)
+    weights = data_parallel.full_state_dict(run.model, run.sync)  # collective: zero3, fsdp
     if rt.is_main:
-        previous = latest_shards(args)
-        with open(os.path.join(shards_dir(args), "latest.tmp"), "w") as f:
-            f.write(f"step_{step}")
-        os.replace(os.path.join(shards_dir(args), "latest.tmp"),
-                   os.path.join(shards_dir(args), "latest"))
-        if previous and os.path.abspath(previous) != os.path.abspath(folder):
-            shutil.rmtree(previous, ignore_errors=True)
-        # a plain single-file export (weights, config, tokenizer) for the other scripts
         export = {k: v for k, v in meta.items() if k not in ("rng", "scaler")}
         torch.save({**export, "model": weights, "exported_from": args.dp}, args.ckpt + ".tmp")
         os.replace(args.ckpt + ".tmp", args.ckpt)
@@ -490,86 +498,116 @@ def save(args, rt, model, optimizer, scaler, master, dp, step, corpus, history):
         dist.barrier()
 
 
-def train(args, rt):
-    seed_everything(args.seed)
-    model, optimizer, scaler, master, corpus, step, history, dp = build(args, rt)
-    cfg = model.config
-    with torch.device("meta"):      # count from the config: ZeRO-3/FSDP hold only shards
-        n_params = GPT(cfg, seed=None).num_params()
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * rt.world_size
-    peak = gpu_peak_flops(rt.device)
+def state_rows(run, rt):
+    """This rank's model-state bytes by kind, with their total."""
+    rows = run.sync.state_bytes(run.optimizer)
+    rows.setdefault("opt_scalars", 0)
+    rows["total"] = sum(rows.values())
+    return rows
+
+
+def banner(args, rt, run, n_params, tokens_per_step):
+    cfg = run.model.config
+    corpus = run.corpus
     print0(f"model {args.preset}: {n_params:,} params ({cfg.n_layer} layers, d={cfg.n_embd}, "
            f"{cfg.n_head} heads / {cfg.n_kv_head} kv, vocab {cfg.vocab_size}) | corpus "
            f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, "
            f"{corpus.bytes_per_token:.2f} bytes/token | {tokens_per_step:,} tokens/step | "
            f"{args.precision}, checkpointing {args.checkpointing}, device {rt.device}"
-           + (f" | --dp {args.dp} on {rt.world_size} ranks" if dp is not None else ""))
-    if step == 0:
+           + (f" | --dp {args.dp} on {rt.world_size} ranks" if args.dp else ""))
+    if run.step == 0:
         baseline = data.unigram_baseline_loss(corpus.train, corpus.val, cfg.vocab_size)
-        history["unigram"] = baseline
-        print0(f"unigram baseline val loss {baseline:.3f} (uniform: {math.log(cfg.vocab_size):.3f})")
-    state, act_bytes, t_start, first_step, sent = None, 0, time.time(), step, 0
-    while step < args.steps and step - first_step < (args.stop_after or args.steps):
-        if args.crash_at_step == step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" \
-                and rt.rank == rt.world_size - 1:
-            print(f"rank {rt.rank}: crashing on purpose at step {step} (--crash-at-step)",
-                  flush=True)
-            os._exit(1)            # abrupt: no cleanup, no checkpoint, like a lost node
-        lr = learning_rate(step, args)
-        optim.set_lr(optimizer, lr)
-        batches = micro_batches(corpus, args, step, rt.device, rt.rank)
+        run.history["unigram"] = baseline
+        print0(f"unigram baseline val loss {baseline:.3f} (uniform: "
+               f"{math.log(cfg.vocab_size):.3f})")
+
+
+def crash_on_purpose(args, rt, step):
+    """--crash-at-step: the last rank leaves abruptly (first attempt only), like a lost
+    node, so torchrun --max-restarts can show a resume."""
+    if (args.crash_at_step == step and rt.rank == rt.world_size - 1
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        print(f"rank {rt.rank}: crashing on purpose at step {step} (--crash-at-step)",
+              flush=True)
+        os._exit(1)
+
+
+def log_line(args, rt, run, loss, lr, timer, state, act_bytes, sent_per_step, skipped,
+             tokens_per_step):
+    line = (f"step {run.step:4d} | loss {loss:.4f} | lr {lr:.2e} | "
+            f"{fmt_count(tokens_per_step / timer.seconds)} tok/s | "
+            f"{timer.seconds * 1000:.0f} ms | state {fmt_bytes(state['total'])}"
+            f"{'/rank' if args.dp else ''} | act {fmt_bytes(act_bytes)}")
+    if args.dp:
+        line += f" | sent {fmt_bytes(sent_per_step)}/step"
+    peak = gpu_peak_flops(rt.device)
+    if peak:
+        flops = run.model.flops_per_token(args.seq_len) * tokens_per_step / timer.seconds
+        line += f" | mfu {100 * flops / peak / rt.world_size:.1f}%"
+    if args.precision == "fp16":
+        line += f" | scale {run.scaler.scale:g}" + (" SKIPPED" if skipped else "")
+    return line
+
+
+def train(args, rt):
+    seed_everything(args.seed)
+    run = build(args, rt)
+    with torch.device("meta"):      # count from the config: ZeRO-3/FSDP hold only shards
+        n_params = GPT(run.model.config, seed=None).num_params()
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * rt.world_size
+    banner(args, rt, run, n_params, tokens_per_step)
+    first_step = run.step
+    last = min(args.steps, first_step + (args.stop_after or args.steps))
+    state, act_bytes, sent, t_start = None, 0, 0, time.time()
+    while run.step < last:
+        crash_on_purpose(args, rt, run.step)
+        lr = learning_rate(run.step, args)
+        optim.set_lr(run.optimizer, lr)
+        batches = micro_batches(run.corpus, args, run.step, rt.device, rt.rank)
         wire_before = comm.total_wire
         with StepTimer(rt.device) as timer:
-            loss, act_bytes, skipped = train_step(model, optimizer, batches, args, rt.device,
-                                                  scaler, master, dp)
+            loss, act_bytes, skipped = train_step(run.model, run.optimizer, batches, args,
+                                                  rt.device, run.scaler, run.master, run.sync)
         sent += comm.total_wire - wire_before
-        if dp is not None:
-            state = dp.state_bytes(optimizer)
-            state["total"], state["opt_scalars"] = sum(state.values()), 0
-            loss = global_mean(loss, rt)
-        else:
-            state = model_state_bytes(model, optimizer, master.params if master else ())
-        (dp.zero_grad if dp is not None else model.zero_grad)()
-        history["loss"].append(loss)
-        step += 1
-        if step % args.log_interval == 0 or step == args.steps:
-            line = (f"step {step:4d} | loss {loss:.4f} | lr {lr:.2e} | "
-                    f"{fmt_count(tokens_per_step / timer.seconds)} tok/s | "
-                    f"{timer.seconds * 1000:.0f} ms | state {fmt_bytes(state['total'])}"
-                    f"{'/rank' if dp is not None else ''} | act {fmt_bytes(act_bytes)}")
-            if dp is not None:
-                line += f" | sent {fmt_bytes(sent / (step - first_step))}/step"
-            if peak:
-                mfu = model.flops_per_token(args.seq_len) * tokens_per_step / timer.seconds / peak
-                line += f" | mfu {100 * mfu / rt.world_size:.1f}%"
-            if args.precision == "fp16":
-                line += f" | scale {scaler.scale:g}" + (" SKIPPED" if skipped else "")
-            print0(line)
-        if step % args.eval_interval == 0 or step == args.steps:
-            val = evaluate(model, corpus, args, rt.device)
-            history["val"].append((step, val))
-            print0(f"step {step:4d} | val loss {val:.4f}")
-        stopping = step == args.steps or step - first_step == args.stop_after
-        if args.save_interval and (step % args.save_interval == 0 or stopping):
-            save(args, rt, model, optimizer, scaler, master, dp, step, corpus, history)
+        state = state_rows(run, rt)        # measured while the gradients still exist
+        run.sync.zero_grad()
+        loss = global_mean(loss, rt)
+        run.history["loss"].append(loss)
+        run.step += 1
+        if run.step % args.log_interval == 0 or run.step == args.steps:
+            print0(log_line(args, rt, run, loss, lr, timer, state, act_bytes,
+                            sent / (run.step - first_step), skipped, tokens_per_step))
+        if run.step % args.eval_interval == 0 or run.step == args.steps:
+            val = evaluate(run.model, run.corpus, args, rt.device)
+            run.history["val"].append((run.step, val))
+            print0(f"step {run.step:4d} | val loss {val:.4f}")
+        if args.save_interval and (run.step % args.save_interval == 0 or run.step == last):
+            save(args, rt, run)
     elapsed = time.time() - t_start
-    if state is not None and dp is None:
-        muon = sum(p.numel() for n, p in model.named_parameters()
+    if state is not None:
+        final_report(args, rt, run, state, n_params, act_bytes, sent / (run.step - first_step))
+    print0(f"trained {run.step} steps in {elapsed:.1f} s")
+    if args.sample_tokens and run.step > 0:
+        sample(run.model, run.corpus.enc, args, rt.device)
+    run.history["elapsed"] = elapsed
+    return run.history
+
+
+def final_report(args, rt, run, state, n_params, act_bytes, sent_per_step):
+    """The model-state ledger (one process: next to the formula; --dp: every rank next to
+    the ZeRO formulas) and the activations next to Korthikanti et al.'s formula."""
+    cfg = run.model.config
+    if args.dp:
+        run.history["ledger"] = dp_ledger(args, rt, state, n_params, sent_per_step)
+    else:
+        muon = sum(p.numel() for n, p in run.model.named_parameters()
                    if optim.is_hidden_matrix(n, p)) if args.optimizer == "muon" else 0
         print0(model_state_report(state, n_params, args.precision, muon))
-    elif state is not None:
-        history["ledger"] = dp_ledger(args, rt, state, n_params, sent / (step - first_step))
-    if state is not None:
-        a = activation_formula(args.seq_len, args.batch_size, cfg.n_embd, cfg.n_head,
-                               cfg.n_layer, 4 if args.precision == "fp32" else 2)
-        print0(f"activations of one micro-batch: measured {fmt_bytes(act_bytes)} vs "
-               f"Korthikanti's GPT-3-block formula {fmt_bytes(a)} (ours: no dropout, SwiGLU, "
-               f"GQA, checkpointing={args.checkpointing})")
-    print0(f"trained {step} steps in {elapsed:.1f} s")
-    if args.sample_tokens and step > 0:
-        sample(model, corpus.enc, args, rt.device)
-    history["elapsed"] = elapsed
-    return history
+    a = activation_formula(args.seq_len, args.batch_size, cfg.n_embd, cfg.n_head,
+                           cfg.n_layer, 4 if args.precision == "fp32" else 2)
+    print0(f"activations of one micro-batch: measured {fmt_bytes(act_bytes)} vs "
+           f"Korthikanti's GPT-3-block formula {fmt_bytes(a)} (ours: no dropout, SwiGLU, "
+           f"GQA, checkpointing={args.checkpointing})")
 
 
 def global_mean(value, rt):
@@ -636,31 +674,28 @@ def bench(args, rt):
             raise UserError("bench needs --batch-size divisible by 4 (for the accumulation row)")
     results = []
     for label, changes in rows:
-        run = argparse.Namespace(**{**vars(args), **changes, "steps": args.bench_steps,
-                                    "save_interval": 0, "sample_tokens": 0, "resume": False})
-        seed_everything(run.seed)
-        model, optimizer, scaler, master, corpus, _, _, dp = build(run, rt)
+        run_args = argparse.Namespace(**{**vars(args), **changes, "steps": args.bench_steps,
+                                         "save_interval": 0, "sample_tokens": 0,
+                                         "resume": False})
+        seed_everything(run_args.seed)
+        run = build(run_args, rt)
         times, act = [], 0
-        for step in range(run.steps):
-            batches = micro_batches(corpus, run, step, rt.device, rt.rank)
+        for step in range(run_args.steps):
+            batches = micro_batches(run.corpus, run_args, step, rt.device, rt.rank)
             wire = comm.total_wire
             with StepTimer(rt.device) as timer:
-                _, act, _ = train_step(model, optimizer, batches, run, rt.device, scaler,
-                                       master, dp)
+                _, act, _ = train_step(run.model, run.optimizer, batches, run_args, rt.device,
+                                       run.scaler, run.master, run.sync)
             sent = comm.total_wire - wire
-            if dp is not None:
-                state = sum(dp.state_bytes(optimizer).values())
-                dp.zero_grad()
-            else:
-                state = model_state_bytes(model, optimizer, master.params if master else ())
-                state = state["total"] - state["opt_scalars"]
-                model.zero_grad(set_to_none=True)
+            rows = state_rows(run, rt)
+            state = rows["total"] - rows["opt_scalars"]
+            run.sync.zero_grad()
             times.append(timer.seconds)
         t = min(times[1:] or times)          # the first step pays one-time costs
         results.append((label, state, act, t, sent))
     base = results[0]
     print0(f"bench: preset {args.preset}, attention {args.attn}, {args.batch_size}×"
-           f"{run.seq_len} tokens/step/rank, {rt.world_size} rank(s), best of "
+           f"{run_args.seq_len} tokens/step/rank, {rt.world_size} rank(s), best of "
            f"{args.bench_steps} steps, device {rt.device}")
     print0(f"{'technique':<30} {'state/rank':>11} {'activations':>12} {'act ×':>6} "
            f"{'step ms':>8} {'time ×':>7} {'sent/step':>10}")
@@ -774,7 +809,8 @@ def main(argv=None):
                         f"{', '.join(data_parallel.MODES)}")
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and args.save_interval:
         # torchrun restarted us after a failure: continue from the last checkpoint, if any
-        args.resume = bool(latest_shards(args)) if args.dp else os.path.exists(args.ckpt)
+        args.resume = (bool(data_parallel.latest_shards(shards_dir(args))) if args.dp
+                       else os.path.exists(args.ckpt))
         print0(f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: "
                + ("resuming from the last checkpoint" if args.resume else "no checkpoint yet"))
     return bench(args, rt) if args.mode == "bench" else train(args, rt)

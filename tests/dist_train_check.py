@@ -26,8 +26,8 @@ def reference(argv, worlds):
     """One process, AdamW on the concatenation of the ranks' batches: step s uses the
     batches of ranks 0..worlds[s]-1 (the world size may change at a resume)."""
     args = train.parse_args(argv)
-    model, opt, *_ = train.build(args, Runtime())
-    corpus = train.data.load_corpus(args.data, vocab_size=model.config.vocab_size)
+    run = train.build(args, Runtime())
+    model, opt, corpus = run.model, run.optimizer, run.corpus
     losses = []
     for step, world in enumerate(worlds):
         for group in opt.param_groups:
@@ -51,7 +51,7 @@ def close_weights(path, want, label):
     another order changes them by ~1e-7 relative, and Adam's g/√v amplifies that on the
     few elements whose gradient is near zero. A missed, doubled or mis-scaled update moves
     weights by ~lr = 3e-3 and fails."""
-    got = torch.load(path, weights_only=False)["model"]
+    got = torch.load(path, weights_only=True)["model"]
     for name, w in want.items():
         err = (got[name] - w).abs().max().item()
         assert err <= 1e-4, (label, name, err)
