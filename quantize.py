@@ -912,22 +912,22 @@ def qat_run(base, corpus, bits, group_size, lsq, args, steps):
 
 def qat_rows(base, corpus, ev, bits_list, quantizers, args, steps):
     """QAT against its two controls: PTQ at the same bits, and the same number of fp32
-    fine-tuning steps (then RTN) -- so the gain is the quantizer's, not the extra steps'."""
+    fine-tuning steps (then RTN) -- so the gain is the quantizer's, not the extra steps'.
+    Yields (ledger row, model)."""
     t0 = time.perf_counter()
     tuned = copy.deepcopy(base)
     seq = min(base.config.block_size, args.seq_len)
     finetune(tuned, corpus, steps, args.lr, args.batch_size, seq, args.seed + 3)
-    rows = [ev.row(tuned, f"fp32 + {steps} steps", "fp32", time.perf_counter() - t0)]
-    yield rows[0]
+    yield ev.row(tuned, f"fp32 + {steps} steps", "fp32", time.perf_counter() - t0), tuned
     for bits in bits_list:
         g = default_group(bits, args.group_size)
-        yield ev.row(quantize_model(copy.deepcopy(tuned), bits, g),
-                     f"fp32 + {steps} steps, rtn", fmt_name(bits, g))
+        control = quantize_model(copy.deepcopy(tuned), bits, g)
+        yield ev.row(control, f"fp32 + {steps} steps, rtn", fmt_name(bits, g)), control
         for lsq in quantizers:
             t0 = time.perf_counter()
             model = qat_run(base, corpus, bits, g, lsq, args, steps)
             yield ev.row(model, f"qat-{'lsq' if lsq else 'ste'} {steps} steps",
-                         fmt_name(bits, g), time.perf_counter() - t0)
+                         fmt_name(bits, g), time.perf_counter() - t0), model
 
 
 def int_mm_decision(base):
@@ -975,9 +975,9 @@ def cmd_qat(args, base, corpus, ev):
     table.add(ev.row(base, "fp32", "fp32"))
     table.add(ev.row(quantize_model(copy.deepcopy(base), args.bits, g), "rtn (PTQ)",
                      fmt_name(args.bits, g)))
-    for row in qat_rows(base, corpus, ev, [args.bits], [args.lsq], args, args.steps):
+    for row, model in qat_rows(base, corpus, ev, [args.bits], [args.lsq], args, args.steps):
         table.add(row)
-    return qat_run(base, corpus, args.bits, g, args.lsq, args, args.steps), table.rows
+    return model, table.rows            # the last one: the QAT model
 
 
 def cmd_prune(args, base, corpus, ev):
@@ -1021,8 +1021,8 @@ def cmd_compare(args, base, corpus, ev):
     model, passes, note = ptq(base, "smoothquant", 8, 0, calib, args, int_mm_rows)
     table.add(ev.row(model, "smoothquant", fmt_name(8, 0, 8), time.perf_counter() - t0,
                      passes, note))
-    for row in qat_rows(base, corpus, ev, [b for b in bits_list if b != 8], [False, True],
-                        args, args.qat_steps):
+    for row, _ in qat_rows(base, corpus, ev, [b for b in bits_list if b != 8], [False, True],
+                           args, args.qat_steps):
         table.add(row)
     for criterion in ("magnitude", "wanda"):
         for pattern in ("unstructured", "2:4"):
@@ -1145,6 +1145,10 @@ def build_parser():
                                               help="QAT / fine-tuning learning rate")))
     p = argparse.ArgumentParser(description="Quantize or prune the GPT; a ledger of what each "
                                 "method saves and costs.")
+    return _subcommands(p, common, fmt, gptq_flags, awq_flags, sq_flags, train)
+
+
+def _subcommands(p, common, fmt, gptq_flags, awq_flags, sq_flags, train):
     sub = p.add_subparsers(dest="mode", required=True, metavar="MODE")
     add = lambda name, help, *parents: sub.add_parser(
         name, help=help, description=help, parents=[common, *parents],
