@@ -189,6 +189,14 @@ def min_k_prob(logprobs, k_percent=20.0):
 # ----------------------------------------------------------------------------------------
 # Log-likelihood of continuations: the harness primitive
 
+def _by_length(prompts):
+    """{prompt length: indices}: a contiguous KV cache holds one length per batch."""
+    groups = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(len(p), []).append(i)
+    return groups
+
+
 def _group_logits(model, contexts, rows, reuse_cache):
     """contexts: distinct token lists of ONE length P; rows: [(context index, tokens)].
     -> the (len(tokens), V) logits that predict each row's tokens. With reuse_cache the
@@ -212,9 +220,10 @@ def _group_logits(model, contexts, rows, reuse_cache):
         else:
             cache = KVCache(model.config, len(rows), P + L - 1, device,
                             model.output.weight.dtype)
-            cache.k[:, :, :, :P] = prefill.k[:, which]
-            cache.v[:, :, :, :P] = prefill.v[:, which]
+            for layer in range(model.config.n_layer):   # each row starts from its prompt's K/V
+                cache.update(layer, prefill.k[layer, which], prefill.v[layer, which])
             cache.advance(P)
+            # forward() continues at position P and masks: all of the prompt, causal after
             logits = torch.cat([last, model(cont[:, :-1], cache=cache)[0]], 1)
     return [logits[i, :len(c)] for i, (_, c) in enumerate(rows)]
 
@@ -227,10 +236,7 @@ def continuation_logprobs(model, pairs, reuse_cache=True, keep_logits=False, chu
     if any(len(c) == 0 or len(x) == 0 for c, x in pairs):
         raise UserError("every context and every continuation needs at least one token")
     out_lp, out_logits = [None] * len(pairs), [None] * len(pairs)
-    by_len = {}
-    for i, (c, _) in enumerate(pairs):
-        by_len.setdefault(len(c), []).append(i)
-    for ids in by_len.values():
+    for ids in _by_length([c for c, _ in pairs]).values():
         for s in range(0, len(ids), chunk):
             part = ids[s:s + chunk]
             index = {}
@@ -252,19 +258,13 @@ def _prompt_ids(enc, problems):
     return [enc.encode_ordinary(p.prompt) for p in problems]
 
 
-def _by_length(prompts):
-    """{prompt length: indices}: a contiguous KV cache holds one length per batch."""
-    groups = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(len(p), []).append(i)
-    return groups
-
-
 @torch.no_grad()
 def greedy_answers(model, enc, problems, max_new=None):
     """Greedy answers with the KV cache, equal-length prompts batched together; each cut
     after its first "\\n" (kept). max_new None = the longest reference answer + its
     terminator + 1 token (lora.py's rule; rl.py passes 8)."""
+    if not problems:
+        return []
     nl = enc.encode_ordinary(data.TERMINATOR)[0]
     if max_new is None:
         max_new = max(len(enc.encode_ordinary(p.answer + data.TERMINATOR)) for p in problems) + 1
@@ -326,6 +326,8 @@ def window_nll(model, ids, seq_len, batch_size=8):
     """Non-overlapping windows of seq_len predictions over ids (each token after the first
     predicted once, from the window's start). -> (NLL sum, targets) per window."""
     ids = np.asarray(ids, dtype=np.int64)
+    if len(ids) < 2:
+        raise UserError(f"need at least 2 tokens to score, got {len(ids)}")
     starts = list(range(0, len(ids) - 1, seq_len))
     sums, targets, device = [], [], model.output.weight.device
     for s in range(0, len(starts), batch_size):
@@ -485,7 +487,9 @@ def run_ppl(args, device):
         if not os.path.isfile(args.text):
             raise UserError(f"--text {args.text!r} not found")
         with open(args.text, encoding="utf-8") as f:
-            ids, source, train = [enc.encode_single_token(data.EOT)] + enc.encode_ordinary(f.read()), args.text, None
+            text = f.read()
+        ids = [enc.encode_single_token(data.EOT)] + enc.encode_ordinary(text)   # all predicted
+        source, train = args.text, None
     elif args.checkpoint == "none":
         raise UserError("--checkpoint none has a 256-byte tokenizer, not the corpus's: pass --text FILE")
     else:
