@@ -701,8 +701,8 @@ def check_comm(rt):
 def train_reference(argv, world, device):
     """One process, AdamW on the ranks' batches concatenated (tests/dist_train_check.py)."""
     args = train.parse_args(argv)
-    model, opt, *_ = train.build(args, Runtime(device=device))
-    corpus = data.load_corpus(args.data, vocab_size=model.config.vocab_size)
+    run = train.build(args, Runtime(device=device))
+    model, opt, corpus = run.model, run.optimizer, run.corpus
     losses = []
     for step in range(args.steps):
         optim.set_lr(opt, train.learning_rate(step, args))
