@@ -376,9 +376,11 @@ def gptq(w, h, bits, group_size, block_size=128, damp=0.01, act_order=False):
     h += damp * h.diagonal().mean() * torch.eye(cols, dtype=w.dtype)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     codes = torch.zeros_like(w)
-    scale, zero = (static if static is not None else
-                   (torch.zeros(w.shape[0], cols // g, dtype=w.dtype),) * 2)
-    scale, zero = scale.clone(), zero.clone()
+    if static is not None:
+        scale, zero = static[0].clone(), static[1].clone()
+    else:                                      # filled in as each group is reached
+        scale = torch.zeros(w.shape[0], cols // g, dtype=w.dtype)
+        zero = torch.zeros_like(scale)
     block = g * max(1, block_size // g) if static is None else block_size
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
@@ -480,6 +482,8 @@ def scale_model(model, batches, choose, keep=0):
     stats = collect_stats(model, batches, [consumers[0] for _, consumers, _ in groups], keep)
     chosen = []
     for producer, consumers, quantized in groups:
+        if stats[id(consumers[0])].n == 0:       # an expert no calibration token reached
+            continue
         s, info = choose(stats[id(consumers[0])], [c.weight.detach() for c in quantized])
         fold_scales(producer, consumers, s.float())
         chosen.append(info)
@@ -649,7 +653,7 @@ def prune_mask(score, sparsity, pattern):
 
 def prune_score(w, criterion, stats=None):
     """magnitude |W_ij|; Wanda |W_ij|·||X_j||₂ (the input norm over calibration tokens)."""
-    if criterion == "magnitude":
+    if criterion == "magnitude" or stats.n == 0:    # no token reached it: magnitude
         return w.abs()
     return w.abs() * stats.sq_sum.sqrt().float()[None, :]
 
