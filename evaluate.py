@@ -332,14 +332,8 @@ def window_nll(model, ids, seq_len, batch_size=8):
     sums, targets, device = [], [], model.output.weight.device
     for s in range(0, len(starts), batch_size):
         part = [ids[b:b + seq_len + 1] for b in starts[s:s + batch_size]]
-        T = max(len(w) for w in part) - 1
-        x = torch.zeros(len(part), T, dtype=torch.long)
-        y = torch.full((len(part), T), -1, dtype=torch.long)
-        for i, w in enumerate(part):
-            x[i, :len(w) - 1] = torch.from_numpy(w[:-1])
-            y[i, :len(w) - 1] = torch.from_numpy(w[1:])
-        logits = model(x.to(device))[0]
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten().to(device),
+        x, y = text_batch([w.tolist() for w in part], device)      # the last one is shorter
+        loss = F.cross_entropy(model(x)[0].flatten(0, 1).float(), y.flatten(),
                                ignore_index=-1, reduction="none").view(y.shape)
         sums += loss.sum(1).double().cpu().tolist()
         targets += [w[1:] for w in part]
@@ -571,7 +565,7 @@ def run_task(args, device):
            f"{args.choices} candidates each (chance {1 / args.choices:.0%})")
     print0(f"{'model':<22}{'generative EM':>22}{'LL rank (acc)':>22}{'LL/byte (acc_norm)':>22}{'s':>6}")
     rows, result = {}, {}
-    for name, model in ((f"base LM", base), (f"task SFT ({args.task_preset})", tuned)):
+    for name, model in (("base LM", base), (f"task SFT ({args.task_preset})", tuned)):
         t0 = time.perf_counter()
         gen = np.array([data.score(enc.decode(a), p.answer) for a, p in
                         zip(greedy_answers(model, enc, problems, args.max_new), problems)])
@@ -646,7 +640,8 @@ def run_calibration(args, device):
     model, _ = task_model(args, enc, device)
     dev, test = eval_problems(args)
     t0 = time.perf_counter()
-    rec_dev, rec_test = answer_records(model, enc, dev, args.max_new), answer_records(model, enc, test, args.max_new)
+    rec_dev = answer_records(model, enc, dev, args.max_new)
+    rec_test = answer_records(model, enc, test, args.max_new)
     T = fit_temperature(rec_dev["logits"], rec_dev["labels"])
     print0(f"task model {args.task_preset}: dev {len(dev)} / test {len(test)} held-out problems | "
            f"fitted T = {T:.3f} on dev (NLL {answer_nll(rec_dev):.4f} -> {answer_nll(rec_dev, T):.4f} "
@@ -942,6 +937,8 @@ def parse_args(argv=None):
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if getattr(args, "bins", 1) < 1:
         raise UserError(f"--bins must be at least 1, got {args.bins}")
+    if getattr(args, "temperature", 1.0) <= 0:
+        raise UserError(f"--temperature must be > 0 (sampling), got {args.temperature}")
     if getattr(args, "choices", 2) < 2:
         raise UserError(f"--choices must be at least 2, got {args.choices}")
     if getattr(args, "planted", 1) < 1 or not 0 < getattr(args, "min_k", 1) <= 100:
