@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data                                                       # noqa: E402
+import evaluate                                                   # noqa: E402
 import lora                                                       # noqa: E402
 import optim                                                      # noqa: E402
 import parallel                                                   # noqa: E402
@@ -606,6 +607,19 @@ def test_rl_sampling_and_two_steps_on_device(device, tmp_path):
     for x, y in zip(rl.ALGOS, rl.ALGOS[1:]):
         assert any((saved[x][k] - saved[y][k]).abs().max() > 1e-4 for k in saved[x]
                    if saved[x][k].is_floating_point()), (x, y)
+
+
+@pytest.mark.parametrize("device", ON_GPU)
+def test_evaluate_perplexity_on_device_equals_cpu(device, text_file, tmp_path):
+    """evaluate.py ppl --device cuda: the same windows' loss and bits/byte as on the CPU."""
+    ckpt = tiny_checkpoint(tmp_path / "t.pt", block_size=64)
+    results = {}
+    for dev in (device, "cpu"):
+        results[dev] = evaluate.main(["ppl", "--checkpoint", ckpt, "--text", text_file,
+                                      "--device", dev, "--max-tokens", "4096", "--bootstrap",
+                                      "10", "--plots", str(tmp_path)])
+    for key in ("loss", "bpb"):
+        assert abs(results[device][key] - results["cpu"][key]) <= 1e-5 * results["cpu"][key]
 
 
 # ----------------------------------------------------------------------------------------
