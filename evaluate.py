@@ -236,6 +236,8 @@ def continuation_logprobs(model, pairs, reuse_cache=True, keep_logits=False, chu
     if any(len(c) == 0 or len(x) == 0 for c, x in pairs):
         raise UserError("every context and every continuation needs at least one token")
     out_lp, out_logits = [None] * len(pairs), [None] * len(pairs)
+    was_training = model.training
+    model.eval()                                 # no dropout (lora.py's adapters have it)
     for ids in _by_length([c for c, _ in pairs]).values():
         for s in range(0, len(ids), chunk):
             part = ids[s:s + chunk]
@@ -248,6 +250,7 @@ def continuation_logprobs(model, pairs, reuse_cache=True, keep_logits=False, chu
                 target = torch.tensor(pairs[i][1], device=lg.device)
                 out_lp[i] = F.log_softmax(lg.float(), -1).gather(1, target[:, None])[:, 0].cpu()
                 out_logits[i] = lg.float().cpu() if keep_logits else None
+    model.train(was_training)
     return (out_lp, out_logits) if keep_logits else out_lp
 
 
