@@ -959,35 +959,28 @@ class Table:
         print0(ledger_lines([row])[-1])
 
 
-def cmd_ptq(args, base, corpus, ev):
+def cmd_ptq(args, base, corpus, ev, table, int_mm_rows):
     bits = args.bits
     g = default_group(bits, args.group_size)
     calib = calibration(corpus, base, args, args.mode) if args.mode != "rtn" else []
-    int_mm_rows = int_mm_decision(base) if args.mode == "smoothquant" else None
-    table = Table(f"ledger (python quantize.py {' '.join(args.argv)}):")
-    table.add(ev.row(base, "fp32", "fp32"))
     t0 = time.perf_counter()
     model, passes, note = ptq(base, args.mode, bits, g, calib, args, int_mm_rows)
     fmt = fmt_name(bits, g, 8 if args.mode == "smoothquant" else 0)
     table.add(ev.row(model, args.mode, fmt, time.perf_counter() - t0, passes, note))
-    return model, table.rows
+    return model
 
 
-def cmd_qat(args, base, corpus, ev):
+def cmd_qat(args, base, corpus, ev, table, int_mm_rows):
     g = default_group(args.bits, args.group_size)
-    table = Table(f"ledger (python quantize.py {' '.join(args.argv)}):")
-    table.add(ev.row(base, "fp32", "fp32"))
     table.add(ev.row(quantize_model(copy.deepcopy(base), args.bits, g), "rtn (PTQ)",
                      fmt_name(args.bits, g)))
     for row, model in qat_rows(base, corpus, ev, [args.bits], [args.lsq], args, args.steps):
         table.add(row)
-    return model, table.rows            # the last one: the QAT model
+    return model                        # the last one: the QAT model
 
 
-def cmd_prune(args, base, corpus, ev):
+def cmd_prune(args, base, corpus, ev, table, int_mm_rows):
     calib = calibration(corpus, base, args, "wanda") if args.criterion == "wanda" else []
-    table = Table(f"ledger (python quantize.py {' '.join(args.argv)}):")
-    table.add(ev.row(base, "fp32", "fp32"))
     model = copy.deepcopy(base)
     t0 = time.perf_counter()
     passes = prune_model(model, calib, args.sparsity, args.pattern, args.criterion)
@@ -1002,15 +995,12 @@ def cmd_prune(args, base, corpus, ev):
     print0("sparsity after pruning" + (" and fine-tuning:" if args.finetune_steps else ":"))
     for line in sparsity_report(model, args.pattern):
         print0(line)
-    return model, table.rows
+    return model
 
 
-def cmd_compare(args, base, corpus, ev):
-    bits_list = [int(b) for b in args.bits_list.split(",")]
+def cmd_compare(args, base, corpus, ev, table, int_mm_rows):
+    bits_list = bits_of(args)
     calib = calibration(corpus, base, args, "compare")
-    int_mm_rows = int_mm_decision(base)
-    table = Table(f"ledger (python quantize.py {' '.join(args.argv)}):")
-    table.add(ev.row(base, "fp32", "fp32"))
     for bits in bits_list:
         g = default_group(bits, args.group_size)
         act_order = argparse.Namespace(**{**vars(args), "act_order": True})
@@ -1040,17 +1030,25 @@ def cmd_compare(args, base, corpus, ev):
     finetune(model, corpus, args.qat_steps, args.lr, args.batch_size, seq, args.seed + 3)
     table.add(ev.row(model, f"wanda + {args.qat_steps} steps", "2:4 50%",
                      time.perf_counter() - t0, passes))
-    return None, table.rows
+    return None
 
 
 COMMANDS = {"rtn": cmd_ptq, "gptq": cmd_ptq, "awq": cmd_ptq, "smoothquant": cmd_ptq,
             "qat": cmd_qat, "prune": cmd_prune, "compare": cmd_compare}
 
 
+def bits_of(args):
+    if args.mode != "compare":
+        return [args.bits] if hasattr(args, "bits") else []
+    try:
+        return [int(b) for b in args.bits_list.split(",")]
+    except ValueError:
+        raise UserError(f"--bits-list wants comma-separated integers, got {args.bits_list!r}")
+
+
 def check_args(args, model):
     """Everything that can be checked against the model's shapes, before any work."""
-    for bits in ([int(b) for b in args.bits_list.split(",")] if args.mode == "compare"
-                 else [args.bits] if hasattr(args, "bits") else []):
+    for bits in bits_of(args):
         for _, lin in target_linears(model):
             check_format(bits, default_group(bits, args.group_size), lin.in_features)
     if args.mode == "prune":
@@ -1066,8 +1064,12 @@ def main(argv=None):
                                 "prompt_len", "new_tokens", "repeats", "base_steps"))
     if args.mode == "smoothquant":
         args.bits, args.group_size = 8, 0
-    if getattr(args, "bits", 8) not in SUPPORTED_BITS:
-        raise UserError(f"--bits {args.bits} is not supported: choose one of {SUPPORTED_BITS}")
+    for bits in bits_of(args):
+        if bits not in SUPPORTED_BITS:
+            raise UserError(f"--bits {bits} is not supported: choose one of {SUPPORTED_BITS}")
+    for name in ("steps", "qat_steps", "finetune_steps", "calib_batches"):
+        if getattr(args, name, 0) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 0")
     if args.mode == "prune" and not 0 <= args.sparsity < 1:
         raise UserError(f"--sparsity must be in [0, 1), got {args.sparsity}")
     if args.save and args.mode == "compare":
@@ -1080,7 +1082,11 @@ def main(argv=None):
     print0(f"base: {source} | {base.num_params():,} params, {len(target_linears(base))} "
            f"block linears | corpus {corpus.name} | {torch.get_num_threads()} thread(s)")
     ev = Evaluator(base, corpus, args)
-    model, rows = COMMANDS[args.mode](args, base, corpus, ev)
+    int_mm_rows = int_mm_decision(base) if args.mode in ("smoothquant", "compare") else None
+    table = Table(f"ledger (python quantize.py {' '.join(args.argv)}):")
+    table.add(ev.row(base, "fp32", "fp32"))
+    model = COMMANDS[args.mode](args, base, corpus, ev, table, int_mm_rows)
+    rows = table.rows
     seconds = time.perf_counter() - t_start
     print0(f"total {seconds:.0f} s; timings: wall clock on this (possibly shared) CPU")
     if args.mode == "compare":
