@@ -36,7 +36,6 @@ import pathlib
 import random
 import re
 import sysconfig
-import tempfile
 import time
 import unicodedata
 from collections import Counter, defaultdict
@@ -46,7 +45,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from plumbing import UserError
+from plumbing import UserError, atomic_write
 
 DEFAULT_VOCAB_SIZE = 4096     # = enc.n_vocab: 256 bytes + 3839 merges + <|endoftext|>
 EOT = "<|endoftext|>"         # the one special token: separates documents
@@ -198,24 +197,13 @@ def encoding_from_state(state: dict) -> tiktoken.Encoding:
 # ---------------------------------------------------------------------------------------
 # Cache: trained tokenizers and tokenized corpora live on disk, keyed by a hash of what
 # produced them. Several torchrun ranks may build the same file at once, so every write
-# goes to a temp file first and is renamed into place (os.replace is atomic): a reader
+# goes through plumbing.atomic_write (a temp file renamed into place, atomically): a reader
 # sees the whole file or none. (Ranks may duplicate the work the very first time.)
 # ---------------------------------------------------------------------------------------
 def cache_dir() -> str:
     d = os.environ.get("NANOSCALE_CACHE") or os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache")
     os.makedirs(d, exist_ok=True)
     return d
-
-
-def _atomic_write(path: str, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def _hash(*parts) -> str:
@@ -289,7 +277,7 @@ def _tokenizer_from_docs(docs: list[str], vocab_size: int) -> tuple[tiktoken.Enc
     if enc.n_vocab < vocab_size:
         print(f"[data] the text ran out of pairs: vocab is {enc.n_vocab}, not {vocab_size}")
     print(f"[data] trained {len(ranks) - 256} merges in {seconds:.1f} s -> {path}", flush=True)
-    _atomic_write(path, lambda f: f.write(_tokenizer_cache_json(enc, seconds)))
+    atomic_write(path, lambda f: f.write(_tokenizer_cache_json(enc, seconds)))
     return enc, seconds
 
 
@@ -358,7 +346,7 @@ def load_corpus(data_path: str | None = None, vocab_size: int = DEFAULT_VOCAB_SI
             raise UserError(f"corpus {data_path or name} is too small: {len(ids)} tokens leave "
                              f"{n_val} for val ({VAL_FRACTION:.0%}); each split needs >= 2")
         for path, part in zip(paths, (ids[: len(ids) - n_val], ids[len(ids) - n_val:])):
-            _atomic_write(path, lambda f, part=part: f.write(part.tobytes()))
+            atomic_write(path, lambda f, part=part: f.write(part.tobytes()))
     train, val = (np.memmap(p, dtype=np.uint16, mode="r") for p in paths)
     n_tokens = len(train) + len(val) - (len(docs) - 1)  # separators are not text
     return Corpus(enc, train, val, name, n_bytes / n_tokens, len(docs), n_bytes, seconds)

@@ -40,7 +40,7 @@ import warnings
 import torch
 
 from model import load_checkpoint
-from plumbing import UserError, comm, model_state_bytes, tensor_bytes
+from plumbing import UserError, atomic_save, comm, decay_groups, model_state_bytes, tensor_bytes
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 # ZeRO-3 gathers the embedding before its backward like every other unit (as FSDP does),
@@ -51,14 +51,6 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
 def units_of(model):
     """The modules sharded (and, in ZeRO-3, gathered) together: FSDP's wrapping policy."""
     return [model.tok_embeddings, *model.layers, model.norm, model.output, *model.extra_heads]
-
-
-def decay_groups(tensors, weight_decay):
-    """AdamW parameter groups from (tensor, ndim of its parameter) pairs: decay the
-    matrices, not the norms' gains (the usual GPT recipe). train.py's single process uses
-    it too, so every mode splits the same way."""
-    return [{"params": [t for t, ndim in tensors if ndim >= 2], "weight_decay": weight_decay},
-            {"params": [t for t, ndim in tensors if ndim < 2], "weight_decay": 0.0}]
 
 
 # ----------------------------------------------------------------------------------------
@@ -490,9 +482,9 @@ def save_shards(directory, dp, optimizer, rank, meta=None):
                              **{k: local_flat(v).clone() for k, v in st.items()
                                 if torch.is_tensor(v) and v.dim() > 0},
                              step=float(st["step"]) if "step" in st else 0.0)
-    _atomic_save(entries, os.path.join(directory, f"shard-{rank}.pt"))
+    atomic_save(entries, os.path.join(directory, f"shard-{rank}.pt"))
     if meta is not None:
-        _atomic_save(meta, os.path.join(directory, "meta.pt"))
+        atomic_save(meta, os.path.join(directory, "meta.pt"))
 
 
 def load_shards(directory, dp, optimizer, rank):
@@ -561,12 +553,6 @@ def save_sharded_checkpoint(root, step, dp, optimizer, rt, meta):
         if previous and os.path.abspath(previous) != os.path.abspath(folder):
             shutil.rmtree(previous, ignore_errors=True)
     return folder
-
-
-def _atomic_save(obj, path):
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def full_state_dict(model, dp):

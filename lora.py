@@ -49,7 +49,6 @@ import copy
 import hashlib
 import inspect
 import math
-import os
 import statistics
 import sys
 import time
@@ -62,7 +61,8 @@ import torch.nn.functional as F
 
 import data
 from model import GPT, get_config, load_checkpoint, load_model, PRESETS
-from plumbing import (ActivationMeter, Runtime, StepTimer, UserError, comm, fmt_bytes,
+from plumbing import (ActivationMeter, Runtime, StepTimer, UserError, all_reduce_flat,
+                      atomic_save, comm, fmt_bytes, warmup_cosine,
                       fmt_count, model_state_bytes, print0, run_cli, seed_everything,
                       setup_runtime, tensor_bytes,
                       require_at_least_one)
@@ -441,12 +441,6 @@ def save_adapter(model, spec, path, training=None):
     atomic_save(payload, path)
 
 
-def atomic_save(obj, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)            # a crash mid-save never leaves half a file
-
-
 def read_adapter(path):
     """-> the adapter file's dict, or one UserError line: missing, unreadable (corrupt, or
     not plain data: model.load_checkpoint never unpickles objects), not an adapter file."""
@@ -594,15 +588,6 @@ def evaluate(model, enc, problems, pairs, device="cpu"):
 # ----------------------------------------------------------------------------------------
 # The loop (data parallel when launched with torchrun)
 
-def all_reduce_grads(params, world):
-    """Average the trainable gradients in one flat all-reduce: r·(in+out) per layer, not 4Ψ B."""
-    if world > 1:
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        comm.all_reduce(flat)
-        for p, g in zip(params, (flat / world).split([p.numel() for p in params])):
-            p.grad.copy_(g.view_as(p))
-
-
 def finetune(model, method, pairs, args, rt=Runtime(), log=True):
     """Train the trainable parameters for args.steps. -> what was measured: model state
     bytes (with gradients held), peak activation bytes, median step time."""
@@ -612,8 +597,7 @@ def finetune(model, method, pairs, args, rt=Runtime(), log=True):
     model.train()
     times, peak_act = [], 0
     for step in range(args.steps):          # linear warmup, then cosine decay to 10%
-        t = (step - args.warmup) / max(1, args.steps - args.warmup)
-        f = (step + 1) / args.warmup if step < args.warmup else 0.55 + 0.45 * math.cos(math.pi * t)
+        f = warmup_cosine(step, args.steps, args.warmup, 1.0, 0.1)
         for g in optimizer.param_groups:
             g["lr"] = g["base_lr"] * f
         x, y = task_batch(pairs, args.batch_size, args.seed, step, rt.rank, rt.world_size,
@@ -622,7 +606,8 @@ def finetune(model, method, pairs, args, rt=Runtime(), log=True):
         with StepTimer(rt.device) as timer, ActivationMeter(model) as meter:
             loss_t = answer_loss(model, x, y)
             loss_t.backward()
-            all_reduce_grads(params, rt.world_size)
+            # the trainable gradients only, in one flat all-reduce: r·(in+out) per layer
+            all_reduce_flat([p.grad for p in params], divide_by=rt.world_size)
             if args.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
             optimizer.step()

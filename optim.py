@@ -44,7 +44,7 @@ import torch.distributed as dist
 import data
 from model import GPT, get_config
 from plumbing import (StepTimer, UserError, comm, model_state_bytes, pick_device,
-                      require_at_least_one, run_cli)
+                      require_at_least_one, run_cli, warmup_cosine)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)   # Keller Jordan's quintic
 
@@ -495,10 +495,7 @@ def ascii_plot(curves, width=64, height=14, xlabel="tokens"):
 
 def lr_factor(step, args):
     """Linear warmup, then cosine to 10% (the same schedule for every run)."""
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+    return warmup_cosine(step, args.steps, args.warmup_steps, 1.0, 0.1)
 
 
 @torch.no_grad()

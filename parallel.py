@@ -58,8 +58,9 @@ import pipeline
 import planner
 from ring_attention import cp_positions, cp_shard, make_ring_attn_fn
 from model import GPT, MoE, get_config
-from plumbing import (UserError, comm, fmt_bytes, print0, require_at_least_one, run_cli,
-                      seed_everything, setup_runtime)
+from plumbing import (UserError, all_reduce_flat, comm, decay_groups, fmt_bytes, print0,
+                      require_at_least_one, run_cli, seed_everything, setup_runtime,
+                      warmup_cosine)
 from tensor_parallel import (GatheredInputs, SavedActivations, VocabParallelCrossEntropy,
                              apply_tensor_parallel, summed_over)
 
@@ -458,19 +459,6 @@ def _forward_backward(shard, layout, xs, ys, timeline):
     return total
 
 
-def _all_reduce_flat(tensors, group, scale=1.0):
-    """One all-reduce for a list of gradients (one bucket), then copy back."""
-    if not tensors:
-        return
-    flat = torch.cat([t.flatten() for t in tensors])
-    if dist.get_world_size(group) > 1:
-        comm.all_reduce(flat, group=group)
-    if scale != 1.0:
-        flat.mul_(scale)
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(part.view_as(t))
-
-
 def sync_gradients(shard, layout):
     """Sum what is partial, average what is replicated:
     - sequence-parallel norm weights saw 1/t of the tokens each: sum over tp;
@@ -482,12 +470,12 @@ def sync_gradients(shard, layout):
         if p.grad is None:          # zeros, so every rank's bucket has the same layout
             p.grad = torch.zeros_like(p)
     where = [(shard.placement[name], p.grad) for name, p in shard.params]
-    _all_reduce_flat([g for pl, g in where if pl.sequence_partial], shard.groups["tp"])
+    all_reduce_flat([g for pl, g in where if pl.sequence_partial], shard.groups["tp"])
     replicas = layout.dp * layout.ep
-    _all_reduce_flat([g for pl, g in where if not pl.expert], shard.groups["data"],
-                     1.0 / replicas)
-    _all_reduce_flat([g for pl, g in where if pl.expert], shard.groups["expert_data"],
-                     1.0 / replicas)
+    all_reduce_flat([g for pl, g in where if not pl.expert], shard.groups["data"],
+                    divide_by=replicas)
+    all_reduce_flat([g for pl, g in where if pl.expert], shard.groups["expert_data"],
+                    divide_by=replicas)
 
 
 def clip_gradients(shard, layout, max_norm):
@@ -514,19 +502,13 @@ def clip_gradients(shard, layout, max_norm):
 def make_optimizer(params, args):
     """AdamW, decay on matrices only (as train.py). AdamW is elementwise, so each rank
     updating its slices equals one process updating the whole tensors."""
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=args.lr, betas=(0.9, 0.95))
+    groups = decay_groups([(p, p.dim()) for p in params], args.weight_decay)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
 
 
 def learning_rate(step, args):
-    """Linear warm-up, then cosine decay to lr/10 (as train.py)."""
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    """Linear warm-up, then cosine decay to lr/10 (plumbing.warmup_cosine, as train.py)."""
+    return warmup_cosine(step, args.steps, args.warmup_steps, args.lr, args.lr / 10)
 
 
 # ----------------------------------------------------------------------------------------

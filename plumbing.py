@@ -16,9 +16,12 @@ plumbing.py -- the few things every script needs and none of them teaches:
 
 Nothing here is clever on purpose: a meter that is hard to read cannot be trusted.
 """
+import argparse
+import math
 import os
 import random
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -161,6 +164,78 @@ def run_cli(main, argv=None):
         os._exit(status)
     if status:
         sys.exit(status)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with exactly one default per flag: argparse's "(default: X)" is added unless
+    the help already says what happens by default, or the default is None (the help then
+    says what "not given" means)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or "not given" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
+# ----------------------------------------------------------------------------------------
+# The mechanisms every training loop shares: one helper each, so "warmup + cosine" or
+# "decay the matrices, not the norms" means the same thing in every file.
+
+def warmup_cosine(step, total, warmup, peak, final):
+    """The learning rate at `step` (0-based): linear warmup to `peak` over `warmup` steps
+    ((step + 1)/warmup · peak), then half a cosine from peak down to `final` at step
+    `total` (SGDR, Loshchilov & Hutter 2017; the GPT-3 / Chinchilla recipe)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return final + (peak - final) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def decay_groups(tensors, weight_decay):
+    """AdamW parameter groups from (tensor, ndim of its parameter) pairs: decay the
+    matrices, not the norms' gains and biases (the usual GPT recipe; AdamW, Loshchilov &
+    Hutter 2019). ndim is passed separately because a sharded tensor may be flat."""
+    return [{"params": [t for t, ndim in tensors if ndim >= 2], "weight_decay": weight_decay},
+            {"params": [t for t, ndim in tensors if ndim < 2], "weight_decay": 0.0}]
+
+
+def all_reduce_flat(tensors, group=None, divide_by=1):
+    """Sum a list of tensors (gradients) over the group in ONE all-reduce of their
+    concatenation (one bucket: one call's latency instead of one per tensor), divide by
+    `divide_by` (the number of replicas, to average), and copy the result back."""
+    several = dist.is_initialized() and dist.get_world_size(group) > 1
+    if not tensors or (not several and divide_by == 1):
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if several:
+        comm.all_reduce(flat, group=group)
+    if divide_by != 1:
+        flat /= divide_by
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+
+
+def atomic_write(path, write, mode="wb"):
+    """write(f) into a fresh temporary file beside `path`, then os.replace it into place:
+    a reader (another rank, the next run after a crash) sees the old file or the new one,
+    never half of one. The temporary file is removed if writing fails."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.tmp-")
+    try:
+        with os.fdopen(fd, mode) as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_save(obj, path):
+    """torch.save(obj, path), atomically (atomic_write)."""
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 # ----------------------------------------------------------------------------------------

@@ -59,7 +59,8 @@ import torch.nn.functional as F
 
 import data
 from model import GPT, KVCache, get_config, load_checkpoint, load_model, PRESETS
-from plumbing import (ActivationMeter, StepTimer, UserError, comm, fmt_bytes, fmt_count,
+from plumbing import (ActivationMeter, StepTimer, UserError, all_reduce_flat, atomic_save,
+                      comm, fmt_bytes, fmt_count,
                       model_state_bytes, print0, run_cli, setup_runtime, tensor_bytes,
                       require_at_least_one)
 
@@ -343,10 +344,8 @@ def cached(path, meta, enc, build, rt):
             return model
     model = build()
     if path and rt.is_main:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        torch.save({"config": asdict(model.config), "model": model.state_dict(), "rl_meta": meta,
-                    "tokenizer": data.encoding_to_state(enc)}, path + f".tmp{os.getpid()}")
-        os.replace(path + f".tmp{os.getpid()}", path)        # atomic: never half a file
+        atomic_save({"config": asdict(model.config), "model": model.state_dict(),
+                     "rl_meta": meta, "tokenizer": data.encoding_to_state(enc)}, path)
     return model
 
 
@@ -414,11 +413,7 @@ def allsum(*xs):
 
 
 def step_optimizer(params, opt, world, grad_clip):
-    if world > 1:
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        comm.all_reduce(flat)
-        for p, g in zip(params, (flat / world).split([p.numel() for p in params])):
-            p.grad.copy_(g.view_as(p))
+    all_reduce_flat([p.grad for p in params], divide_by=world)   # data parallel: average
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
     opt.step()

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import data
 from model import Block, KVCache, RMSNorm, load_checkpoint, load_model
-from plumbing import UserError, fmt_bytes, print0, require_at_least_one, run_cli
+from plumbing import UserError, fmt_bytes, print0, require_at_least_one, run_cli, warmup_cosine
 
 METHODS = ("draft", "tree", "medusa", "mtp", "eagle", "dflash")
 DEFAULT_WIDTH = {"tree": 3, "medusa": 3}           # others draft a chain (width 1)
@@ -495,8 +495,8 @@ def train_drafters(drafters, target, pool, steps, batch, lr, seed=0):
         rows = torch.randint(0, pool[0].shape[0], (batch,), generator=gen)
         x, h, losses = pool[0][rows], pool[1][rows], []
         for m, d in drafters.items():
-            for g in opts[m].param_groups:       # cosine decay to 10%
-                g["lr"] = lr * (0.55 + 0.45 * np.cos(np.pi * step / steps))
+            for g in opts[m].param_groups:       # cosine decay to 10%, no warmup
+                g["lr"] = warmup_cosine(step, steps, 0, lr, lr / 10)
             loss = d.train().loss(target, x[:, :-1], x[:, 1:], h[:, :-1])
             opts[m].zero_grad(set_to_none=True)
             loss.backward()

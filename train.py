@@ -46,9 +46,9 @@ import data
 import data_parallel
 import optim
 from model import GPT, GPTConfig, PRESETS, get_config, load_checkpoint
-from plumbing import (ActivationMeter, StepTimer, UserError, comm, fmt_bytes, fmt_count,
-                      gpu_peak_flops, print0, require_at_least_one, rng_state, run_cli,
-                      seed_everything, set_rng_state, setup_runtime)
+from plumbing import (ActivationMeter, StepTimer, UserError, atomic_save, comm, fmt_bytes,
+                      fmt_count, gpu_peak_flops, print0, require_at_least_one, rng_state,
+                      run_cli, seed_everything, set_rng_state, setup_runtime, warmup_cosine)
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -172,10 +172,7 @@ class MasterWeights:
 
 def learning_rate(step, args):
     """Linear warmup then cosine decay to min_lr (GPT-3 / Chinchilla recipe)."""
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
-    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+    return warmup_cosine(step, args.steps, args.warmup_steps, args.lr, args.min_lr)
 
 
 def autocast_ctx(args, device):
@@ -260,10 +257,7 @@ def save_checkpoint(path, model, optimizer, scaler, master, step, args, corpus, 
                 scaler=scaler.state_dict(), step=step, args=vars(args), rng=plain_rng_state(),
                 tokenizer=data.encoding_to_state(corpus.enc), corpus=corpus.name,
                 history=history)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)      # atomic: a crash mid-save never leaves half a checkpoint
+    atomic_save(ckpt, path)    # a crash mid-save never leaves half a checkpoint
 
 
 def plain_rng_state():
@@ -492,8 +486,7 @@ def save(args, rt, run):
     weights = data_parallel.full_state_dict(run.model, run.sync)  # collective: zero3, fsdp
     if rt.is_main:
         export = {k: v for k, v in meta.items() if k not in ("rng", "scaler")}
-        torch.save({**export, "model": weights, "exported_from": args.dp}, args.ckpt + ".tmp")
-        os.replace(args.ckpt + ".tmp", args.ckpt)
+        atomic_save({**export, "model": weights, "exported_from": args.dp}, args.ckpt)
     if rt.distributed:
         dist.barrier()
 
