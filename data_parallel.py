@@ -290,7 +290,7 @@ class ZeRO:
         full gradients (stages 2-3). Runs once per micro-step in stages 2-3: with gradient
         accumulation the shard accumulates, the full gradient never does."""
         u.done = 0
-        grads = [p.grad if p.grad is not None else torch.zeros(shape, dtype=u.dtype)
+        grads = [p.grad if p.grad is not None else torch.zeros(shape, dtype=u.dtype, device=u.device)
                  for p, shape in zip(u.params, u.shapes)]
         flat = u.flatten(grads)
         shard = torch.empty(u.shard_size, dtype=u.dtype, device=u.device)

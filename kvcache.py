@@ -451,7 +451,8 @@ def paged_logits(model, cache, alloc, seqs, chunk):
             if not alloc.grow(tables[i], done[i] + n):
                 raise UserError("the demo's block pool is too small")
         cache.prepare([(tables[i], done[i], n) for i, n in step])
-        idx = torch.tensor([[t for i, n in step for t in seqs[i][done[i]:done[i] + n]]])
+        idx = torch.tensor([[t for i, n in step for t in seqs[i][done[i]:done[i] + n]]],
+                           device=cache.device)
         with cache.installed(model):
             logits, _ = model(idx, positions=cache.positions[None], cache=cache)
         at = 0

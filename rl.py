@@ -406,7 +406,11 @@ def build_models(args, rt, algos):
 # over ranks and gradients are averaged with one flat all-reduce, so 2 ranks == 1 process.
 
 def allsum(*xs):
-    t = torch.tensor([float(x) for x in xs], dtype=torch.float64)
+    """Sums of a few numbers over the ranks (on the GPU under NCCL: it reduces CUDA
+    tensors only)."""
+    nccl = torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
+    t = torch.tensor([float(x) for x in xs], dtype=torch.float64,
+                     device="cuda" if nccl else "cpu")
     if torch.distributed.is_initialized():
         comm.all_reduce(t)
     return t.tolist()
