@@ -60,6 +60,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
+import evaluate as ev
 from model import GPT, get_config, load_checkpoint, load_model, PRESETS
 from plumbing import (ActivationMeter, Runtime, StepTimer, UserError, all_reduce_flat,
                       atomic_save, comm, fmt_bytes, warmup_cosine,
@@ -566,23 +567,12 @@ def answer_loss(model, x, y):
 
 
 @torch.no_grad()
-def evaluate(model, enc, problems, pairs, device="cpu"):
-    """-> (exact match of greedy answers, scored by data.score; answer-token loss)."""
+def evaluate(model, enc, problems):
+    """-> (exact match of greedy answers, scored by data.score; answer-token loss): the
+    definitions every script shares, in evaluate.py."""
     if not problems:
         return float("nan"), float("nan")
-    model.eval()
-    loss = answer_loss(model, *collate(pairs, device)).item()
-    newline, max_new = enc.encode_ordinary(data.TERMINATOR)[0], max(len(a) for _, a in pairs) + 1
-    by_len, correct = {}, 0
-    for prob, (p, _) in zip(problems, pairs):          # equal-length prompts batch together
-        by_len.setdefault(len(p), []).append((prob, p))
-    for group in by_len.values():
-        out = model.generate(torch.tensor([p for _, p in group], device=device), max_new,
-                             temperature=0, eos_id=newline)
-        correct += sum(data.score(enc.decode(row.tolist()), prob.answer)
-                       for (prob, _), row in zip(group, out))
-    model.train()
-    return correct / len(problems), loss
+    return ev.exact_match(model, enc, problems), ev.answer_loss(model, enc, problems)
 
 
 # ----------------------------------------------------------------------------------------
@@ -794,7 +784,7 @@ def evaluate_loaded(args, rt, base, enc, loaded):
     model = copy.deepcopy(base)
     spec = adapt(model, None, args, loaded)
     _, test, test_pairs = task_data(enc, args)
-    acc, loss = evaluate(model, enc, test, test_pairs, rt.device)
+    acc, loss = evaluate(model, enc, test)
     err = merge_error(model, test_pairs, rt.device) if test_pairs else float("nan")
     print0(f"{args.load}: {spec['method']} adapter on {len(spec['targets'])} layers of "
            f"{args.ckpt} (base sha256 {spec['base_sha256'][:12]}…) | test exact match "
@@ -818,7 +808,7 @@ def main(argv=None):
         adapt(copy.deepcopy(base), m, args, loaded)
     train_pairs, test, test_pairs = task_data(enc, args)
     t0 = time.perf_counter()
-    base_quality = evaluate(base, enc, test, test_pairs, rt.device)
+    base_quality = evaluate(base, enc, test)
     print0(f"base {args.ckpt}: {base.num_params():,} params | task: {args.digits}-digit "
            f"'{args.ops}', {len(train_pairs)} train / {len(test)} held-out problems | "
            f"{args.steps} steps × {args.batch_size * rt.world_size} rows, {rt.world_size} "
@@ -830,7 +820,7 @@ def main(argv=None):
         seed_everything(args.seed)                 # same dropout masks for every method
         comm.reset()
         run = finetune(model, method, train_pairs, args, rt)
-        quality = evaluate(model, enc, test, test_pairs, rt.device)
+        quality = evaluate(model, enc, test)
         if method != "full" and test_pairs:        # the merged plain GPT == the adapter?
             run["merge_err"] = merge_error(model, test_pairs, rt.device)
         print0(f"{method}: trained {args.steps} steps in {run['seconds']:.1f} s | test exact match "

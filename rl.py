@@ -58,6 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
+import evaluate as ev
 from model import GPT, KVCache, get_config, load_checkpoint, load_model, PRESETS
 from plumbing import (ActivationMeter, StepTimer, UserError, all_reduce_flat, atomic_save,
                       comm, fmt_bytes, fmt_count,
@@ -270,7 +271,7 @@ def evaluate(model, enc, problems, k=8, max_new=8, seed=0):
     nl = enc.encode_ordinary(data.TERMINATOR)[0]
     prompts = [enc.encode_ordinary(p.prompt) for p in problems]
     seeds = [seed + i for i in range(len(problems))]
-    greedy, _ = sample(model, prompts, 1, 0, max_new, seeds, nl)
+    greedy = ev.greedy_answers(model, enc, problems, max_new)
     sampled, _ = sample(model, prompts, k, 1.0, max_new, seeds, nl)
     acc = lambda outs, n: sum(data.score(enc.decode(o), problems[i // n].answer)
                               for i, o in enumerate(outs)) / len(outs)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 import data
 import data_parallel
+import evaluate as ev
 import optim
 from model import GPT, GPTConfig, PRESETS, get_config, load_checkpoint
 from plumbing import (ActivationMeter, StepTimer, UserError, atomic_save, comm, fmt_bytes,
@@ -219,18 +220,11 @@ def train_step(model, optimizer, batches, args, device, scaler=None, master=None
     return total, act_bytes, found_inf
 
 
-@torch.no_grad()
 def evaluate(model, corpus, args, device):
-    """Mean loss over eval_iters fixed validation batches (the same batches every time)."""
-    model.eval()
-    losses = []
-    for i in range(args.eval_iters):
-        x, y = data.get_batch(corpus.val, args.batch_size, args.seq_len, args.seed + 1, i,
-                              device=device)
-        with autocast_ctx(args, device):
-            losses.append(model(x, y)[1].item())
-    model.train()
-    return sum(losses) / len(losses)
+    """Mean cross-entropy over eval_iters fixed validation batches (the same batches every
+    time): evaluate.py's validation_loss, the one definition every script shares."""
+    return ev.validation_loss(model, corpus.val, args.batch_size, args.seq_len,
+                              args.eval_iters, args.seed + 1, device, autocast_ctx(args, device))
 
 
 def micro_batches(corpus, args, step, device, rank=0):

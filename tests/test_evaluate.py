@@ -148,23 +148,61 @@ def rigged(seed=0):
     return model, fixed
 
 
+def lora_exact_match_as_it_was(model, enc, problems, pairs):
+    """lora.py's exact match and answer loss before it used evaluate.py (the reference)."""
+    import lora
+    model.eval()
+    loss = lora.answer_loss(model, *lora.collate(pairs)).item()
+    newline = enc.encode_ordinary(data.TERMINATOR)[0]
+    max_new = max(len(a) for _, a in pairs) + 1
+    by_len, correct = {}, 0
+    for prob, (p, _) in zip(problems, pairs):
+        by_len.setdefault(len(p), []).append((prob, p))
+    for group in by_len.values():
+        out = model.generate(torch.tensor([p for _, p in group]), max_new, temperature=0,
+                             eos_id=newline)
+        correct += sum(data.score(enc.decode(row.tolist()), prob.answer)
+                       for (prob, _), row in zip(group, out))
+    model.train()
+    return correct / len(problems), loss
+
+
+@torch.no_grad()
+def train_validation_loss_as_it_was(model, tokens, args):
+    """train.py's validation loss before it used evaluate.py: the model's own loss."""
+    model.eval()
+    losses = [model(*data.get_batch(tokens, args.batch_size, args.seq_len, args.seed + 1, i))[1]
+              .item() for i in range(args.eval_iters)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
 def test_api_reproduces_lora_rl_and_train():
+    """The shared definitions equal what lora.py, rl.py and train.py computed with their own
+    loops (copied above / rl's sampler), and the scripts now return the shared numbers."""
     import lora, rl, train
     model, problems = rigged()
     em = ev.exact_match(model, BYTES, problems)
     assert 0 < em < 1
     pairs = [(BYTES.encode_ordinary(p.prompt), BYTES.encode_ordinary(p.answer + data.TERMINATOR))
              for p in problems]
-    lora_em, lora_loss = lora.evaluate(model, BYTES, problems, pairs)
-    assert em == lora_em
-    assert ev.answer_loss(model, BYTES, problems) == pytest.approx(lora_loss, abs=1e-5)
+    old_em, old_loss = lora_exact_match_as_it_was(model, BYTES, problems, pairs)
+    assert em == old_em
+    assert ev.answer_loss(model, BYTES, problems) == pytest.approx(old_loss, abs=1e-5)
+    assert lora.evaluate(model, BYTES, problems) == (em, ev.answer_loss(model, BYTES, problems))
+    nl = BYTES.encode_ordinary(data.TERMINATOR)[0]
+    prompts = [BYTES.encode_ordinary(p.prompt) for p in problems]
+    old_greedy, _ = rl.sample(model, prompts, 1, 0, 8, list(range(len(problems))), nl)
+    assert ev.greedy_answers(model, BYTES, problems, 8) == old_greedy
     got = rl.evaluate(model, BYTES, problems, k=2, max_new=8)
     assert ev.exact_match(model, BYTES, problems, 8) == got["greedy"]
-    assert ev.greedy_answers(model, BYTES, problems, 8) == got["greedy_out"]
+    assert got["greedy_out"] == old_greedy
     tokens = np.random.default_rng(0).integers(0, 256, 3000).astype(np.uint16)
     args = types.SimpleNamespace(eval_iters=3, batch_size=2, seq_len=16, seed=4, precision="fp32")
-    want = train.evaluate(model, types.SimpleNamespace(val=tokens), args, "cpu")
+    want = train_validation_loss_as_it_was(model, tokens, args)
     assert ev.validation_loss(model, tokens, 2, 16, 3, 5, "cpu") == pytest.approx(want, abs=1e-6)
+    got = train.evaluate(model, types.SimpleNamespace(val=tokens), args, "cpu")
+    assert got == pytest.approx(want, abs=1e-6)
 
 
 # ---------------------------------------------------------------------------- contamination
