@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data                                                       # noqa: E402
 import evaluate                                                   # noqa: E402
 import lora                                                       # noqa: E402
+import nf4                                                        # noqa: E402
 import optim                                                      # noqa: E402
 import parallel                                                   # noqa: E402
 import pipeline                                                   # noqa: E402
@@ -529,7 +530,7 @@ def test_lora_qlora_on_device(device):
         if method == "qlora":
             with torch.no_grad():
                 for _, m in lora.target_linears(ref, lora.ALL_LINEARS):
-                    m.weight.copy_(lora.NF4Weight(m.weight).dequantize())
+                    m.weight.copy_(nf4.NF4Weight(m.weight).dequantize())
         torch.testing.assert_close(model(x)[0], ref(x)[0], rtol=0, atol=1e-5)
     methods = "lora,qlora,dora,vera,loraplus" if device == "cuda" else "lora,qlora"
     rows = lora.main(["compare", "--ckpt", "none", "--preset", "tiny", "--methods", methods,

@@ -16,6 +16,7 @@ import torch
 
 import data
 import lora
+import nf4
 from harness import run_python, torchrun
 from model import GPT, get_config, load_model
 from plumbing import UserError
@@ -60,7 +61,7 @@ def dequantized_base(model):
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for _, m in lora.target_linears(ref, lora.ALL_LINEARS):
-            m.weight.copy_(lora.NF4Weight(m.weight).dequantize())
+            m.weight.copy_(nf4.NF4Weight(m.weight).dequantize())
     return ref
 
 
@@ -186,19 +187,19 @@ def test_loraplus_learning_rates_and_scales():
 
 def test_nf4_codebook_nearest_level_and_error_bound():
     code = torch.tensor(NF4_REFERENCE)
-    assert torch.equal(lora.NF4_CODE, code)                  # exact, bit for bit
+    assert torch.equal(nf4.NF4_CODE, code)                  # exact, bit for bit
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(96, 128, generator=gen) * torch.rand(96, 1, generator=gen)
     w[0, :64] = code.repeat(4) * 0.37                       # a block made of exact levels
     w[0, 63] = 0.37                                          # ... whose absmax is 0.37
-    q = lora.NF4Weight(w, double_quant=False)
+    q = nf4.NF4Weight(w, double_quant=False)
     deq = q.dequantize()
     torch.testing.assert_close(deq[0, :64], w[0, :64], rtol=0, atol=1e-7)
     blocks, dblocks = w.reshape(-1, 64), deq.reshape(-1, 64)
     absmax = blocks.abs().amax(1, keepdim=True)
     normed = blocks / absmax
     # nearest level, by brute force over the 16 levels
-    codes = lora.unpack_nibbles(q.packed).view(-1, 64).long()
+    codes = nf4.unpack_nibbles(q.packed).view(-1, 64).long()
     dist = (normed[..., None] - code).abs()
     assert torch.all(dist.gather(-1, codes[..., None]).squeeze(-1) <= dist.min(-1).values + 1e-7)
     # error bound: half the gap between the two levels that bracket each value
@@ -208,7 +209,7 @@ def test_nf4_codebook_nearest_level_and_error_bound():
     assert torch.all(err <= half_gap * absmax + 1e-6)
     assert err.max() > 0.3 * (half_gap * absmax).max()     # the bound is not vacuous
     # double quantization: the absmax constants move by at most half an int8 step
-    dq = lora.NF4Weight(w, double_quant=True)
+    dq = nf4.NF4Weight(w, double_quant=True)
     scale = dq.absmax_scale.repeat_interleave(256)[:absmax.numel()]
     amax_err = (dq.absmax_values() - absmax.squeeze(1)).abs()
     assert torch.all(amax_err <= scale / 2 + 1e-7)
@@ -219,11 +220,11 @@ def test_nf4_codebook_nearest_level_and_error_bound():
 def test_nf4_packing_and_bits_per_param():
     codes = torch.randint(0, 16, (1000,), generator=torch.Generator().manual_seed(0),
                           dtype=torch.uint8)
-    assert torch.equal(lora.unpack_nibbles(lora.pack_nibbles(codes)), codes)
-    assert lora.pack_nibbles(torch.tensor([1, 2, 15, 0], dtype=torch.uint8)).tolist() == [0x12, 0xF0]
+    assert torch.equal(nf4.unpack_nibbles(nf4.pack_nibbles(codes)), codes)
+    assert nf4.pack_nibbles(torch.tensor([1, 2, 15, 0], dtype=torch.uint8)).tolist() == [0x12, 0xF0]
     n = 64 * 256 * 4                      # 4 whole double-quantization blocks
     w = torch.randn(n // 256, 256)
-    with_dq, without = lora.NF4Weight(w), lora.NF4Weight(w, double_quant=False)
+    with_dq, without = nf4.NF4Weight(w), nf4.NF4Weight(w, double_quant=False)
     # codes n/2 bytes + int8 absmax n/64 + fp32 scale per 256 blocks + one fp32 mean
     assert with_dq.nbytes == n // 2 + n // 64 + 4 * 4 + 4
     assert with_dq.bits_per_param == pytest.approx(4 + 8 / 64 + 32 / (64 * 256) + 32 / n)
@@ -233,7 +234,7 @@ def test_nf4_packing_and_bits_per_param():
 
 def test_nf4_matmul_backward_dequantizes_instead_of_saving():
     w = torch.randn(64, 32)
-    q = lora.NF4Weight(w)
+    q = nf4.NF4Weight(w)
     x = torch.randn(5, 32, requires_grad=True)
     x2 = x.detach().clone().requires_grad_(True)
     from plumbing import ActivationMeter
