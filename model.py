@@ -304,8 +304,16 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.feed_forward = MoE(cfg) if cfg.n_expert else FeedForward(cfg.n_embd, cfg.ffn_dim)
+        # replaceable: run(fn, *args) -> fn(*args) by default; train.py's full activation
+        # checkpointing sets it to its Checkpoint.apply (keep the inputs, recompute fn)
+        self.run = None
 
     def forward(self, x, cos, sin, mask=None, cache=None, layer=0):
+        if self.run is not None:
+            return self.run(self.compute, x, cos, sin, mask, cache, layer)
+        return self.compute(x, cos, sin, mask, cache, layer)
+
+    def compute(self, x, cos, sin, mask=None, cache=None, layer=0):
         x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, layer)
         return x + self.feed_forward(self.ffn_norm(x))
 
