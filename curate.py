@@ -643,11 +643,13 @@ def train_on(stream: np.ndarray, cfg, args, seed: int) -> GPT:
 @torch.no_grad()
 def eval_loss(model: GPT, token_lists: list[list[int]], byte_len: np.ndarray, eot: int,
               max_tokens: int) -> tuple[float, float]:
-    """(nats per token, bits per byte) on up to max_tokens of these documents. Targets
-    that are the separator are skipped (they are not text; their 'bytes' are not data).
-    bits/byte = Σ nats / ln 2 / Σ bytes: comparable across tokenizers."""
+    """(nats per token, bits per byte) on up to max_tokens of these documents, an equal
+    share from each (one long file must not stand for the group). Targets that are the
+    separator are skipped (not text, and their 'bytes' are not data). bits/byte =
+    Σ nats / ln 2 / Σ bytes: comparable across tokenizers."""
     seq = model.config.block_size
-    stream = token_stream(token_lists, eot)[: max_tokens + 1].astype(np.int64)
+    per_doc = max(seq + 1, max_tokens // max(len(token_lists), 1))
+    stream = token_stream([t[:per_doc] for t in token_lists], eot)[: max_tokens + 1].astype(np.int64)
     n = (len(stream) - 1) // seq
     if n == 0:  # e.g. no repeated documents in this subset
         return float("nan"), float("nan")

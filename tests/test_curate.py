@@ -338,6 +338,10 @@ def test_eval_loss_equals_the_models_loss():
         ref = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), ignore_index=-1).item()
     assert nats == pytest.approx(ref, rel=1e-5)
     assert bpb == pytest.approx(ref / math.log(2) / 2, rel=1e-5)
+    # an equal share per document: a long one does not crowd out the rest
+    long_short = [list(rng.integers(0, eot, size=3000)), list(rng.integers(0, eot, size=400))]
+    capped = curate.eval_loss(model, long_short, byte_len, eot, max_tokens=1000)
+    assert capped == curate.eval_loss(model, [long_short[0][:500], long_short[1][:500]], byte_len, eot, 10_000)
 
 
 def test_split_keeps_every_copy_of_a_val_document_out_of_train(vocab):
