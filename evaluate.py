@@ -43,7 +43,6 @@ Imports only the shared modules: lora.py, rl.py and train.py are meant to import
 file's exact_match / answer_loss / validation_loss, so it imports none of them.
 """
 import argparse
-import copy
 import hashlib
 import math
 import os
@@ -752,123 +751,12 @@ def run_uncertainty(args, device):
 
 
 # ----------------------------------------------------------------------------------------
-# contamination: plant test items in a fine-tune, measure the inflation, detect them
-
-def ngram_overlap(train_seqs, items, n):
-    """Per item, the fraction of its n-grams found anywhere in the training sequences; an
-    item shorter than n is one n-gram, itself (GPT-3 app. C: shorter n for short items)."""
-    if n < 1:
-        raise UserError(f"--ngram must be at least 1, got {n}")
-    sizes = {min(n, len(it)) for it in items}
-    index = {m: {tuple(s[i:i + m]) for s in train_seqs for i in range(len(s) - m + 1)}
-             for m in sizes}
-    out = []
-    for it in items:
-        m = min(n, len(it))
-        grams = [tuple(it[i:i + m]) for i in range(len(it) - m + 1)]
-        out.append(sum(g in index[m] for g in grams) / len(grams))
-    return np.array(out)
-
-
-def finetune_copy(model, seqs, args, label, device):
-    """A copy of model trained one epoch over seqs (shuffled), args.ft_batch rows a step:
-    every sequence, planted or not, is seen exactly as often as it is listed."""
-    order = np.random.default_rng([args.seed, 13]).permutation(len(seqs))
-    rows = [seqs[i] for i in order]
-    steps, b = math.ceil(len(rows) / args.ft_batch), args.ft_batch
-    batch = lambda s: text_batch(rows[s * b:(s + 1) * b], device)
-    return adam_steps(copy.deepcopy(model), batch, steps, args.ft_lr, label, max(1, steps // 2))
-
-
-def planted_data(args, enc, items):
-    """-> (planted mask over items, contaminated fine-tune rows, control rows). Same recipe
-    twice: ft_clean train problems + `planted` problems repeated `repeats` times; in the
-    contaminated data the repeated ones are held-out items, in the control train problems."""
-    planted = np.zeros(len(items), dtype=bool)
-    planted[random.Random(args.seed + 5).sample(range(len(items)), args.planted)] = True
-    encode = lambda probs: [enc.encode_ordinary(data.format_example(p)) for p in probs]
-    pool = encode(data.make_problems(args.ft_clean + args.planted, args.seed + 2, args.digits,
-                                     args.ops, "train"))
-    dirty = pool[:args.ft_clean] + [s for s, p in zip(encode(items), planted) if p] * args.repeats
-    clean = pool[:args.ft_clean] + pool[args.ft_clean:] * args.repeats
-    return planted, dirty, clean
-
-
-def membership(model, enc, items, planted, args):
-    """Accuracy on planted vs clean items, and the loss / Min-K% scores of every item's
-    text (its first token is the context)."""
-    right = np.array([data.score(enc.decode(a), p.answer)
-                      for a, p in zip(greedy_answers(model, enc, items, args.max_new), items)])
-    seqs = [enc.encode_ordinary(data.format_example(p)) for p in items]
-    lps = continuation_logprobs(model, [(s[:1], s[1:]) for s in seqs])
-    loss = np.array([-lp.mean().item() for lp in lps])
-    mink = np.array([min_k_prob(lp, args.min_k) for lp in lps])
-    row = dict(planted=right[planted].mean(), clean=right[~planted].mean(),
-               auroc_loss=auroc(-loss, planted), auroc_mink=auroc(mink, planted))
-    row["inflation"] = row["planted"] - row["clean"]
-    row["mink_ci"] = bootstrap_ci(lambda i: auroc(mink[i], planted[i]), len(mink),
-                                  args.bootstrap, args.seed)
-    return row, mink
-
+# contamination: contamination.py (split out by concept) runs the experiment with this
+# file's metrics and models; imported here, at the mode's call, because it imports us.
 
 def run_contamination(args, device):
-    dev, test = eval_problems(args)
-    items = dev + test
-    if args.planted > len(items):
-        raise UserError(f"--planted {args.planted} is more than the {len(items)} held-out problems "
-                        f"(raise --eval-problems or plant fewer)")
-    _, enc, _ = load_base(args, device)
-    model, sft_probs = task_model(args, enc, device)
-    planted, dirty, clean = planted_data(args, enc, items)
-    print0(f"{len(items)} held-out items, {args.planted} planted {args.repeats}x among "
-           f"{args.ft_clean} clean rows ({1 - args.ft_clean / len(dirty):.1%} of the fine-tune); "
-           f"the control repeats {args.planted} train problems instead")
-    t0 = time.perf_counter()
-    models = {"before fine-tune": model,
-              "contaminated": finetune_copy(model, dirty, args, "contaminated", device),
-              "control (clean)": finetune_copy(model, clean, args, "control", device)}
-    print0(f"two fine-tunes in {time.perf_counter() - t0:.1f} s")
-    print0(f"{'model':<18}{'planted acc':>12}{'clean acc':>11}{'inflation':>11}"
-           f"{'AUROC loss':>12}{f'Min-{args.min_k:g}%':>10}")
-    result = {}
-    for name, m in models.items():
-        row, mink = membership(m, enc, items, planted, args)
-        print0(f"{name:<18}{row['planted']:12.1%}{row['clean']:11.1%}{row['inflation']:+11.1%}"
-               f"{row['auroc_loss']:12.3f}{row['auroc_mink']:10.3f}  (Min-K CI "
-               f"[{row['mink_ci'][0]:.2f}, {row['mink_ci'][1]:.2f}])")
-        result[name] = row
-        if name == "contaminated":
-            edges = np.linspace(mink.min(), mink.max() + 1e-9, 13)
-            hist = {label: (np.histogram(mink[sel], edges)[0] / max(sel.sum(), 1)).tolist()
-                    for label, sel in (("planted", planted), ("clean", ~planted))}
-    result.update(report_ngrams(args, enc, sft_probs, items, planted, dirty, clean))
-    labels = [f"{e:.2f}" for e in edges[:-1]]
-    path = svg_bar_chart("contamination_mink", labels, hist, xlabel=f"Min-{args.min_k:g}% log-prob",
-                         title="Min-K% Prob of held-out items, contaminated model",
-                         ylabel="fraction of items", directory=args.plots)
-    print0(terminal_bars(labels, hist, width=30))
-    print0(f"plot: {path}")
-    return result
-
-
-def report_ngrams(args, enc, sft_probs, items, planted, dirty, clean):
-    """The n-gram detector against everything each model was trained on (SFT + fine-tune)."""
-    item_seqs = [enc.encode_ordinary(data.format_example(p)) for p in items]
-    train_seqs = [enc.encode_ordinary(data.format_example(p)) for p in sft_probs]
-    print0(f"n-gram overlap with the training data (n={args.ngram}; items are "
-           f"{min(map(len, item_seqs))}-{max(map(len, item_seqs))} tokens, a shorter item is "
-           f"one n-gram: itself):")
-    result = {}
-    for name, corpus in (("contaminated data", train_seqs + dirty), ("clean data", train_seqs + clean)):
-        score = ngram_overlap(corpus, item_seqs, args.ngram)
-        flagged = score > 0
-        tp = int((flagged & planted).sum())
-        precision = tp / flagged.sum() if flagged.any() else float("nan")
-        recall = tp / planted.sum()
-        print0(f"  {name:<18} flagged {int(flagged.sum()):4d} | precision {precision:.3f} | "
-               f"recall {recall:.3f} | AUROC {auroc(score, planted):.3f}")
-        result[f"ngram {name}"] = dict(flagged=int(flagged.sum()), precision=precision, recall=recall)
-    return result
+    import contamination
+    return contamination.run(args, device)
 
 
 # ----------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+import contamination
 import evaluate as ev
 from model import GPT, get_config
 from plumbing import (UserError, run_cli, svg_bar_chart, svg_line_plot, terminal_bars,
@@ -214,12 +215,12 @@ def test_ngram_detector_finds_exactly_the_planted_items():
     docs = [rng.integers(50, 100, 40).tolist() for _ in range(200)]       # other tokens
     dirty = docs + [docs[i][:7] + items[j] + docs[i][7:] for i, j in enumerate(np.flatnonzero(planted))]
     for n in (13, 8, 5):
-        score = ev.ngram_overlap(dirty, items, n)
+        score = contamination.ngram_overlap(dirty, items, n)
         flagged = score > 0
         assert (flagged == planted).all()            # precision 1 and recall 1
         assert (score[planted] == 1).all()
-        assert not (ev.ngram_overlap(docs, items, n) > 0).any()    # clean corpus: nothing
-    assert ev.auroc(ev.ngram_overlap(dirty, items, 13), planted) == 1.0
+        assert not (contamination.ngram_overlap(docs, items, n) > 0).any()    # clean corpus: nothing
+    assert ev.auroc(contamination.ngram_overlap(dirty, items, 13), planted) == 1.0
 
 
 def run(argv, capsys):
