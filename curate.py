@@ -326,10 +326,6 @@ def lsh_buckets(sigs: np.ndarray, bands: int, rows: int) -> list[list[int]]:
     return buckets
 
 
-def candidate_pairs(buckets: list[list[int]]) -> set[tuple[int, int]]:
-    return {(a, b) for g in buckets for i, a in enumerate(g) for b in g[i + 1:]}
-
-
 def union_find(n: int, groups: list[list[int]]) -> list[list[int]]:
     """Connected components (size >= 2) of the graph where each group is a clique."""
     parent = list(range(n))
@@ -349,23 +345,19 @@ def union_find(n: int, groups: list[list[int]]) -> list[list[int]]:
     return [c for c in comps.values() if len(c) > 1]
 
 
-def signatures(docs: list[Document], shingle: int, permutations: int, seed: int):
-    """(shingle sets, signature matrix) of every document."""
-    hasher = MinHasher(permutations, seed)
-    sets = [shingle_set(word_ids(d.text), shingle) for d in docs]
-    return sets, np.stack([hasher.signature(s) for s in sets]) if sets else np.zeros((0, permutations), np.uint64)
-
-
 def duplicate_clusters(docs: list[Document], args) -> tuple[list[list[int]], list[list[int]], dict]:
     """(exact clusters, near-dup clusters incl. the exact ones, details for printing).
     Like FineWeb, an LSH bucket is taken as a duplicate group without a check of the
     exact similarity (cheap; a chain of similar pairs can merge two distant documents)."""
     check_lsh(args.permutations, args.bands, args.rows)
     exact = exact_clusters(docs)
-    sets, sigs = signatures(docs, args.shingle, args.permutations, args.seed)
+    hasher = MinHasher(args.permutations, args.seed)
+    sets = [shingle_set(word_ids(d.text), args.shingle) for d in docs]
+    sigs = np.stack([hasher.signature(s) for s in sets]) if sets else np.zeros((0, args.permutations), np.uint64)
     buckets = lsh_buckets(sigs, args.bands, args.rows)
     near = union_find(len(docs), exact + buckets)
-    return exact, near, {"sets": sets, "sigs": sigs, "pairs": candidate_pairs(buckets)}
+    pairs = {(a, b) for g in buckets for i, a in enumerate(g) for b in g[i + 1:]}
+    return exact, near, {"sets": sets, "sigs": sigs, "pairs": pairs}
 
 
 def planted_detection(docs: list[Document], args, n_pairs: int = 1000) -> list[tuple[float, float, bool]]:
@@ -547,7 +539,7 @@ def sample_mixture(doc_tokens: dict[str, list[int]], weights: dict[str, float], 
 
 def largest_unrepeated(tokens: dict[str, int], weights: dict[str, float]) -> int:
     """The biggest mixture in which no domain repeats: min over d of n_d / w_d."""
-    return int(min(tokens[d] / w for d, w in weights.items()))
+    return int(min(tokens.get(d, 0) / w for d, w in weights.items()))
 
 
 def encode_docs(enc, docs: list[Document]) -> list[list[int]]:
@@ -883,13 +875,21 @@ def cmd_mix(args) -> None:
     doc_tokens = {name: list(map(len, encode_docs(enc, ds))) for name, ds in by_domain.items()}
     tokens = {name: sum(v) for name, v in doc_tokens.items()}
     # --weights wins; without it, temperature sampling over the domains' token counts
-    weights = parse_weights(args.weights, loaded) if args.weights else temperature_weights(tokens, args.temperature)
-    mix = sample_mixture(doc_tokens, weights, args.tokens or largest_unrepeated(tokens, weights), args.seed)
+    # (a built-in domain that loaded nothing, e.g. --arith-docs 0, is empty, not unknown)
+    names = set(loaded) | set(BUILTIN_DOMAINS)
+    weights = parse_weights(args.weights, names) if args.weights else temperature_weights(tokens, args.temperature)
+    total = args.tokens or largest_unrepeated(tokens, weights)
+    mix = sample_mixture(doc_tokens, weights, total, args.seed)
     taken = sum(m["tokens"] for m in mix.values())
     print(f"{'domain':<10}{'weight':>8}{'available':>11}{'taken':>10}{'share':>8}{'epochs':>8}")
     for name, m in mix.items():
         print(f"{name:<10}{weights[name]:8.3f}{m['available']:>11,}{m['tokens']:>10,}"
               f"{m['tokens'] / taken:8.3f}{m['epochs']:8.2f}")
+        if m["tokens"] - weights[name] * total > 0.05 * taken:  # whole documents overshoot
+            print(f"  note: {name}'s documents (up to {m['largest_doc']:,} tokens) are big next to "
+                  f"its quota; a larger --tokens brings every share closer to its weight")
+        if m["epochs"] > 4:  # Muennighoff et al. 2023: repeated data loses value past ~4 epochs
+            print(f"  note: {name} is repeated {m['epochs']:.1f} times; past ~4 epochs repeats are worth little")
     chosen = [by_domain[name][i] for name, m in mix.items() for i in m["docs"]]
     manifest = {"weights": weights, "tokens": taken, "documents": len(chosen), "seed": args.seed,
                 "tokenizer": f"curate.union_tokenizer, vocab {args.vocab_size}", "filter": args.filter,
