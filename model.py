@@ -429,11 +429,13 @@ class GPT(nn.Module):
         return self.rope_cos[positions], self.rope_sin[positions]
 
     def forward(self, idx, targets=None, positions=None, mask=None, cache=None,
-                return_hidden=False):
+                return_hidden=False, logits_at=None):
         """idx: (B, T) token ids. targets: (B, T) next tokens (-1 = ignore) -> also returns
         the loss. positions: (T,) or (B, T) absolute positions (default: continue after the
         cache, or 0..T-1). mask: None = causal, else a bool (…, T, T_total) attend-mask.
-        cache: a KVCache, filled and advanced by T. Returns (logits, loss[, hidden])."""
+        cache: a KVCache, filled and advanced by T. logits_at: indices along T -- the head
+        runs only there (a serving step needs the next token of a few positions, not
+        V logits for every prompt token). Returns (logits, loss[, hidden])."""
         B, T = idx.shape
         start = cache.length if cache is not None else 0
         if positions is None:
@@ -456,7 +458,7 @@ class GPT(nn.Module):
         if cache is not None:
             cache.advance(T)
         h = self.norm(x)
-        logits = self.output(h)
+        logits = self.output(h if logits_at is None else h[:, logits_at])
         loss = None
         if targets is not None:
             loss = self.loss(logits, targets, h)

@@ -463,13 +463,19 @@ class Engine:
         if self.fault_hook is not None:
             self.fault_hook("forward", [seq for seq, _ in batch])
         ids = [t for seq, n in batch for t in seq.tokens[seq.num_computed:seq.num_computed + n]]
+        picks, rows = self._logit_positions(batch)
         self.cache.prepare([(seq.block_table, seq.num_computed, n) for seq, n in batch])
         idx = torch.tensor([ids], device=self.device)
-        cos, sin = model.rope(self.cache.positions[None])
-        x = model.tok_embeddings(idx)
-        with self.cache.installed(model):
-            for i, layer in enumerate(model.layers):
-                x = layer(x, cos, sin, None, self.cache, i)
+        with self.cache.installed(model):       # GPT.forward, with the paged attention
+            logits, _ = model(idx, positions=self.cache.positions[None], cache=self.cache,
+                              logits_at=picks)
+        return (logits[0], rows) if picks else (None, [])
+
+    @staticmethod
+    def _logit_positions(batch):
+        """Where the packed step needs logits: the last token of sequences that are now
+        complete, and prompt positions of requests asking for prompt log-probs.
+        -> (indices into the packed row, [(seq, prompt position or None)])."""
         picks, rows, end = [], [], 0
         for seq, n in batch:
             start = seq.num_computed
@@ -482,9 +488,7 @@ class Engine:
             if start + n == len(seq.tokens):
                 picks.append(end - 1)
                 rows.append((seq, None))
-        if not picks:
-            return None, []
-        return model.output(model.norm(x[0, picks])), rows
+        return picks, rows
 
     def _sample_one(self, seq, logits):
         """One token from one row of logits: bias, min_tokens and penalties applied (when
