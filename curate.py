@@ -672,7 +672,11 @@ def sweep_runs(tokens: dict, args) -> list[tuple[str, str, dict]]:
         elif spec == "uniform":
             runs.append(("uniform", "dedup", {d: 1 / len(natural) for d in natural}))
         elif spec.startswith("T="):
-            runs.append((spec, "dedup", temperature_weights(tokens["dedup"], float(spec[2:]))))
+            try:
+                temperature = float(spec[2:])
+            except ValueError:
+                raise UserError(f"--mixtures: {spec!r} is not T=<number>") from None
+            runs.append((spec, "dedup", temperature_weights(tokens["dedup"], temperature)))
         else:
             runs.append((spec, "dedup", parse_weights(spec, tokens["dedup"])))
     runs.append(("natural, raw (not dedup'd)", "raw", natural))
