@@ -509,6 +509,8 @@ def temperature_weights(tokens: dict[str, int], temperature: float) -> dict[str,
     if not temperature > 0:
         raise UserError(f"--temperature must be > 0, got {temperature}")
     raw = {d: n ** (1.0 / temperature) for d, n in tokens.items() if n > 0}
+    if not raw:
+        raise UserError("every domain is empty (no tokens left after curation)")
     return {d: v / sum(raw.values()) for d, v in raw.items()}
 
 
@@ -979,6 +981,11 @@ def check_args(args) -> None:
     for name in ("steps", "batch_size", "eval_tokens", "threads"):
         if hasattr(args, name) and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if getattr(args, "tokens", 0) < 0:
+        raise UserError(f"--tokens must be >= 0 (0 = the largest mixture with no repeats), got {args.tokens}")
+    for name in ("subset", "val_fraction"):
+        if hasattr(args, name) and not 0 < getattr(args, name) <= 1:
+            raise UserError(f"--{name.replace('_', '-')} must be in (0, 1], got {getattr(args, name)}")
 
 
 def check_weights(args) -> None:

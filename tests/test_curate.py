@@ -304,6 +304,8 @@ def test_empty_domain_is_an_error():
     (["mix", "--weights", "klingon=1"], "unknown domain"),
     (["dedup", "--shingle", "0"], "shingle"),
     (["dedup", "--bands", "14", "--rows", "7"], "bands × rows"),
+    (["sweep", "--subset", "0"], "--subset"),
+    (["mix", "--tokens", "-5"], "--tokens"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
