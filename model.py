@@ -260,12 +260,17 @@ class MoE(nn.Module):
                                      for _ in range(cfg.n_expert))
         self.aux_loss = None
 
-    def route(self, x_flat):
-        """-> (top-k weights (N, k), top-k expert ids (N, k), aux loss). Shared by the local
-        forward below and by expert parallelism, so both route identically."""
+    def gate(self, x_flat):
+        """-> (router probabilities (N, E) in fp32, top-k weights (N, k) renormalised to sum
+        to 1, top-k expert ids (N, k)). Shared by the forwards below and by expert
+        parallelism (parallel.py), so every path routes identically."""
         probs = torch.softmax(self.router(x_flat).float(), dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
+        return probs, weights / weights.sum(-1, keepdim=True), ids
+
+    def route(self, x_flat):
+        """-> (top-k weights (N, k), top-k expert ids (N, k), aux loss over these tokens)."""
+        probs, weights, ids = self.gate(x_flat)
         n_expert = probs.shape[-1]
         counts = torch.zeros(n_expert, device=x_flat.device).index_add_(
             0, ids.flatten(), torch.ones(ids.numel(), device=x_flat.device))

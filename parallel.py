@@ -240,10 +240,10 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x):
         B, T, D = x.shape
         x_flat = x.reshape(-1, D)
-        # routing: the same arithmetic as model.MoE.route
-        probs = torch.softmax(self.router(x_flat).float(), dim=-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        weights = (weights / weights.sum(-1, keepdim=True)).type_as(x_flat)
+        # routing: model.MoE's own gate (it reads only .router and .top_k, which this layer
+        # holds), so both route identically; the balance statistics cover the microbatch
+        probs, weights, ids = MoE.gate(self, x_flat)
+        weights = weights.type_as(x_flat)
         counts = torch.zeros(self.n_expert, device=x.device).index_add_(
             0, ids.flatten(), torch.ones(ids.numel(), device=x.device))
         n_tokens = torch.tensor([float(x_flat.shape[0])], device=x.device)
