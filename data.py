@@ -433,6 +433,20 @@ def score(completion: str, answer: str) -> float:
     return 1.0 if extract_answer(completion) == answer.strip() else 0.0
 
 
+def pack_answers(prompts: list, answers: list) -> tuple:
+    """Token rows prompt + answer, right-padded with 0. -> (seq (N, L) long, mask (N, L-1)
+    bool: True where position t predicts an answer token). Fine-tuning (lora.py) trains on
+    the masked positions only; RL (rl.py) weighs their log-probabilities. Causal attention
+    means the padding never changes the real positions' outputs."""
+    L = max(len(p) + len(a) for p, a in zip(prompts, answers))
+    seq = torch.zeros(len(prompts), L, dtype=torch.long)
+    mask = torch.zeros(len(prompts), L - 1, dtype=torch.bool)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        seq[i, :len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, len(p) - 1:len(p) - 1 + len(a)] = True
+    return seq, mask
+
+
 def format_reward(completion: str) -> float:
     """1.0 if the completion is shaped right (digits, then the terminator), right or not."""
     return 1.0 if TERMINATOR in completion and re.fullmatch(r"-?\d+", extract_answer(completion)) else 0.0

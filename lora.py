@@ -446,15 +446,11 @@ def make_optimizer(model, method, lr, loraplus_ratio=16.0, weight_decay=0.0):
 # The task: data.py's arithmetic problems, loss on the answer tokens only.
 
 def collate(pairs, device="cpu"):
-    """Rows = prompt + answer, right-padded. Targets -1 (ignored) on the prompt and the
-    padding; causal attention means padding never changes the real positions' outputs."""
-    seqs = [p + a for p, a in pairs]
-    T = max(len(s) for s in seqs) - 1
-    x = torch.zeros(len(seqs), T, dtype=torch.long)
-    y = torch.full((len(seqs), T), -1, dtype=torch.long)
-    for i, ((p, a), s) in enumerate(zip(pairs, seqs)):
-        x[i, :len(s) - 1] = torch.tensor(s[:-1])
-        y[i, len(p) - 1:len(s) - 1] = torch.tensor(a)
+    """(inputs, targets) of prompt + answer rows (data.pack_answers): targets -1 (ignored)
+    on the prompt and the padding, so the loss is on the answer tokens only."""
+    seq, mask = data.pack_answers([p for p, _ in pairs], [a for _, a in pairs])
+    x = seq[:, :-1]
+    y = seq[:, 1:].masked_fill(~mask, -1)
     return x.to(device), y.to(device)
 
 

@@ -245,13 +245,9 @@ def sample(model, prompts, n, temperature, max_new, seeds, stop_id):
 def pack(prompts, answers, device, *per_token):
     """Rows prompt + answer, right-padded. -> seq (N, L), mask (N, L-1) True where position
     t predicts an answer token, and each per-token list laid out on the same (N, L-1) grid."""
-    L = max(len(p) + len(a) for p, a in zip(prompts, answers))
-    seq = torch.zeros(len(prompts), L, dtype=torch.long)
-    mask = torch.zeros(len(prompts), L - 1, dtype=torch.bool)
-    grids = [torch.zeros(len(prompts), L - 1) for _ in per_token]
+    seq, mask = data.pack_answers(prompts, answers)
+    grids = [torch.zeros(mask.shape) for _ in per_token]
     for i, (p, a) in enumerate(zip(prompts, answers)):
-        seq[i, :len(p) + len(a)] = torch.tensor(p + a)
-        mask[i, len(p) - 1:len(p) - 1 + len(a)] = True
         for g, vals in zip(grids, per_token):
             g[i, len(p) - 1:len(p) - 1 + len(a)] = torch.tensor(vals[i], dtype=torch.float)
     return (seq.to(device), mask.to(device), *(g.to(device) for g in grids))
