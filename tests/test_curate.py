@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import curate
+import curate_sweep
 import data
 from harness import run_python
 from model import GPT, get_config
@@ -330,8 +331,8 @@ def test_eval_loss_equals_the_models_loss():
     eot = cfg.vocab_size - 1
     docs = [list(rng.integers(0, eot, size=int(n))) for n in rng.integers(20, 200, size=12)]
     byte_len = np.full(cfg.vocab_size, 2)
-    nats, bpb = curate.eval_loss(model, docs, byte_len, eot, max_tokens=10_000)
-    stream = curate.token_stream(docs, eot).astype(np.int64)
+    nats, bpb = curate_sweep.eval_loss(model, docs, byte_len, eot, max_tokens=10_000)
+    stream = curate_sweep.token_stream(docs, eot).astype(np.int64)
     n = (len(stream) - 1) // cfg.block_size
     x = torch.from_numpy(stream[: n * cfg.block_size].reshape(n, -1))
     y = torch.from_numpy(stream[1: n * cfg.block_size + 1].reshape(n, -1))
@@ -342,8 +343,8 @@ def test_eval_loss_equals_the_models_loss():
     assert bpb == pytest.approx(ref / math.log(2) / 2, rel=1e-5)
     # an equal share per document: a long one does not crowd out the rest
     long_short = [list(rng.integers(0, eot, size=3000)), list(rng.integers(0, eot, size=400))]
-    capped = curate.eval_loss(model, long_short, byte_len, eot, max_tokens=1000)
-    assert capped == curate.eval_loss(model, [long_short[0][:500], long_short[1][:500]], byte_len, eot, 10_000)
+    capped = curate_sweep.eval_loss(model, long_short, byte_len, eot, max_tokens=1000)
+    assert capped == curate_sweep.eval_loss(model, [long_short[0][:500], long_short[1][:500]], byte_len, eot, 10_000)
 
 
 def test_split_keeps_every_copy_of_a_val_document_out_of_train(vocab):
@@ -353,7 +354,7 @@ def test_split_keeps_every_copy_of_a_val_document_out_of_train(vocab):
         docs.append(curate.Document("ab"[i % 2], f"d{i:03d}", " ".join(random_words(rng, 80, vocab))))
     clusters = [[i, i + 1, i + 2] for i in range(0, 60, 3)]
     args = argparse.Namespace(seed=0, subset=1.0, val_fraction=0.2)
-    split = curate.split_by_cluster(docs, clusters, args)
+    split = curate_sweep.split_by_cluster(docs, clusters, args)
     val, raw = {d.path for d in split["val"]}, {d.path for d in split["raw"]}
     group = {docs[i].path: {docs[j].path for j in c} for c in clusters for i in c}
     assert not val & raw and {d.domain for d in split["val"]} == {"a", "b"}
@@ -391,10 +392,10 @@ def test_train_on_reads_the_stream_and_learns_it():
     cfg = get_config("tiny")
     stream = np.tile(np.arange(40, dtype=np.uint16), 400)
     args = argparse.Namespace(lr=3e-3, batch_size=4, steps=30)
-    model = curate.train_on(stream, cfg, args, seed=0).eval()
-    nats, _ = curate.eval_loss(model, [list(range(40)) * 20], np.ones(cfg.vocab_size), cfg.vocab_size - 1, 700)
+    model = curate_sweep.train_on(stream, cfg, args, seed=0).eval()
+    nats, _ = curate_sweep.eval_loss(model, [list(range(40)) * 20], np.ones(cfg.vocab_size), cfg.vocab_size - 1, 700)
     assert nats < math.log(cfg.vocab_size) - 1.5
-    again = curate.train_on(stream, cfg, args, seed=0)
+    again = curate_sweep.train_on(stream, cfg, args, seed=0)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
 
 
