@@ -245,8 +245,8 @@ class PagedKVCache:
 
     It drives the unmodified model: `Attention.forward` calls `update(layer, k, v)`, which
     writes this step's K/V into their slots and returns the layer's pools; those reach
-    `attention(q, k_pool, v_pool, mask)` (installed as every layer's attn_fn by
-    `installed(model)`), which does paged attention for the step's ragged batch, described
+    `attention(q, k_pool, v_pool, mask)` (the cache protocol's `attention`: the layers call
+    it instead of their attn_fn), which does paged attention for the step's ragged batch, described
     by `prepare(...)`. The step's tokens of all sequences are packed into one row
     (B = 1, T = total new tokens), the way vLLM packs a batch: no padding in the MLP."""
 
@@ -390,22 +390,6 @@ class PagedKVCache:
             out[0].index_copy_(1, dest, og)
         return out
 
-    def installed(self, model):
-        """Context manager: every layer's attn_fn is this cache's paged attention for the
-        duration of a step, then the model's own again (the model object stays shared with
-        callers such as a reference generate())."""
-        cache = self
-
-        class _Swap:
-            def __enter__(self):
-                self.saved = [layer.attention.attn_fn for layer in model.layers]
-                for layer in model.layers:
-                    layer.attention.attn_fn = cache.attention
-
-            def __exit__(self, *exc):
-                for layer, fn in zip(model.layers, self.saved):
-                    layer.attention.attn_fn = fn
-        return _Swap()
 
 
 def paged_attention_blockwise(q, k_pool, v_pool, table, context_len, block_size):
@@ -453,8 +437,7 @@ def paged_logits(model, cache, alloc, seqs, chunk):
         cache.prepare([(tables[i], done[i], n) for i, n in step])
         idx = torch.tensor([[t for i, n in step for t in seqs[i][done[i]:done[i] + n]]],
                            device=cache.device)
-        with cache.installed(model):
-            logits, _ = model(idx, positions=cache.positions[None], cache=cache)
+        logits, _ = model(idx, positions=cache.positions[None], cache=cache)
         at = 0
         for i, n in step:
             out[i].append(logits[0, at:at + n])

@@ -215,7 +215,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:              # append this step's K/V, attend to all of them
             k, v = cache.update(layer, k, v)
-        y = self.attn_fn(q, k, v, mask)
+        paged = cache is not None and cache.attention is not None
+        y = cache.attention(q, k, v, mask) if paged else self.attn_fn(q, k, v, mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -351,7 +352,13 @@ class KVCache:
         may keep it at 0. Rolling back rejected tokens = setting it lower;
       - `update(layer, k, v) -> (k_all, v_all)`: store this step's (B, H_kv, T, D) keys
         and values of that layer, return every key and value to attend to;
-      - `advance(n)`: called once per forward after all layers, with T new tokens."""
+      - `advance(n)`: called once per forward after all layers, with T new tokens;
+      - `attention`: None, or a function (q, k_all, v_all, mask) -> out that the layers
+        use instead of their attn_fn -- a cache whose keys are not (B, H_kv, T, D)
+        tensors does its own attention (kvcache.PagedKVCache: gathers through the block
+        tables, then the model's attention function)."""
+
+    attention = None              # this cache's keys are plain tensors: the layer attends
 
     def __init__(self, cfg: GPTConfig, batch_size, max_len=None, device="cpu",
                  dtype=torch.float32, n_kv_head=None):

@@ -466,9 +466,9 @@ class Engine:
         picks, rows = self._logit_positions(batch)
         self.cache.prepare([(seq.block_table, seq.num_computed, n) for seq, n in batch])
         idx = torch.tensor([ids], device=self.device)
-        with self.cache.installed(model):       # GPT.forward, with the paged attention
-            logits, _ = model(idx, positions=self.cache.positions[None], cache=self.cache,
-                              logits_at=picks)
+        # GPT.forward; the layers attend through the paged cache (its `attention`)
+        logits, _ = model(idx, positions=self.cache.positions[None], cache=self.cache,
+                          logits_at=picks)
         return (logits[0], rows) if picks else (None, [])
 
     @staticmethod
