@@ -447,6 +447,106 @@ def paged_logits(model, cache, alloc, seqs, chunk):
     return [torch.cat(o) for o in out]
 
 
+def check_paged_vs_dense(model, args, rng):
+    """Ragged sequences packed in one row, prefilled in chunks through the paged cache, in
+    each KV dtype: the logits against a dense forward. -> bytes per token by dtype."""
+    cfg, bs = model.config, args.block_size
+    lens = [rng.randint(cfg.block_size // 4, cfg.block_size) for _ in range(args.num_seqs)]
+    seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in lens]
+    with torch.no_grad():
+        dense = [model(torch.tensor([s]))[0][0] for s in seqs]
+    n_blocks = sum(blocks_for(n, bs) for n in lens)
+    print(f"\n{args.num_seqs} ragged sequences (lengths {lens}) packed in one row, prefilled in "
+          f"chunks of {args.chunk}, block size {bs}: paged vs dense forward")
+    rows = {}
+    for kv in ("float32", "bfloat16", "int8"):
+        cache = PagedKVCache(cfg, n_blocks, bs, kv_dtype=kv)
+        paged = paged_logits(model, cache, BlockAllocator(n_blocks, bs), seqs, args.chunk)
+        err = max((a - b).abs().max().item() for a, b in zip(paged, dense))
+        agree = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(paged, dense))
+        value_bytes = 1 if kv == "int8" else torch.finfo(getattr(torch, kv)).bits // 8
+        scale_bytes = 4 if kv == "int8" else 0
+        f = 2 * cfg.n_layer * cfg.n_kv_head * (cfg.head_dim * value_bytes + scale_bytes)
+        rows[kv] = cache.bytes_per_token
+        print(f"  {kv:<9} max |Δlogit| {err:.2e}   top-1 agreement {agree}/{sum(lens)}   "
+              f"{cache.bytes_per_token} B/token (formula 2·L·H_kv·(D·bytes + scale) = {f})")
+    return rows
+
+
+def fragmentation(cfg, bs, rng):
+    """The same lengths, a contiguous max-length reservation vs blocks. -> wasted share of
+    the contiguous reservation."""
+    lens = [rng.randint(1, cfg.block_size) for _ in range(256)]
+    alloc = BlockAllocator(sum(blocks_for(n, bs) for n in lens), bs)
+    tables = [[] for _ in lens]
+    for t, n in zip(tables, lens):
+        assert alloc.grow(t, n)
+    slots = sum(map(len, tables)) * bs
+    contiguous_waste = 1 - sum(lens) / (256 * cfg.block_size)
+    print(f"\nfragmentation, 256 sequences of 1..{cfg.block_size} tokens ({sum(lens)} tokens):")
+    print(f"  contiguous, reserve the context ({cfg.block_size}) each: "
+          f"{contiguous_waste:.0%} of the reservation wasted")
+    print(f"  paged, block {bs}: {alloc.num_used} blocks = {slots} slots, "
+          f"{1 - sum(lens) / slots:.1%} wasted = {(slots - sum(lens)) / 256:.1f} slots/sequence"
+          f" (expected ≈ (bs-1)/2 = {(bs - 1) / 2})")
+    return contiguous_waste
+
+
+def prefix_sharing(cfg, bs, rng):
+    """16 requests = a shared system prompt (up to 128 tokens) + their own 32 tokens.
+    -> how many times less KV the shared blocks take."""
+    shared = [rng.randrange(cfg.vocab_size) for _ in range(min(128, cfg.block_size // 2))]
+    alloc, tables = BlockAllocator(1024, bs), []
+    for _ in range(16):
+        toks = shared + [rng.randrange(cfg.vocab_size) for _ in range(32)]
+        hashes = []
+        hits = alloc.match_prefix(toks, hashes)
+        for b in hits:
+            alloc.acquire(b)
+        t = list(hits)
+        alloc.grow(t, len(toks))
+        extend_hash_chain(hashes, toks, len(toks) // bs, bs)
+        for i in range(len(hits), len(toks) // bs):
+            alloc.register(t[i], hashes[i], toks[i * bs:(i + 1) * bs])
+        tables.append(t)
+    alloc.check(tables)
+    alone = 16 * blocks_for(len(shared) + 32, bs)
+    print(f"\nprefix caching, 16 requests sharing a {len(shared)}-token prefix: "
+          f"{alloc.num_used} blocks instead of {alone} ({alone / alloc.num_used:.1f}x less KV, "
+          f"{alloc.hits} block hits = {alloc.hits * bs} prefill tokens skipped)")
+    return alone / alloc.num_used
+
+
+def gather_cost(cfg, bs):
+    """The cost of paging: gather + attention vs attention on a contiguous cache, one
+    decode step of S sequences on one layer. -> paged / dense time."""
+    S, L = 32, min(192, cfg.block_size)
+    cache = PagedKVCache(cfg, S * blocks_for(L, bs) + 1, bs)
+    perm = torch.randperm(cache.num_blocks - 1)[:S * blocks_for(L, bs)].view(S, -1).tolist()
+    cache.prepare([(t, L - 1, 1) for t in perm])
+    q = torch.randn(1, cfg.n_head, S, cfg.head_dim)
+    k = torch.randn(S, cfg.n_kv_head, L, cfg.head_dim)
+    v = torch.randn(S, cfg.n_kv_head, L, cfg.head_dim)
+    qd, full = q[0].transpose(0, 1)[:, :, None], torch.ones(S, 1, 1, L, dtype=torch.bool)
+    timings = {}
+    for name, fn in (("dense", lambda: cache.inner(qd, k, v, full)),
+                     ("paged", lambda: cache.attention(q, cache.k[0], cache.v[0]))):
+        fn()
+        runs = []
+        for _ in range(5):       # CPU time, best of 5: less disturbed by other jobs
+            t0 = time.process_time()
+            for _ in range(10):
+                fn()
+            runs.append((time.process_time() - t0) / 10)
+        timings[name] = min(runs)
+    ratio = timings["paged"] / timings["dense"]
+    print(f"\npaged attention cost, decode of {S} sequences x {L} tokens, one layer: dense "
+          f"{timings['dense'] * 1e3:.2f} ms, paged (gather + same attention) "
+          f"{timings['paged'] * 1e3:.2f} ms = {ratio:.1f}x "
+          f"(timings on a shared CPU are noisy)")
+    return ratio
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="The paged KV cache, measured: paged vs dense "
                                 "logits, int8 error, bytes per token, fragmentation, "
@@ -470,93 +570,17 @@ def main(argv=None):
         print(f"model: random tiny ({args.checkpoint} not found; `python train.py` writes it)")
     model.eval()
     cfg, bs, rng = model.config, args.block_size, random.Random(args.seed)
-    lens = [rng.randint(cfg.block_size // 4, cfg.block_size) for _ in range(args.num_seqs)]
-    seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in lens]
-    with torch.no_grad():
-        dense = [model(torch.tensor([s]))[0][0] for s in seqs]
-    n_blocks = sum(blocks_for(n, bs) for n in lens)
-    print(f"\n{args.num_seqs} ragged sequences (lengths {lens}) packed in one row, prefilled in "
-          f"chunks of {args.chunk}, block size {bs}: paged vs dense forward")
-    rows = {}
-    for kv in ("float32", "bfloat16", "int8"):
-        cache = PagedKVCache(cfg, n_blocks, bs, kv_dtype=kv)
-        paged = paged_logits(model, cache, BlockAllocator(n_blocks, bs), seqs, args.chunk)
-        err = max((a - b).abs().max().item() for a, b in zip(paged, dense))
-        agree = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(paged, dense))
-        f = 2 * cfg.n_layer * cfg.n_kv_head * (cfg.head_dim * (1 if kv == "int8" else
-                                               torch.finfo(getattr(torch, kv)).bits // 8)
-                                               + (4 if kv == "int8" else 0))
-        rows[kv] = cache.bytes_per_token
-        print(f"  {kv:<9} max |Δlogit| {err:.2e}   top-1 agreement {agree}/{sum(lens)}   "
-              f"{cache.bytes_per_token} B/token (formula 2·L·H_kv·(D·bytes + scale) = {f})")
-
-    # fragmentation: the same lengths, contiguous max-length reservation vs blocks
-    lens = [rng.randint(1, cfg.block_size) for _ in range(256)]
-    alloc = BlockAllocator(sum(blocks_for(n, bs) for n in lens), bs)
-    tables = [[] for _ in lens]
-    for t, n in zip(tables, lens):
-        assert alloc.grow(t, n)
-    slots = sum(map(len, tables)) * bs
-    print(f"\nfragmentation, 256 sequences of 1..{cfg.block_size} tokens ({sum(lens)} tokens):")
-    print(f"  contiguous, reserve the context ({cfg.block_size}) each: "
-          f"{1 - sum(lens) / (256 * cfg.block_size):.0%} of the reservation wasted")
-    print(f"  paged, block {bs}: {alloc.num_used} blocks = {slots} slots, "
-          f"{1 - sum(lens) / slots:.1%} wasted = {(slots - sum(lens)) / 256:.1f} slots/sequence"
-          f" (expected ≈ (bs-1)/2 = {(bs - 1) / 2})")
-
-    # prefix sharing: 16 requests = a shared 128-token system prompt + their own 32 tokens
-    shared = [rng.randrange(cfg.vocab_size) for _ in range(min(128, cfg.block_size // 2))]
-    alloc, tables = BlockAllocator(1024, bs), []
-    for _ in range(16):
-        toks = shared + [rng.randrange(cfg.vocab_size) for _ in range(32)]
-        hashes, hits = [], None
-        hits = alloc.match_prefix(toks, hashes)
-        for b in hits:
-            alloc.acquire(b)
-        t = list(hits)
-        alloc.grow(t, len(toks))
-        extend_hash_chain(hashes, toks, len(toks) // bs, bs)
-        for i in range(len(hits), len(toks) // bs):
-            alloc.register(t[i], hashes[i], toks[i * bs:(i + 1) * bs])
-        tables.append(t)
-    alloc.check(tables)
-    alone = 16 * blocks_for(len(shared) + 32, bs)
-    print(f"\nprefix caching, 16 requests sharing a {len(shared)}-token prefix: "
-          f"{alloc.num_used} blocks instead of {alone} ({alone / alloc.num_used:.1f}x less KV, "
-          f"{alloc.hits} block hits = {alloc.hits * bs} prefill tokens skipped)")
-
-    # the cost of paging: gather + attention vs attention on a contiguous cache
-    S, L = 32, min(192, cfg.block_size)
-    cache = PagedKVCache(cfg, S * blocks_for(L, bs) + 1, bs)
-    perm = torch.randperm(cache.num_blocks - 1)[:S * blocks_for(L, bs)].view(S, -1).tolist()
-    cache.prepare([(t, L - 1, 1) for t in perm])
-    q = torch.randn(1, cfg.n_head, S, cfg.head_dim)
-    k, v = torch.randn(S, cfg.n_kv_head, L, cfg.head_dim), torch.randn(S, cfg.n_kv_head, L,
-                                                                       cfg.head_dim)
-    qd, full = q[0].transpose(0, 1)[:, :, None], torch.ones(S, 1, 1, L, dtype=torch.bool)
-    timings = {}
-    for name, fn in (("dense", lambda: cache.inner(qd, k, v, full)),
-                     ("paged", lambda: cache.attention(q, cache.k[0], cache.v[0]))):
-        fn()
-        runs = []
-        for _ in range(5):       # CPU time, best of 5: less disturbed by other jobs
-            t0 = time.process_time()
-            for _ in range(10):
-                fn()
-            runs.append((time.process_time() - t0) / 10)
-        timings[name] = min(runs)
-    print(f"\npaged attention cost, decode of {S} sequences x {L} tokens, one layer: dense "
-          f"{timings['dense'] * 1e3:.2f} ms, paged (gather + same attention) "
-          f"{timings['paged'] * 1e3:.2f} ms = {timings['paged'] / timings['dense']:.1f}x "
-          f"(timings on a shared CPU are noisy)")
+    kv_bytes = check_paged_vs_dense(model, args, rng)
+    waste = fragmentation(cfg, bs, rng)
+    shared = prefix_sharing(cfg, bs, rng)
+    gather = gather_cost(cfg, bs)
     print("\nledger rows:")
-    print(f"  paged KV | waste < 1 block/seq vs {1 - sum(lens) / (256 * cfg.block_size):.0%} "
-          f"for max-length reservation | block tables, gather copy "
-          f"({timings['paged'] / timings['dense']:.1f}x attention time here) | none (exact)")
-    print(f"  prefix caching | {alone / alloc.num_used:.1f}x less KV for a shared prefix, its "
+    print(f"  paged KV | waste < 1 block/seq vs {waste:.0%} for max-length reservation | "
+          f"block tables, gather copy ({gather:.1f}x attention time here) | none (exact)")
+    print(f"  prefix caching | {shared:.1f}x less KV for a shared prefix, its "
           f"prefill skipped | hashing, refcounts | dead blocks linger until LRU-evicted")
-    print(f"  int8 KV | {rows['float32'] / rows['int8']:.1f}x less KV than fp32 | quantize on "
-          f"write, dequantize on read | small logit error (above)")
+    print(f"  int8 KV | {kv_bytes['float32'] / kv_bytes['int8']:.1f}x less KV than fp32 | "
+          f"quantize on write, dequantize on read | small logit error (above)")
 
 
 if __name__ == "__main__":
