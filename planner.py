@@ -223,62 +223,78 @@ def why_not(r):
     return f"has more replicas ({r.dp}) than sequences per step"
 
 
-def plan(args):
-    psi, shape, rows, best = plan_layouts(args)
-    gb = lambda x: f"{x / 1e9:.1f}" if x < 99.95e9 else f"{x / 1e9:.0f}"
-    act = {"none": "(s/c)·b·h/t·(34+5as/h)", "selective": "(s/c)·b·h·34/t",
-           "full": "2·(s/c)·b·h/t"}[args.recompute]
-    zero = ["DDP over dp·cp: nothing sharded", "ZeRO-1 over dp·cp: optimizer sharded",
+def _gb(x):
+    return f"{x / 1e9:.1f}" if x < 99.95e9 else f"{x / 1e9:.0f}"
+
+
+def _zero_label(args):
+    return ["DDP over dp·cp: nothing sharded", "ZeRO-1 over dp·cp: optimizer sharded",
             "ZeRO-2 over dp·cp: optimizer + grads sharded, weights whole (Llama 3's FSDP)",
             "ZeRO-3 over dp·cp: weights, grads and optimizer sharded"][args.zero]
-    out = [f"plan: Ψ = {psi / 1e9:.1f}B (the shape gives {shape / 1e9:.1f}B), {args.layers} "
-           f"layers, h {args.hidden}, {args.heads} heads ({args.kv_heads} KV), ffn {args.ffn}",
-           f"  seq {args.seq} × micro-batch {args.micro_batch}, {args.tokens:,} tokens per step,"
-           f" {args.gpus} × {args.gpu_mem:g} GB GPUs, {args.gpus_per_node} per node",
-           "assumptions: 16 B/param (bf16 weights 2, grads 2, fp32 master + Adam 12); TP + "
-           "sequence parallel;",
-           f"  {zero};",
-           f"  activations {args.recompute}: {act} per layer and microbatch (Korthikanti 2022);",
-           "  1F1B: stage i holds min(pp−i, m) microbatches; L+2 slots per pipeline (Llama 3: "
-           "embedding and",
-           "  head one each); weight shards Ψ/(tp·pp); not counted: logits, temporaries, "
-           "CUDA/NCCL buffers",
-           "  (room for them: an 80 GB H100 has 80 GiB = 85.9 GB)"]
-    if best is None:   # the least memory, to say how far off it is
-        shown = sorted((r for r in rows if r.m >= 1), key=lambda r: r.total)[:8]
-    else:              # its neighbours with less TP, PP or CP, the choice, the next fits
-        t, c, p = best.tp, best.cp, best.pp
-        less = {(t // 2, c, p), (t, c, p // 2), (t, c, p // 4), (t, c // 2, p), (t, c // 4, p)}
-        shown = [r for r in rows if (r.tp, r.cp, r.pp) in less] + \
-            [r for r in rows[rows.index(best):] if r.status == "fits"][:8]
-    out.append("candidates, in the cheat sheet's order (GB held | GB sent per step, per GPU):")
-    out.append(f"  {'tp':>3}{'cp':>4}{'pp':>4}{'dp':>6}{'m':>6}{'weights':>8}{'grads':>6}"
-               f"{'optim':>6}{'acts':>6}{'total':>7} |{'TP':>6}{'CP':>6}{'PP':>6}{'DP':>6} |"
-               f" bubble")
+
+
+def _assumptions(args, psi, shape):
+    act = {"none": "(s/c)·b·h/t·(34+5as/h)", "selective": "(s/c)·b·h·34/t",
+           "full": "2·(s/c)·b·h/t"}[args.recompute]
+    return [f"plan: Ψ = {psi / 1e9:.1f}B (the shape gives {shape / 1e9:.1f}B), {args.layers} "
+            f"layers, h {args.hidden}, {args.heads} heads ({args.kv_heads} KV), ffn {args.ffn}",
+            f"  seq {args.seq} × micro-batch {args.micro_batch}, {args.tokens:,} tokens per "
+            f"step, {args.gpus} × {args.gpu_mem:g} GB GPUs, {args.gpus_per_node} per node",
+            "assumptions: 16 B/param (bf16 weights 2, grads 2, fp32 master + Adam 12); TP + "
+            "sequence parallel;",
+            f"  {_zero_label(args)};",
+            f"  activations {args.recompute}: {act} per layer and microbatch (Korthikanti 2022);",
+            "  1F1B: stage i holds min(pp−i, m) microbatches; L+2 slots per pipeline (Llama 3: "
+            "embedding and",
+            "  head one each); weight shards Ψ/(tp·pp); not counted: logits, temporaries, "
+            "CUDA/NCCL buffers",
+            "  (room for them: an 80 GB H100 has 80 GiB = 85.9 GB)"]
+
+
+def _shown(rows, best):
+    """No fit: the least memory, to say how far off it is. A fit: its neighbours with less
+    TP, PP or CP, the choice, and the next layouts that fit."""
+    if best is None:
+        return sorted((r for r in rows if r.m >= 1), key=lambda r: r.total)[:8]
+    t, c, p = best.tp, best.cp, best.pp
+    less = {(t // 2, c, p), (t, c, p // 2), (t, c, p // 4), (t, c // 2, p), (t, c // 4, p)}
+    return [r for r in rows if (r.tp, r.cp, r.pp) in less] + \
+        [r for r in rows[rows.index(best):] if r.status == "fits"][:8]
+
+
+def _candidates(shown, best):
+    out = ["candidates, in the cheat sheet's order (GB held | GB sent per step, per GPU):",
+           f"  {'tp':>3}{'cp':>4}{'pp':>4}{'dp':>6}{'m':>6}{'weights':>8}{'grads':>6}"
+           f"{'optim':>6}{'acts':>6}{'total':>7} |{'TP':>6}{'CP':>6}{'PP':>6}{'DP':>6} |"
+           f" bubble"]
     for r in shown:
-        held = "".join(f"{gb(x):>{w}}" for x, w in ((r.weights, 8), (r.grads, 6),
-                                                     (r.optimizer, 6), (r.acts, 6), (r.total, 7)))
-        sent = "".join(f"{gb(r.sent[k]):>6}" for k in ("TP", "CP", "PP", "DP"))
+        held = "".join(f"{_gb(x):>{w}}" for x, w in ((r.weights, 8), (r.grads, 6),
+                                                      (r.optimizer, 6), (r.acts, 6),
+                                                      (r.total, 7)))
+        sent = "".join(f"{_gb(r.sent[k]):>6}" for k in ("TP", "CP", "PP", "DP"))
         out.append(f"{'->' if r is best else '  '}{r.tp:>3}{r.cp:>4}{r.pp:>4}{r.dp:>6}{r.m:>6}"
                    f"{held} |{sent} | {r.bubble:>5.0%}  {r.status}")
-    out.append("step 1 - fit: TP inside a node first, then PP across nodes, then CP")
-    out.append(f"  one replica holds 16 B/param × Ψ = {fmt_bytes(16 * psi)}; one layer's "
-               f"activations at tp 1, cp 1: {fmt_bytes(activation_bytes_per_layer(args, 1, 1))}")
-    if best is None:
-        out.append(f"  nothing fits {args.gpu_mem:g} GB with m ≥ pp; closest: {shown[0].name} "
-                   f"{why_not(shown[0])}")
-        short = any(r.status in ("m < pp", "batch < dp") for r in rows)
-        out.append("  try more GPUs" + ", --recompute full" * (args.recompute != "full")
-                   + ", a higher --zero" * (args.zero < 3 < args.gpus) + ", a shorter --seq"
-                   + ", more --global-batch-tokens (m ≥ pp)" * short)
-        out.append("step 3 - layout: none")
-        return "\n".join(out)
-    b = best
-    out.append(f"  -> {b.name} holds {fmt_bytes(b.total)} ≤ {args.gpu_mem:g} GB: weights "
-               f"{fmt_bytes(b.weights)}, grads {fmt_bytes(b.grads)},")
-    out.append(f"     optimizer {fmt_bytes(b.optimizer)}, activations {fmt_bytes(b.acts)}")
+    return out
+
+
+def _nothing_fits(args, rows, shown):
+    short = any(r.status in ("m < pp", "batch < dp") for r in rows)
+    return [f"  nothing fits {args.gpu_mem:g} GB with m ≥ pp; closest: {shown[0].name} "
+            f"{why_not(shown[0])}",
+            "  try more GPUs" + ", --recompute full" * (args.recompute != "full")
+            + ", a higher --zero" * (args.zero < 3 < args.gpus) + ", a shorter --seq"
+            + ", more --global-batch-tokens (m ≥ pp)" * short,
+            "step 3 - layout: none"]
+
+
+def _step1_fit(args, psi, rows, b):
+    """Why this layout: what it holds, how its stages split, why less of each is not enough."""
+    out = [f"  -> {b.name} holds {fmt_bytes(b.total)} ≤ {args.gpu_mem:g} GB: weights "
+           f"{fmt_bytes(b.weights)}, grads {fmt_bytes(b.grads)},",
+           f"     optimizer {fmt_bytes(b.optimizer)}, activations {fmt_bytes(b.acts)}"]
     if b.pp > 1:
-        split, slots = stage_layers(args.layers, b.pp), args.layers + 2
+        split = stage_layers(args.layers, b.pp)
+        slots = args.layers + 2
         listed = ", ".join(map(str, split)) if b.pp <= 4 else \
             f"{split[0]}, {split[1]}, ..., {split[-2]}, {split[-1]}"
         out.append(f"  {args.layers} layers + embedding + head = {slots} slots over {b.pp} "
@@ -294,14 +310,19 @@ def plan(args):
                        "activations)" * (what == "PP" and r.status == "over"))
     ddp = 16 * psi + b.acts
     if b.tp == b.pp == b.cp == 1 and args.zero and ddp > args.gpu_mem * 1e9:
-        out.append(f"  no model parallelism: {zero.split(':')[0]} is enough (DDP would need "
-                   f"{fmt_bytes(ddp)})")
-    out.append("step 2 - reach the global batch with DP:")
-    out.append(f"  dp = {args.gpus}/({b.tp}·{b.cp}·{b.pp}) = {b.dp} replicas, each runs m "
-               f"microbatches per step (gradient accumulation):")
+        out.append(f"  no model parallelism: {_zero_label(args).split(':')[0]} is enough (DDP "
+                   f"would need {fmt_bytes(ddp)})")
+    return out
+
+
+def _step2_batch(args, b):
+    """DP replicas, microbatches per step, the bubble they leave, the traffic per GPU."""
     used = b.m * args.seq * args.micro_batch * b.dp
-    out.append(f"  m = {args.tokens:,} tokens / ({args.seq} seq × {args.micro_batch} × {b.dp} "
-               f"dp) = {b.m}" + f" (rounded down: {used:,} tokens)" * (used != args.tokens))
+    out = ["step 2 - reach the global batch with DP:",
+           f"  dp = {args.gpus}/({b.tp}·{b.cp}·{b.pp}) = {b.dp} replicas, each runs m "
+           f"microbatches per step (gradient accumulation):",
+           f"  m = {args.tokens:,} tokens / ({args.seq} seq × {args.micro_batch} × {b.dp} "
+           f"dp) = {b.m}" + f" (rounded down: {used:,} tokens)" * (used != args.tokens)]
     if b.pp > 1:
         out.append(f"  1F1B bubble (pp−1)/(m+pp−1) = {b.pp - 1}/{b.m + b.pp - 1} = "
                    f"{b.bubble:.0%}; interleaving v stages per GPU divides it by about v")
@@ -309,7 +330,21 @@ def plan(args):
     out.append(f"  sent per GPU and step: TP {s['TP']}{' (NVLink)' * (b.tp > 1)}, CP "
                f"{s['CP']}, PP {s['PP']}, DP {s['DP']} "
                f"({'all-reduce' if args.zero == 0 else 'RS + AG'} over {b.dp * b.cp})")
-    out.append(f"step 3 - layout: {b.name}")
+    return out
+
+
+def plan(args):
+    """The cheat sheet's three steps for args (see the header), as text."""
+    psi, shape, rows, best = plan_layouts(args)
+    shown = _shown(rows, best)
+    out = _assumptions(args, psi, shape) + _candidates(shown, best)
+    out.append("step 1 - fit: TP inside a node first, then PP across nodes, then CP")
+    out.append(f"  one replica holds 16 B/param × Ψ = {fmt_bytes(16 * psi)}; one layer's "
+               f"activations at tp 1, cp 1: {fmt_bytes(activation_bytes_per_layer(args, 1, 1))}")
+    if best is None:
+        return "\n".join(out + _nothing_fits(args, rows, shown))
+    out += _step1_fit(args, psi, rows, best) + _step2_batch(args, best)
+    out.append(f"step 3 - layout: {best.name}")
     return "\n".join(out)
 
 
