@@ -40,7 +40,8 @@ import warnings
 import torch
 
 from model import load_checkpoint
-from plumbing import UserError, atomic_save, comm, decay_groups, model_state_bytes, tensor_bytes
+from plumbing import (UserError, atomic_save, comm, decay_groups, fmt_bytes, model_state_bytes,
+                      print0, tensor_bytes)
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 # ZeRO-3 gathers the embedding before its backward like every other unit (as FSDP does),
@@ -461,6 +462,30 @@ def expected_wire_bytes(mode, n_params, world, b=4):
     return 3 * ring if mode in ("zero3", "fsdp") else 2 * ring
 
 
+def ledger(mode, rt, state, n_params, sent_per_step):
+    """Every rank's measured model state and bytes sent, next to the ZeRO formulas."""
+    rows = [None] * rt.world_size
+    mine = dict(state, sent=sent_per_step)
+    if rt.distributed:
+        torch.distributed.all_gather_object(rows, mine)     # bookkeeping, outside the meter on purpose
+    else:
+        rows = [mine]
+    formula = formula_bytes(mode, n_params, rt.world_size)
+    expected = expected_wire_bytes(mode, n_params, rt.world_size)
+    print0(f"ledger --dp {mode}, N = {rt.world_size}, Ψ = {n_params:,} (fp32, Adam K = 8):")
+    print0(f"  {'rank':<6}{'params':>12}{'grads':>12}{'optimizer':>12}{'sent/step':>12}")
+    for r, row in enumerate(rows):
+        print0(f"  {r:<6}" + "".join(f"{fmt_bytes(row[k]):>12}" for k in
+                                     ("params", "grads", "optimizer", "sent")))
+    print0(f"  {'formula':<6}" + "".join(f"{fmt_bytes(formula[k]):>12}" for k in
+                                        ("params", "grads", "optimizer")) +
+           f"{fmt_bytes(expected):>12}")
+    if mode == "fsdp":
+        print0("  (fsdp: its collectives run inside PyTorch; the meter sees only ours)")
+    return dict(rows=rows, formula=formula, expected_sent=expected)
+
+
+
 # ----------------------------------------------------------------------------------------
 # Sharded checkpoints with resharding: each rank writes the flat ranges [a, b) of each
 # parameter (and of its Adam moments) that it owns; a resume, at any world size and in any
@@ -470,7 +495,10 @@ def local_flat(t):
     return (t.to_local() if hasattr(t, "to_local") else t).reshape(-1)
 
 
-def save_shards(directory, dp, optimizer, rank, meta=None):
+def save_shards(directory, dp, optimizer, rank, meta):
+    """This rank's ranges into directory/shard-{rank}.pt, each shard stamped with the save's
+    identity (meta["save_id"]: run, step, attempt) so that a folder mixing two saves is
+    refused at load; rank 0 also writes meta.pt."""
     os.makedirs(directory, exist_ok=True)
     entries = {}
     ranges = dp.owned_ranges(rank) if not isinstance(dp, DDP) or rank == 0 else []
@@ -482,14 +510,20 @@ def save_shards(directory, dp, optimizer, rank, meta=None):
                              **{k: local_flat(v).clone() for k, v in st.items()
                                 if torch.is_tensor(v) and v.dim() > 0},
                              step=float(st["step"]) if "step" in st else 0.0)
-    atomic_save(entries, os.path.join(directory, f"shard-{rank}.pt"))
-    if meta is not None:
+    identity = dict(save_id=meta["save_id"], rank=rank, world_size=meta["world_size"],
+                    step=meta["step"])
+    atomic_save(dict(identity=identity, ranges=entries),
+                os.path.join(directory, f"shard-{rank}.pt"))
+    if rank == 0:
         atomic_save(meta, os.path.join(directory, "meta.pt"))
 
 
-def load_shards(directory, dp, optimizer, rank):
-    """Assemble this rank's ranges from every shard file of the saved run. Every file is
-    read with weights_only=True (data only: opening it cannot run code)."""
+def read_generation(directory):
+    """-> (meta, full): every shard of one save read and checked (readable, plain data, all
+    present, all from the save meta.pt names) and assembled into whole flat tensors:
+    {name: {numel, step, param, exp_avg, exp_avg_sq}}. Nothing is modified yet, so a caller
+    may try an older generation when this one is unreadable. Each problem: one UserError
+    naming the file."""
     meta = load_checkpoint(os.path.join(directory, "meta.pt"), what="sharded checkpoint meta")
     if not isinstance(meta, dict) or not isinstance(meta.get("world_size"), int):
         raise UserError(f"{directory}/meta.pt is not a sharded checkpoint's meta (no world_size)")
@@ -497,14 +531,28 @@ def load_shards(directory, dp, optimizer, rank):
     for r in range(meta["world_size"]):
         path = os.path.join(directory, f"shard-{r}.pt")
         shard = load_checkpoint(path, what="checkpoint shard")
-        if not isinstance(shard, dict):
-            raise UserError(f"{path} is not a checkpoint shard (a dict of parameter ranges)")
-        for name, e in shard.items():
-            f = full.setdefault(name, {"numel": e["numel"], "step": e["step"]})
-            for key in ("param", "exp_avg", "exp_avg_sq"):
-                if key in e:
-                    f.setdefault(key, torch.zeros(e["numel"]))[e["start"]:e["end"]] = \
-                        e[key][:e["end"] - e["start"]]
+        identity = shard.get("identity") if isinstance(shard, dict) else None
+        if not isinstance(identity, dict) or not isinstance(shard.get("ranges"), dict):
+            raise UserError(f"{path} is not a checkpoint shard of this repo (no save identity)")
+        if identity.get("save_id") != meta.get("save_id") or identity.get("rank") != r:
+            raise UserError(f"{path} belongs to another save ({identity.get('save_id')}, rank "
+                            f"{identity.get('rank')}) than {directory}/meta.pt "
+                            f"({meta.get('save_id')}): refusing to mix them")
+        try:
+            for name, e in shard["ranges"].items():
+                f = full.setdefault(name, {"numel": e["numel"], "step": e["step"]})
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    if key in e:
+                        f.setdefault(key, torch.zeros(e["numel"]))[e["start"]:e["end"]] = \
+                            e[key][:e["end"] - e["start"]]
+        except (KeyError, TypeError, RuntimeError, AttributeError) as err:
+            raise UserError(f"{path}: a damaged range ({type(err).__name__}: {err})") from None
+    return meta, full
+
+
+def apply_generation(full, directory, dp, optimizer, rank):
+    """Copy the ranges this rank owns now (any world size, any mode) from read_generation's
+    whole tensors into the wrapper's parameters and the optimizer's state."""
     ranges = dp.owned_ranges(rank) if not isinstance(dp, DDP) else \
         [(n, p, 0, p.numel(), p) for n, p in dp.model.named_parameters()]
     for name, p, a, b, key in ranges:
@@ -525,6 +573,13 @@ def load_shards(directory, dp, optimizer, rank):
         if "exp_avg" in f:
             optimizer.state[key] = state
     dp.after_step()          # stages 1-2: gather the full parameters from the slices
+
+
+def load_shards(directory, dp, optimizer, rank):
+    """Assemble this rank's ranges from every shard file of the saved run. Every file is
+    read with weights_only=True (data only: opening it cannot run code)."""
+    meta, full = read_generation(directory)
+    apply_generation(full, directory, dp, optimizer, rank)
     return meta
 
 
@@ -533,26 +588,54 @@ def latest_shards(root):
     pointer = os.path.join(root, "latest")
     if not os.path.exists(pointer):
         return None
-    with open(pointer) as f:
-        return os.path.join(root, f.read().strip())
+    with open(pointer, errors="replace") as f:
+        return os.path.join(root, f.read().strip() or "(empty latest)")
 
 
-def save_sharded_checkpoint(root, step, dp, optimizer, rt, meta):
+def generations(root):
+    """The saves in root, newest first: the one `latest` names, then every other step_K
+    folder by decreasing K (the older generations --keep left; the fallbacks)."""
+    first = latest_shards(root)
+    steps = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.startswith("step_") and name[5:].isdigit():
+                steps.append((int(name[5:]), os.path.join(root, name)))
+    rest = [path for _, path in sorted(steps, reverse=True) if path != first]
+    return ([first] if first else []) + rest
+
+
+def save_sharded_checkpoint(root, step, dp, optimizer, rt, meta, keep=2):
     """Every rank writes its ranges into root/step_K/, then rank 0 points `latest` at it
-    and removes the previous save: a crash mid-save leaves `latest` on the previous
-    complete checkpoint. Collective (barriers): every rank calls it."""
+    and removes the saves beyond the newest `keep` of this run (meta["run_id"]) and every
+    save of another run: a crash mid-save leaves `latest` on the previous complete
+    checkpoint, and an unreadable `latest` has `keep - 1` older ones to fall back on.
+    Collective (barriers): every rank calls it."""
     folder = os.path.join(root, f"step_{step}")
-    save_shards(folder, dp, optimizer, rt.rank, meta if rt.is_main else None)
+    save_shards(folder, dp, optimizer, rt.rank, meta)
     if rt.distributed:
-        torch.distributed.barrier()
+        comm.barrier()
     if rt.is_main:
-        previous = latest_shards(root)
         with open(os.path.join(root, "latest.tmp"), "w") as f:
             f.write(f"step_{step}")
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-        if previous and os.path.abspath(previous) != os.path.abspath(folder):
-            shutil.rmtree(previous, ignore_errors=True)
+        kept = 1
+        for path in generations(root)[1:]:
+            if kept < keep and os.path.abspath(path) != os.path.abspath(folder) and \
+                    run_of(path) == meta["run_id"]:
+                kept += 1
+            elif os.path.abspath(path) != os.path.abspath(folder):
+                shutil.rmtree(path, ignore_errors=True)
     return folder
+
+
+def run_of(folder):
+    """The run id a save's meta.pt records (None if unreadable: such a save is dropped)."""
+    try:
+        meta = load_checkpoint(os.path.join(folder, "meta.pt"))
+    except UserError:
+        return None
+    return meta.get("run_id") if isinstance(meta, dict) else None
 
 
 def full_state_dict(model, dp):

@@ -14,14 +14,46 @@ plumbing.py -- the few things every script needs and none of them teaches:
                            torch.autograd.graph.saved_tensors_hooks;
        - StepTimer:        wall time per step (CUDA-synchronised), tokens/s.
 
+  3. faults, so that a run that goes wrong says what happened in one line:
+       - user errors: `run_cli` turns a UserError into one `error:` line and status 2.
+         Under torchrun every rank validates the same inputs, so several ranks may meet
+         the same error, and rank 0 may be late (a cold tokenizer cache, a loaded host):
+         the ranks AGREE through torchrun's key-value store (it exists before the
+         process group and outlives it): the first rank to claim the error prints it,
+         the others wait (at most 10 s) until it has, then every rank exits 2. Whichever
+         rank finds the error and however late rank 0 is, one line (`report_once`).
+         Argument errors go the same way (`ArgumentParser` raises UserError).
+         NANOSCALE_TEST_DELAY_RANK0=SECONDS (read only in run_cli) makes rank 0 late,
+         for the tests.
+       - hangs: the process group's timeout bounds every collective (`setup_runtime`,
+         default 300 s on CPU/gloo, 600 s on GPU/NCCL, instead of torch's 30 min), and
+         a heartbeat thread per rank writes (time, collectives entered) into the store
+         every second. A collective that times out becomes one line per surviving rank
+         naming the collective it waited in and the ranks that stopped beating (a
+         SIGSTOPped or dead process) or lag behind, and exit status 3, so torchrun
+         --max-restarts restarts the group. (gloo raises the timeout in the waiting rank;
+         NCCL's own watchdog aborts the process instead, with its own log lines.)
+       - Ctrl-C: `GracefulStop` turns the first SIGINT/SIGTERM into a request the loop
+         honours at the end of its step (the caller saves, then raises Interrupted:
+         status 128 + signal, 130 / 143); a second one, a second or more later, exits
+         at once. (torchrun forwards the terminal's Ctrl-C to its workers, who already
+         got it: the two arrive within milliseconds and count as one.)
+       - disks: `check_writable` before training; `os_reason` digs the OSError
+         ("No space left on device") out of torch.save's RuntimeError.
+
 Nothing here is clever on purpose: a meter that is hard to read cannot be trusted.
 """
 import argparse
+import datetime
 import math
 import os
 import random
+import re
+import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -46,6 +78,7 @@ class Runtime:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     backend: str = "none"          # "gloo", "nccl", or "none" for a single process
+    timeout: float = 0.0           # seconds any collective may wait (0: no process group)
 
     @property
     def is_main(self):
@@ -69,27 +102,85 @@ def pick_device(name="auto", local_rank=0):
     raise UserError(f"unknown device {name!r}: use auto, cpu or cuda")
 
 
-def setup_runtime(device="auto"):
+DEFAULT_TIMEOUT = {"cpu": 300.0, "cuda": 600.0}   # seconds; torch's own default is 30 min
+
+
+def attempt():
+    """torchrun's restart count: 0 on the first attempt (and without torchrun)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def job_store(prefix, timeout=10.0):
+    """A client of torchrun's key-value store, keys prefixed with the attempt number:
+    the store outlives a crashed attempt, and a restarted rank must not read a dead
+    peer's keys. Works before the process group exists (and without one)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, _, _ = next(dist.rendezvous("env://", rank, world,
+                                       timeout=datetime.timedelta(seconds=timeout)))
+    return dist.PrefixStore(f"attempt-{attempt()}/{prefix}", store)
+
+
+def setup_runtime(device="auto", timeout=None):
     """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and join
     the default process group. NCCL moves CUDA tensors, gloo moves CPU tensors, so the
-    backend follows the device. Without torchrun nothing is initialised: world size 1."""
+    backend follows the device. Without torchrun nothing is initialised: world size 1.
+    timeout: seconds a collective may wait for its peers (default DEFAULT_TIMEOUT); a
+    heartbeat thread lets a timed-out rank say which peer stopped (see `Heartbeat`)."""
     if "RANK" not in os.environ:
         return Runtime(device=pick_device(device))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dev = pick_device(device, local_rank)
     backend = "nccl" if dev.type == "cuda" else "gloo"
+    timeout = float(timeout or DEFAULT_TIMEOUT[dev.type])
+    if timeout <= 0:
+        raise UserError(f"--timeout must be a positive number of seconds, got {timeout:g}")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        # torchrun's key-value store outlives a crashed attempt: prefix our keys with the
-        # attempt number, or a restarted rank may read a dead peer's address and fail.
-        store, _, _ = next(dist.rendezvous("env://", rank, world))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
-                                rank=rank, world_size=world,
+        dist.init_process_group(backend, store=job_store("pg"), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout),
                                 device_id=dev if dev.type == "cuda" else None)
-    return Runtime(rank, world, local_rank, dev, backend)
+        comm.heartbeat = Heartbeat(job_store("heartbeat"), rank, world, timeout)
+    return Runtime(rank, world, local_rank, dev, backend, timeout)
+
+
+class Heartbeat:
+    """Every `interval` seconds a daemon thread writes "time collectives-entered" under this
+    rank's key. A stopped process (SIGSTOP, a debugger, swapped out) or a dead one stops
+    beating; a live one that lags shows fewer collectives. Read by `diagnose` when a
+    collective times out, to name the peers it waited for."""
+
+    def __init__(self, store, rank, world, timeout, interval=1.0):
+        self.store, self.rank, self.world = store, rank, world
+        self.timeout, self.interval = timeout, interval
+        self.beat()
+        threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
+
+    def beat(self):
+        self.store.set(str(self.rank), f"{time.time():.3f} {comm.calls}")
+
+    def _run(self):
+        while True:
+            time.sleep(self.interval)
+            try:
+                self.beat()
+            except Exception:     # the store is gone: the job is ending
+                return
+
+    def diagnose(self):
+        """One phrase naming the peers this rank is probably waiting for."""
+        silent, behind = [], []
+        for r in range(self.world):
+            if r == self.rank or not self.store.check([str(r)]):
+                continue
+            t, calls = self.store.get(str(r)).decode().split()
+            age = time.time() - float(t)
+            if age > 4 * self.interval:
+                silent.append(f"rank {r} (no heartbeat for {age:.0f} s: stopped or dead)")
+            elif int(calls) < comm.calls:
+                behind.append(f"rank {r} (alive, at collective #{calls})")
+        return ", ".join(silent + behind) or "no peer looks stopped (a mismatched collective?)"
 
 
 def teardown_runtime():
@@ -136,9 +227,60 @@ def require_at_least_one(args, names):
                             f"{getattr(args, name)}")
 
 
+class Interrupted(Exception):
+    """Raised after a graceful stop on a signal (see GracefulStop): run_cli exits with the
+    shell's convention, 128 + the signal number (SIGINT 130, SIGTERM 143)."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.status = 128 + signum
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than the process group's timeout (or its peer vanished)."""
+
+
+COLLECTIVE_FAILURE = re.compile(r"[Tt]imed out|timeout|Connection closed by peer|"
+                                r"Connection reset by peer|Broken pipe")
+
+
+def collective_failure(error):
+    """gloo's exception for a collective that timed out or lost its peer, as one line:
+    which rank, which collective, which peers look stopped. None for any other error."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if not isinstance(error, RuntimeError) or not COLLECTIVE_FAILURE.search(str(error)):
+        return None
+    what = "no answer within the timeout" if "imeout" in str(error) or "imed out" in \
+        str(error) else "a peer closed its connection"
+    who = comm.heartbeat.diagnose() if comm.heartbeat else "peers unknown"
+    return (f"rank {dist.get_rank()}: {what} in {comm.waiting or 'a collective'} "
+            f"(collective #{comm.calls} of this rank); waiting for {who}. Exiting with "
+            f"status 3: under torchrun --max-restarts the group restarts")
+
+
+def report_once(line):
+    """Print `line` on stderr once per job. One process: print it. Under torchrun: the
+    first rank to claim it in the job's store prints; the others wait until it has (so
+    torchrun does not kill the printer when they exit), at most 10 s."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        print(line, file=sys.stderr, flush=True)
+        return
+    try:
+        store = job_store("user-error")
+        if store.add("claims", 1) == 1:
+            print(line, file=sys.stderr, flush=True)
+            store.set("printed", "1")
+        else:
+            store.wait(["printed"], datetime.timedelta(seconds=10))
+    except Exception:        # no store to agree through: better twice than never
+        print(line, file=sys.stderr, flush=True)
+
+
 def run_cli(main, argv=None):
     """Run main(argv); a UserError becomes one line on stderr and exit status 2 instead of a
-    traceback from deep inside torch. The process group is torn down either way.
+    traceback from deep inside torch (once per job, see report_once); a collective that
+    timed out becomes one line per surviving rank and status 3; Interrupted exits 130/143.
 
     After a run that joined a process group we leave with os._exit once our output is
     flushed: gloo's worker threads can still hold finished work objects whose tensors need
@@ -146,15 +288,24 @@ def run_cli(main, argv=None):
     ("terminate called without an active exception", SIGABRT) well after every result was
     written — rare, but it failed whole torchrun jobs that had succeeded (see
     pytorch/pytorch#179291). Any other exception still ends with its traceback."""
+    delay = os.environ.get("NANOSCALE_TEST_DELAY_RANK0")    # tests: rank 0 made late
+    if delay and os.environ.get("RANK", "0") == "0":
+        time.sleep(float(delay))
     joined = False
     try:
         main(argv)
         status = 0
     except UserError as e:
-        # every rank meets the same error (the checks are deterministic): rank 0 says it
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report_once(f"error: {e}")
         status = 2
+    except Interrupted as e:
+        status = e.status
+    except RuntimeError as e:
+        line = collective_failure(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        os._exit(3)        # no teardown: it would wait for the peer that stopped
     finally:
         joined = dist.is_available() and dist.is_initialized()
         teardown_runtime()
@@ -164,6 +315,42 @@ def run_cli(main, argv=None):
         os._exit(status)
     if status:
         sys.exit(status)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag raises UserError (one `error:` line per job, exit 2, through
+    run_cli) instead of printing usage on every rank and exiting."""
+
+    def error(self, message):
+        raise UserError(f"{self.prog}: {message} (see --help)")
+
+
+class GracefulStop:
+    """Within `with GracefulStop() as stop:`, the first SIGINT or SIGTERM only sets
+    stop.signum; the loop checks it at the end of each step (saves, then raises
+    Interrupted). A second signal at least `window` s later exits at once (130 / 143)."""
+
+    def __init__(self, window=1.0):
+        self.window, self.signum, self.first = window, 0, 0.0
+
+    def _handle(self, signum, frame):
+        if self.signum and time.monotonic() - self.first >= self.window:
+            print(f"{signal.Signals(signum).name} again: exiting now, without saving",
+                  file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        if not self.signum:
+            self.signum, self.first = signum, time.monotonic()
+
+    def __enter__(self):
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():   # where signals land
+            self.previous = {s: signal.signal(s, self._handle)
+                             for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -216,16 +403,19 @@ def all_reduce_flat(tensors, group=None, divide_by=1):
         t.copy_(part.view_as(t))
 
 
-def atomic_write(path, write, mode="wb"):
+def atomic_write(path, write, mode="wb", before_replace=None):
     """write(f) into a fresh temporary file beside `path`, then os.replace it into place:
     a reader (another rank, the next run after a crash) sees the old file or the new one,
-    never half of one. The temporary file is removed if writing fails."""
+    never half of one. The temporary file is removed if writing fails. before_replace():
+    called once the new file is complete (e.g. keep_generations moving the old one)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.tmp-")
     try:
         with os.fdopen(fd, mode) as f:
             write(f)
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -233,9 +423,52 @@ def atomic_write(path, write, mode="wb"):
         raise
 
 
-def atomic_save(obj, path):
-    """torch.save(obj, path), atomically (atomic_write)."""
-    atomic_write(path, lambda f: torch.save(obj, f))
+def atomic_save(obj, path, keep=1):
+    """torch.save(obj, path), atomically (atomic_write); keep > 1 keeps the previous
+    keep - 1 files as path.1, path.2, ... (generation_paths)."""
+    atomic_write(path, lambda f: torch.save(obj, f),
+                 before_replace=lambda: keep_generations(path, keep))
+
+
+def generation_paths(path, keep):
+    """path (the newest), path.1, ..., path.{keep-1} (older generations)."""
+    return [path] + [f"{path}.{i}" for i in range(1, keep)]
+
+
+def keep_generations(path, keep):
+    """Shift path -> path.1 -> path.2 ...; the oldest beyond `keep` is dropped."""
+    paths = generation_paths(path, keep)
+    for older, newer in zip(reversed(paths[1:]), reversed(paths[:-1])):
+        if os.path.exists(newer):
+            os.replace(newer, older)
+
+
+def os_reason(error):
+    """What the operating system said, for an OSError or any exception raised while
+    handling one (torch.save reports a full disk as "unexpected pos ..." with the
+    OSError "No space left on device" as its context). None when there is none."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def check_writable(folder, need_bytes):
+    """Before training: can we create files in `folder`, and is there room for about
+    need_bytes? One UserError saying which, instead of a traceback at the first save."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"cannot write checkpoints to {folder}: {e.strerror}") from None
+    free = shutil.disk_usage(folder).free
+    if free < need_bytes:
+        raise UserError(f"{folder} has {fmt_bytes(free)} free; one checkpoint needs about "
+                        f"{fmt_bytes(need_bytes)}: free some space or choose another --ckpt")
 
 
 # ----------------------------------------------------------------------------------------
@@ -269,6 +502,9 @@ def fmt_count(n):
 class CommMeter:
     def __init__(self):
         self.group_names = {}
+        self.calls = 0           # collectives entered by this rank (for the hang watchdog)
+        self.waiting = None      # the last one entered: "all_reduce (world)"
+        self.heartbeat = None    # setup_runtime's Heartbeat, once a process group exists
         self.reset()
 
     def reset(self):
@@ -287,8 +523,14 @@ class CommMeter:
     def _group_size(self, group):
         return dist.get_world_size(group) if dist.is_initialized() else 1
 
+    def _enter(self, op, group):
+        name = self.group_names.get(group, "world" if group is None else "group")
+        self.calls += 1
+        self.waiting = f"{op} ({name})"
+        return name
+
     def _record(self, op, group, payload, wire):
-        row = self.rows[(op, self.group_names.get(group, "world" if group is None else "group"))]
+        row = self.rows[(op, self._enter(op, group))]
         row[0] += 1
         row[1] += payload
         row[2] += int(wire)
@@ -311,6 +553,11 @@ class CommMeter:
         return "\n".join(lines)
 
     # -- the wrappers: same signatures as torch.distributed, plus the bookkeeping --------
+    def barrier(self, group=None):
+        """No bytes worth a row in the ledger; counted for the hang watchdog only."""
+        self._enter("barrier", group)
+        return dist.barrier(group=group)
+
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         n, s = self._group_size(group), _nbytes(tensor)
         self._record("all_reduce", group, s, 2 * (n - 1) / n * s)

@@ -34,22 +34,25 @@ Techniques here and their price:
 import argparse
 import math
 import os
+import signal
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import data
 import data_parallel
 import evaluate as ev
 import optim
 from model import GPT, GPTConfig, PRESETS, get_config, load_checkpoint
-from plumbing import (ActivationMeter, StepTimer, UserError, atomic_save, comm, fmt_bytes,
-                      fmt_count, gpu_peak_flops, print0, require_at_least_one, rng_state,
-                      run_cli, seed_everything, set_rng_state, setup_runtime, warmup_cosine)
+from plumbing import (ActivationMeter, ArgumentParser, GracefulStop, HelpFormatter,
+                      Interrupted, StepTimer, UserError, atomic_save, attempt, check_writable,
+                      comm, fmt_bytes, fmt_count, generation_paths, gpu_peak_flops, os_reason,
+                      print0, require_at_least_one, rng_state, run_cli, seed_everything,
+                      set_rng_state, setup_runtime, warmup_cosine)
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -238,10 +241,12 @@ def micro_batches(corpus, args, step, device, rank=0):
 # ----------------------------------------------------------------------------------------
 # Checkpoints
 
-def save_checkpoint(path, model, optimizer, scaler, master, step, args, corpus, history):
+def save_checkpoint(path, model, optimizer, scaler, master, step, args, corpus, history,
+                    identity=None):
     """One file: the config and tokenizer (so any script can rebuild the model alone), fp32
     weights, optimizer and loss-scale state, the step (= data position: batches are a
-    function of the step), every RNG state, and the losses so far."""
+    function of the step), every RNG state, the losses so far, and the run's identity
+    (run_id, launch_id); the previous --keep - 1 files stay as ckpt.pt.1, ..."""
     weights = model.state_dict()
     if master is not None:   # the fp32 master copy is the real weights
         names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -250,8 +255,8 @@ def save_checkpoint(path, model, optimizer, scaler, master, step, args, corpus, 
     ckpt = dict(config=asdict(model.config), model=weights, optimizer=optimizer.state_dict(),
                 scaler=scaler.state_dict(), step=step, args=vars(args), rng=plain_rng_state(),
                 tokenizer=data.encoding_to_state(corpus.enc), corpus=corpus.name,
-                history=history)
-    atomic_save(ckpt, path)    # a crash mid-save never leaves half a checkpoint
+                history=history, **(identity or {}))
+    atomic_save(ckpt, path, keep=args.keep)    # a crash mid-save: never half a file
 
 
 def plain_rng_state():
@@ -369,6 +374,7 @@ class Run:
     corpus: data.Corpus
     step: int                         # optimizer steps done = the data position
     history: dict                     # losses so far (saved with the checkpoint)
+    run_id: str                       # one per training run, kept by every resume
 
 
 def shards_dir(args):
@@ -376,26 +382,98 @@ def shards_dir(args):
     return os.path.splitext(args.ckpt)[0] + "_shards"
 
 
-def find_resume(args):
-    """The checkpoint --resume continues from (read safely), or None without --resume."""
-    if not args.resume:
+def identity(run, step):
+    """What every save records about who wrote it. run_id: one per training run (a resume
+    keeps it); launch_id: torchrun's run id, the same for every rank and every restart of
+    one torchrun command (None for a plain `python train.py`); save_id: this save."""
+    launch = os.environ.get("TORCHELASTIC_RUN_ID")
+    return dict(run_id=run.run_id, launch_id=launch,
+                save_id=f"{run.run_id}/step_{step}/attempt-{attempt()}")
+
+
+def read_generation(args, path):
+    """-> (checkpoint dict, whole shards or None), read and checked: a single file, or
+    (--dp) a save folder whose every shard belongs to its meta.pt."""
+    if not args.dp:
+        return load_resume(path, "--resume: checkpoint"), None
+    meta, full = data_parallel.read_generation(path)
+    return load_resume_meta(meta, path), full
+
+
+def load_resume_meta(meta, path):
+    needed = ("config", "step", "rng", "tokenizer", "history", "scaler")
+    if any(k not in meta for k in needed):
+        raise UserError(f"{path}/meta.pt is not a training checkpoint of this repo")
+    return meta
+
+
+def find_resume(args, restarted=False):
+    """-> (checkpoint, whole shards or None, where), or None for a fresh run. Tries the
+    newest generation first and falls back, with a line, to an older one when it is
+    unreadable. restarted (torchrun restarted us after a failure): resume only a save of
+    this launch; another run's checkpoint in the folder is never adopted."""
+    if not (args.resume or restarted):
+        return None
+    paths = (data_parallel.generations(shards_dir(args)) if args.dp else
+             [p for p in generation_paths(args.ckpt, args.keep) if os.path.exists(p)])
+    problems = []
+    for path in paths:
+        try:
+            resume, full = read_generation(args, path)
+        except UserError as e:
+            problems.append(str(e))
+            continue
+        if restarted and resume.get("launch_id") != os.environ.get("TORCHELASTIC_RUN_ID"):
+            print0(f"restart {attempt()}: {path} is another run's checkpoint (run "
+                   f"{resume.get('run_id')}), not resumed: starting from step 0")
+            return None
+        if problems:
+            print0(f"warning: {problems[0]}; falling back to the previous checkpoint {path} "
+                   f"(step {resume['step']})")
+        if restarted:
+            print0(f"restart {attempt()}: resuming from the last checkpoint {path} "
+                   f"(step {resume['step']})")
+        check_model_flags(args, resume, path)
+        return resume, full, path
+    if problems and len(paths) == 1 and not restarted:
+        raise UserError(problems[0])
+    if problems:
+        raise UserError(f"{problems[0]}; no older checkpoint to fall back on is readable")
+    if restarted:
+        print0(f"restart {attempt()}: no checkpoint yet, starting from step 0")
         return None
     if args.dp:
-        folder = data_parallel.latest_shards(shards_dir(args))
-        if folder is None:
-            raise UserError(f"--resume --dp: no sharded checkpoint in {shards_dir(args)!r} "
-                            "(written by a --dp run with --save-interval)")
-        return load_resume(os.path.join(folder, "meta.pt"), "--resume --dp: meta")
-    if not os.path.exists(args.ckpt):
-        raise UserError(f"--resume: checkpoint {args.ckpt!r} not found")
-    return load_resume(args.ckpt, "--resume: checkpoint")
+        raise UserError(f"--resume --dp: no sharded checkpoint in {shards_dir(args)!r} "
+                        "(written by a --dp run with --save-interval)")
+    raise UserError(f"--resume: checkpoint {args.ckpt!r} not found")
+
+
+MODEL_FLAGS = ("n_layer", "n_embd", "n_head", "n_kv_head", "n_expert", "block_size")
+
+
+def check_model_flags(args, resume, path):
+    """--resume continues the checkpoint's model. Model flags given on the command line
+    (--preset, --n-layer, ...) that disagree with it are refused in one line: silently
+    training another model than the one asked for is worse than stopping."""
+    cfg = resume["config"]
+    asked = {k: v for k, v in PRESETS.get(args.preset or "", {}).items() if k in MODEL_FLAGS}
+    asked.update({k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None})
+    clash = [f"{k}={v} (checkpoint: {cfg.get(k)})" for k, v in asked.items()
+             if cfg.get(k) != v]
+    if clash:
+        flags = f"--preset {args.preset}" if args.preset else "the model flags"
+        raise UserError(f"--resume: {path} holds another model than {flags} asks for: "
+                        f"{', '.join(clash)}; drop the model flags to continue it, or "
+                        f"give another --ckpt to train a new model")
 
 
 def build_model(args, rt, resume):
     """The config (the checkpoint's when resuming), the corpus and the model on the device."""
     if resume:
+        args.preset = resume["args"].get("preset") or "small"   # the banner names it
         cfg = GPTConfig(**resume["config"]).validate()
     else:
+        args.preset = args.preset or "small"
         cfg = get_config(args.preset, n_layer=args.n_layer, n_embd=args.n_embd,
                          n_head=args.n_head, n_kv_head=args.n_kv_head,
                          block_size=args.block_size, attn=args.attn, n_expert=args.n_expert)
@@ -433,7 +511,9 @@ def build_optimizer(args, model, sync, master):
 def build(args, rt):
     """-> Run: the model (checkpointed, in its precision, wrapped for --dp), its optimizer
     and loss scaler, the corpus, and where a --resume continues from."""
-    resume = find_resume(args)
+    restarted = attempt() != "0" and bool(args.save_interval) and not args.resume
+    found = find_resume(args, restarted)
+    resume = found[0] if found else None
     model, corpus = build_model(args, rt, resume)
     master = None
     if args.precision in LOW_PRECISION:
@@ -451,11 +531,13 @@ def build(args, rt):
     if args.qk_clip:
         optim.enable_qk_clip(model, args.qk_clip)
     scaler = LossScaler(args.loss_scale, args.scale_window, enabled=args.precision == "fp16")
-    run = Run(model, optimizer, scaler, master, sync, corpus, 0, {"loss": [], "val": []})
+    run_id = resume.get("run_id") if resume else None
+    run = Run(model, optimizer, scaler, master, sync, corpus, 0, {"loss": [], "val": []},
+              run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12])
     if resume:
+        _, full, where = found
         if args.dp:
-            folder = data_parallel.latest_shards(shards_dir(args))
-            data_parallel.load_shards(folder, sync, optimizer, rt.rank)
+            data_parallel.apply_generation(full, where, sync, optimizer, rt.rank)
         else:
             optimizer.load_state_dict(resume["optimizer"])
         scaler.load_state_dict(resume["scaler"])
@@ -467,22 +549,43 @@ def build(args, rt):
 
 def save(args, rt, run):
     """One file for one process; sharded (data_parallel.py) plus a single-file export of
-    the weights for the other scripts under --dp."""
+    the weights for the other scripts under --dp. A save the disk refuses is one line
+    saying why; the previous checkpoint is untouched (atomic_write)."""
+    try:
+        write_checkpoint(args, rt, run)
+    except (OSError, RuntimeError) as e:
+        reason = os_reason(e)
+        if reason is None:
+            raise
+        where = shards_dir(args) if args.dp else args.ckpt
+        raise UserError(f"saving the checkpoint of step {run.step} to {where} failed: "
+                        f"{reason.lower()}; the previous checkpoint there is untouched") \
+            from None
+
+
+def write_checkpoint(args, rt, run):
+    ids = identity(run, run.step)
     if not args.dp:
         return save_checkpoint(args.ckpt, run.model, run.optimizer, run.scaler, run.master,
-                               run.step, args, run.corpus, run.history)
+                               run.step, args, run.corpus, run.history, ids)
     meta = dict(config=asdict(run.model.config), scaler=run.scaler.state_dict(),
                 step=run.step, args=vars(args), rng=plain_rng_state(),
                 tokenizer=data.encoding_to_state(run.corpus.enc), corpus=run.corpus.name,
-                history=run.history, world_size=rt.world_size, mode=args.dp)
+                history=run.history, world_size=rt.world_size, mode=args.dp, **ids)
     data_parallel.save_sharded_checkpoint(shards_dir(args), run.step, run.sync,
-                                          run.optimizer, rt, meta)
+                                          run.optimizer, rt, meta, args.keep)
     weights = data_parallel.full_state_dict(run.model, run.sync)  # collective: zero3, fsdp
     if rt.is_main:
         export = {k: v for k, v in meta.items() if k not in ("rng", "scaler")}
         atomic_save({**export, "model": weights, "exported_from": args.dp}, args.ckpt)
     if rt.distributed:
-        dist.barrier()
+        comm.barrier()
+
+
+def checkpoint_bytes(n_params, args):
+    """About one checkpoint: fp32 weights + Adam's two moments (12 B/param), and under
+    --dp the single-file export of the weights (4 B/param) next to the shards."""
+    return n_params * (12 + (4 if args.dp else 0))
 
 
 def state_rows(run, rt):
@@ -511,12 +614,18 @@ def banner(args, rt, run, n_params, tokens_per_step):
 
 def crash_on_purpose(args, rt, step):
     """--crash-at-step: the last rank leaves abruptly (first attempt only), like a lost
-    node, so torchrun --max-restarts can show a resume."""
-    if (args.crash_at_step == step and rt.rank == rt.world_size - 1
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+    node; --hang-at-step: it stops itself (SIGSTOP), like a frozen one. Under torchrun
+    --max-restarts both show a restart and a resume."""
+    if rt.rank != rt.world_size - 1 or attempt() != "0":
+        return
+    if args.crash_at_step == step:
         print(f"rank {rt.rank}: crashing on purpose at step {step} (--crash-at-step)",
               flush=True)
         os._exit(1)
+    if args.hang_at_step == step:
+        print(f"rank {rt.rank} (pid {os.getpid()}): stopping itself at step {step} "
+              "(--hang-at-step)", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def log_line(args, rt, run, loss, lr, timer, state, act_bytes, sent_per_step, skipped,
@@ -543,33 +652,41 @@ def train(args, rt):
         n_params = GPT(run.model.config, seed=None).num_params()
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * rt.world_size
     banner(args, rt, run, n_params, tokens_per_step)
+    if args.save_interval:        # a read-only or full disk: now, not at the first save
+        check_writable(os.path.dirname(os.path.abspath(args.ckpt)),
+                       checkpoint_bytes(n_params, args))
     first_step = run.step
     last = min(args.steps, first_step + (args.stop_after or args.steps))
     state, act_bytes, sent, t_start = None, 0, 0, time.time()
-    while run.step < last:
-        crash_on_purpose(args, rt, run.step)
-        lr = learning_rate(run.step, args)
-        optim.set_lr(run.optimizer, lr)
-        batches = micro_batches(run.corpus, args, run.step, rt.device, rt.rank)
-        wire_before = comm.total_wire
-        with StepTimer(rt.device) as timer:
-            loss, act_bytes, skipped = train_step(run.model, run.optimizer, batches, args,
-                                                  rt.device, run.scaler, run.master, run.sync)
-        sent += comm.total_wire - wire_before
-        state = state_rows(run, rt)        # measured while the gradients still exist
-        run.sync.zero_grad()
-        loss = global_mean(loss, rt)
-        run.history["loss"].append(loss)
-        run.step += 1
-        if run.step % args.log_interval == 0 or run.step == args.steps:
-            print0(log_line(args, rt, run, loss, lr, timer, state, act_bytes,
-                            sent / (run.step - first_step), skipped, tokens_per_step))
-        if run.step % args.eval_interval == 0 or run.step == args.steps:
-            val = evaluate(run.model, run.corpus, args, rt.device)
-            run.history["val"].append((run.step, val))
-            print0(f"step {run.step:4d} | val loss {val:.4f}")
-        if args.save_interval and (run.step % args.save_interval == 0 or run.step == last):
-            save(args, rt, run)
+    with GracefulStop() as stop:    # Ctrl-C: finish the step, save, say how to resume
+        while run.step < last:
+            crash_on_purpose(args, rt, run.step)
+            lr = learning_rate(run.step, args)
+            optim.set_lr(run.optimizer, lr)
+            batches = micro_batches(run.corpus, args, run.step, rt.device, rt.rank)
+            wire_before = comm.total_wire
+            with StepTimer(rt.device) as timer:
+                loss, act_bytes, skipped = train_step(run.model, run.optimizer, batches, args,
+                                                      rt.device, run.scaler, run.master,
+                                                      run.sync)
+            sent += comm.total_wire - wire_before
+            state = state_rows(run, rt)        # measured while the gradients still exist
+            run.sync.zero_grad()
+            loss, signum = global_mean(loss, rt, stop.signum)   # every rank stops together
+            run.history["loss"].append(loss)
+            run.step += 1
+            if run.step % args.log_interval == 0 or run.step == args.steps:
+                print0(log_line(args, rt, run, loss, lr, timer, state, act_bytes,
+                                sent / (run.step - first_step), skipped, tokens_per_step))
+            if run.step % args.eval_interval == 0 or run.step == args.steps:
+                val = evaluate(run.model, run.corpus, args, rt.device)
+                run.history["val"].append((run.step, val))
+                print0(f"step {run.step:4d} | val loss {val:.4f}")
+            if args.save_interval and (run.step % args.save_interval == 0 or
+                                       run.step == last or signum):
+                save(args, rt, run)
+            if signum:
+                stopped(args, run, signum)
     elapsed = time.time() - t_start
     if state is not None:
         final_report(args, rt, run, state, n_params, act_bytes, sent / (run.step - first_step))
@@ -585,7 +702,8 @@ def final_report(args, rt, run, state, n_params, act_bytes, sent_per_step):
     the ZeRO formulas) and the activations next to Korthikanti et al.'s formula."""
     cfg = run.model.config
     if args.dp:
-        run.history["ledger"] = dp_ledger(args, rt, state, n_params, sent_per_step)
+        run.history["ledger"] = data_parallel.ledger(args.dp, rt, state, n_params,
+                                                      sent_per_step)
     else:
         muon = sum(p.numel() for n, p in run.model.named_parameters()
                    if optim.is_hidden_matrix(n, p)) if args.optimizer == "muon" else 0
@@ -597,36 +715,27 @@ def final_report(args, rt, run, state, n_params, act_bytes, sent_per_step):
            f"GQA, checkpointing={args.checkpointing})")
 
 
-def global_mean(value, rt):
-    """The loss of the whole global batch = the mean of the ranks' losses."""
+def global_mean(value, rt, signum=0):
+    """-> (the loss of the whole global batch = the mean of the ranks' losses, the stop
+    signal any rank received). The signal rides on the all-reduce every step makes anyway,
+    so every rank stops after the same step (SIGINT wins over SIGTERM)."""
     if not rt.distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=rt.device)
+        return value, signum
+    t = torch.tensor([value, signum == signal.SIGINT, signum == signal.SIGTERM],
+                     dtype=torch.float64, device=rt.device)
     comm.all_reduce(t)
-    return float(t) / rt.world_size
+    signum = signal.SIGINT if t[1] else signal.SIGTERM if t[2] else 0
+    return float(t[0]) / rt.world_size, int(signum)
 
 
-def dp_ledger(args, rt, state, n_params, sent_per_step):
-    """Every rank's measured model state and bytes sent, next to the ZeRO formulas."""
-    rows = [None] * rt.world_size
-    mine = dict(state, sent=sent_per_step)
-    if rt.distributed:
-        dist.all_gather_object(rows, mine)     # bookkeeping, outside the meter on purpose
-    else:
-        rows = [mine]
-    formula = data_parallel.formula_bytes(args.dp, n_params, rt.world_size)
-    expected = data_parallel.expected_wire_bytes(args.dp, n_params, rt.world_size)
-    print0(f"ledger --dp {args.dp}, N = {rt.world_size}, Ψ = {n_params:,} (fp32, Adam K = 8):")
-    print0(f"  {'rank':<6}{'params':>12}{'grads':>12}{'optimizer':>12}{'sent/step':>12}")
-    for r, row in enumerate(rows):
-        print0(f"  {r:<6}" + "".join(f"{fmt_bytes(row[k]):>12}" for k in
-                                     ("params", "grads", "optimizer", "sent")))
-    print0(f"  {'formula':<6}" + "".join(f"{fmt_bytes(formula[k]):>12}" for k in
-                                        ("params", "grads", "optimizer")) +
-           f"{fmt_bytes(expected):>12}")
-    if args.dp == "fsdp":
-        print0("  (fsdp: its collectives run inside PyTorch; the meter sees only ours)")
-    return dict(rows=rows, formula=formula, expected_sent=expected)
+def stopped(args, run, signum):
+    """After a SIGINT / SIGTERM: the one line saying where the run stopped and how to go
+    on, then Interrupted (run_cli exits 130 / 143)."""
+    where = shards_dir(args) if args.dp else args.ckpt
+    print0(f"{signal.Signals(signum).name}: stopped after step {run.step} of {args.steps}; "
+           + (f"checkpoint saved to {where}: run the same command with --resume to continue"
+              if args.save_interval else "nothing saved (--save-interval 0)"))
+    raise Interrupted(signum)
 
 
 def sample(model, enc, args, device):
@@ -681,7 +790,7 @@ def bench(args, rt):
         t = min(times[1:] or times)          # the first step pays one-time costs
         results.append((label, state, act, t, sent))
     base = results[0]
-    print0(f"bench: preset {args.preset}, attention {args.attn}, {args.batch_size}×"
+    print0(f"bench: preset {args.preset or 'small'}, attention {args.attn}, {args.batch_size}×"
            f"{run_args.seq_len} tokens/step/rank, {rt.world_size} rank(s), best of "
            f"{args.bench_steps} steps, device {rt.device}")
     print0(f"{'technique':<30} {'state/rank':>11} {'activations':>12} {'act ×':>6} "
@@ -699,13 +808,14 @@ def bench(args, rt):
 # ----------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Train the shared GPT (single process; distributed modes: see README).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("mode", nargs="?", default="train", choices=["train", "bench"],
                    help="train, or bench: measure each technique's cost against fp32")
     g = p.add_argument_group("model")
-    g.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)}")
+    g.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: "
+                   "small; with --resume the checkpoint's, and a different one is refused)")
     g.add_argument("--n-layer", type=int, help="override the preset's layer count")
     g.add_argument("--n-embd", type=int, help="override the preset's width")
     g.add_argument("--n-head", type=int, help="override the preset's attention heads")
@@ -753,6 +863,11 @@ def parse_args(argv=None):
     g.add_argument("--bucket-mb", type=float, default=1.0, help="ddp gradient bucket size")
     g.add_argument("--crash-at-step", type=int, default=-1, help="the last rank exits abruptly "
                    "at this step (first attempt only): try it under torchrun --max-restarts=1")
+    g.add_argument("--hang-at-step", type=int, default=-1, help="the last rank stops itself "
+                   "(SIGSTOP) at this step (first attempt only): the --timeout watchdog")
+    g.add_argument("--timeout", type=float, default=None, help="seconds a collective waits "
+                   "for a silent peer before the job exits (status 3) for torchrun to restart "
+                   "(default: 300 on CPU, 600 on GPU)")
     g = p.add_argument_group("run")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--seed", type=int, default=1337)
@@ -761,7 +876,11 @@ def parse_args(argv=None):
     g.add_argument("--eval-iters", type=int, default=20)
     g.add_argument("--ckpt", default="out/ckpt.pt", help="checkpoint path")
     g.add_argument("--save-interval", type=int, default=100, help="0 = never save")
-    g.add_argument("--resume", action="store_true", help="continue from --ckpt")
+    g.add_argument("--resume", action="store_true", help="continue from --ckpt (the newest "
+                   "readable of the --keep generations)")
+    g.add_argument("--keep", type=int, default=2, help="checkpoint generations kept (ckpt.pt, "
+                   "ckpt.pt.1, ...; --dp: step_K folders): the fallback if the newest is "
+                   "unreadable")
     g.add_argument("--stop-after", type=int, default=0, help="stop (and save) after this many "
                    "steps of this invocation; the schedule still runs to --steps (0 = off)")
     g.add_argument("--sample-tokens", type=int, default=200, help="tokens sampled at the end")
@@ -777,7 +896,7 @@ def parse_args(argv=None):
     g.add_argument("--bench-steps", type=int, default=3, help="steps per bench row")
     args = p.parse_args(argv)
     require_at_least_one(args, ("steps", "batch_size", "grad_accum", "log_interval",
-                                "eval_interval", "eval_iters", "warmup_steps"))
+                                "eval_interval", "eval_iters", "warmup_steps", "keep"))
     if args.mode == "bench" and args.attn is None:
         args.attn = "math"     # so the s² attention scores show up in the activation column
     return args
@@ -787,19 +906,13 @@ def main(argv=None):
     args = parse_args(argv)
     if args.estimate:
         return estimate(args)
-    rt = setup_runtime(args.device)
+    rt = setup_runtime(args.device, args.timeout)
     if args.dp and not rt.distributed and args.mode != "bench":
         raise UserError(f"--dp {args.dp} needs processes to talk to: launch with "
                         f"torchrun --standalone --nproc_per_node=N train.py --dp {args.dp} ...")
     if rt.world_size > 1 and not args.dp and args.mode != "bench":
         raise UserError(f"{rt.world_size} processes but no --dp mode: choose one of "
                         f"{', '.join(data_parallel.MODES)}")
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and args.save_interval:
-        # torchrun restarted us after a failure: continue from the last checkpoint, if any
-        args.resume = (bool(data_parallel.latest_shards(shards_dir(args))) if args.dp
-                       else os.path.exists(args.ckpt))
-        print0(f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: "
-               + ("resuming from the last checkpoint" if args.resume else "no checkpoint yet"))
     return bench(args, rt) if args.mode == "bench" else train(args, rt)
 
 
