@@ -632,6 +632,64 @@ def timed(step, args, model, device):
     return sorted(times[args.warmup:])[args.steps // 2], result, starts
 
 
+def bench_schedule(schedule, args, rt, cfg, batch, pp_group):
+    """One schedule, by hand and (under torchrun) through torch.distributed.pipelining, on
+    the same weights and microbatches. -> (its table row, the last step's timeline)."""
+    P, M, T, device = rt.world_size, args.microbatches, args.seq_len, rt.device
+    xs, ys = batch
+    model = GPT(cfg, seed=0).to(device)
+    cos, sin = model.rope(torch.arange(T, device=device))
+    stages = build_stages(model, schedule, P, rt.rank, cross_entropy_loss, cos, sin)
+    actions = build_schedule(schedule, P, M)[rt.rank]
+    wire = comm.total_wire
+    steps_run = []
+
+    def hand_step():
+        timeline = []
+        steps_run.append(timeline)
+        return run_schedule(stages, actions, xs, ys, pp_group,
+                            (args.microbatch_size, T, cfg.n_embd), torch.float32, device,
+                            timeline)
+    hand_s, hand_loss, starts = timed(hand_step, args, model, device)
+    sent = (comm.total_wire - wire) / (args.warmup + args.steps)
+    # every timed step's timeline: the bubble is the median over steps (one step on a
+    # shared CPU is noisy), the picture is the last step's
+    per_step = [gather_timelines(tl, t0) for tl, t0 in zip(steps_run[args.warmup:], starts)]
+    bubbles = sorted(sum(measured_bubbles(tls)) / P for tls in per_step)
+    torch_s, torch_loss = None, None
+    note = "needs torchrun" if not rt.distributed else "skipped" if args.no_torch else ""
+    if not note:
+        try:
+            step = torch_pipeline_step(schedule, stages, pp_group, M, device)
+            torch_s, torch_loss, _ = timed(lambda: step(xs, ys), args, model, device)
+        except Exception as e:   # a schedule torch cannot drive here: say so, no number
+            note = f"torch failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
+    f, b, w = mean_times([tl for tls in per_step for tl in tls])
+    mine = (hand_loss, torch_loss, sent)        # losses live where the last stage is
+    everyone = [mine] * P
+    if rt.distributed:
+        dist.all_gather_object(everyone, mine)
+    row = dict(schedule=schedule, hand_ms=hand_s * 1e3, torch_note=note,
+               torch_ms=torch_s and torch_s * 1e3,
+               hand_loss=next(e[0] for e in everyone if e[0] is not None),
+               torch_loss=next((e[1] for e in everyone if e[1] is not None), None),
+               sent=max(e[2] for e in everyone),
+               bubble=bubbles[len(bubbles) // 2],
+               theory=theory_bubble(schedule, P, M, f, b, w))
+    return row, format_timeline(per_step[-1], schedule, M)
+
+
+def print_bench(rows):
+    print0(f"{'schedule':<10} {'hand ms':>8} {'torch ms':>9} {'hand/torch':>10} {'bubble':>7} "
+           f"{'theory':>7} {'P2P sent/rank':>13}  loss hand / torch")
+    for r in rows:
+        torch_ms = f"{r['torch_ms']:9.2f}" if r["torch_ms"] else f"{'-':>9}"
+        ratio = f"{r['hand_ms'] / r['torch_ms']:10.2f}" if r["torch_ms"] else f"{'-':>10}"
+        versus = f"{r['torch_loss']:.6f}" if r["torch_loss"] is not None else r["torch_note"]
+        print0(f"{r['schedule']:<10} {r['hand_ms']:8.2f} {torch_ms} {ratio} {r['bubble']:7.1%} "
+               f"{r['theory']:7.1%} {fmt_bytes(r['sent']):>13}  {r['hand_loss']:.6f} / {versus}")
+
+
 def bench(args, rt):
     P, M, T, device = rt.world_size, args.microbatches, args.seq_len, rt.device
     pp_group = dist.new_group(list(range(P))) if rt.distributed else None
@@ -645,60 +703,16 @@ def bench(args, rt):
         split_layers(cfg.n_layer, 2 * P if schedule == "dualpipev" else P)
     data = torch.randint(0, cfg.vocab_size, (M, args.microbatch_size, T + 1),
                          generator=torch.Generator().manual_seed(args.seed))
-    xs, ys = [d[:, :-1].to(device) for d in data], [d[:, 1:].to(device) for d in data]
+    batch = ([d[:, :-1].to(device) for d in data], [d[:, 1:].to(device) for d in data])
     print0(f"pipeline bench: P={P} ranks, M={M} microbatches of {args.microbatch_size}x{T} "
            f"tokens, {args.preset} with n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
            f"vocab {cfg.vocab_size}, {device}")
     rows, pictures = [], []
     for schedule in args.schedules:
-        model = GPT(cfg, seed=0).to(device)
-        cos, sin = model.rope(torch.arange(T, device=device))
-        stages = build_stages(model, schedule, P, rt.rank, cross_entropy_loss, cos, sin)
-        actions, wire = build_schedule(schedule, P, M)[rt.rank], comm.total_wire
-        steps_run = []
-
-        def hand_step():
-            timeline = []
-            steps_run.append(timeline)
-            return run_schedule(stages, actions, xs, ys, pp_group,
-                                (args.microbatch_size, T, cfg.n_embd), torch.float32, device,
-                                timeline)
-        hand_s, hand_loss, starts = timed(hand_step, args, model, device)
-        sent = (comm.total_wire - wire) / (args.warmup + args.steps)
-        # every timed step's timeline: the bubble is the median over steps (one step on a
-        # shared CPU is noisy), the picture is the last step's
-        per_step = [gather_timelines(tl, t0) for tl, t0 in zip(steps_run[args.warmup:], starts)]
-        timelines = per_step[-1]
-        bubbles = sorted(sum(measured_bubbles(tls)) / P for tls in per_step)
-        torch_s, torch_loss = None, None
-        note = "needs torchrun" if not rt.distributed else "skipped" if args.no_torch else ""
-        if not note:
-            try:
-                step = torch_pipeline_step(schedule, stages, pp_group, M, device)
-                torch_s, torch_loss, _ = timed(lambda: step(xs, ys), args, model, device)
-            except Exception as e:   # a schedule torch cannot drive here: say so, no number
-                note = f"torch failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
-        f, b, w = mean_times([tl for tls in per_step for tl in tls])
-        mine = (hand_loss, torch_loss, sent)        # losses live where the last stage is
-        everyone = [mine] * P
-        if rt.distributed:
-            dist.all_gather_object(everyone, mine)
-        rows.append(dict(schedule=schedule, hand_ms=hand_s * 1e3, torch_note=note,
-                         torch_ms=torch_s and torch_s * 1e3,
-                         hand_loss=next(e[0] for e in everyone if e[0] is not None),
-                         torch_loss=next((e[1] for e in everyone if e[1] is not None), None),
-                         sent=max(e[2] for e in everyone),
-                         bubble=bubbles[len(bubbles) // 2],
-                         theory=theory_bubble(schedule, P, M, f, b, w)))
-        pictures.append(format_timeline(timelines, schedule, M))
-    print0(f"{'schedule':<10} {'hand ms':>8} {'torch ms':>9} {'hand/torch':>10} {'bubble':>7} "
-           f"{'theory':>7} {'P2P sent/rank':>13}  loss hand / torch")
-    for r in rows:
-        torch_ms = f"{r['torch_ms']:9.2f}" if r["torch_ms"] else f"{'-':>9}"
-        ratio = f"{r['hand_ms'] / r['torch_ms']:10.2f}" if r["torch_ms"] else f"{'-':>10}"
-        versus = f"{r['torch_loss']:.6f}" if r["torch_loss"] is not None else r["torch_note"]
-        print0(f"{r['schedule']:<10} {r['hand_ms']:8.2f} {torch_ms} {ratio} {r['bubble']:7.1%} "
-               f"{r['theory']:7.1%} {fmt_bytes(r['sent']):>13}  {r['hand_loss']:.6f} / {versus}")
+        row, picture = bench_schedule(schedule, args, rt, cfg, batch, pp_group)
+        rows.append(row)
+        pictures.append(picture)
+    print_bench(rows)
     for picture in pictures:
         print0("\n" + picture)
     return rows
