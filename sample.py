@@ -1,0 +1,120 @@
+"""
+sample.py -- talk to a trained model: a prompt in, a completion out, with the sampling knobs
+every serving stack exposes.
+
+    python sample.py                                   # type prompts; an empty line or Ctrl-D ends
+    python sample.py --prompt "def " --num-samples 3   # one prompt, three samples, then exit
+    python sample.py --temperature 0 --max-new-tokens 40          # greedy
+    python sample.py --checkpoint out/lora/merged.pt   # any checkpoint: train.py's, a merged
+                                                       # adapter, quantize.py's, a HF folder
+    printf 'import os\\nclass A:\\n' | python sample.py # one prompt per line from a pipe
+
+What the knobs do to the next-token distribution p = softmax(logits / T) (model.sample_next):
+  temperature T   T → 0 is greedy (argmax), T = 1 the model's own distribution, T > 1
+                  flatter (more surprising tokens, more mistakes);
+  top-k           keep the k most likely tokens, renormalise (Fan et al. 2018);
+  top-p           keep the smallest set whose probability reaches p (nucleus sampling,
+                  Holtzman et al. 2020): adapts the cut to how peaked p is.
+Each sample runs model.generate: one prefill over the prompt, then one cached decode step
+per token. A typed "\\n" in a prompt is a newline (code prompts span lines). Same --seed,
+same prompt -> the same completion.
+"""
+import argparse
+import sys
+
+import data
+from model import load_model
+from plumbing import HelpFormatter, UserError, pick_device, run_cli
+
+
+def complete(model, enc, prompt, args, seed):
+    """The completion of one prompt (text), or a UserError for a prompt that cannot fit."""
+    ids = enc.encode_ordinary(prompt)
+    if not ids:
+        raise UserError("the prompt is empty after tokenization")
+    room = model.config.block_size - len(ids)
+    if room < 1:
+        raise UserError(f"the prompt is {len(ids)} tokens; the model's context is "
+                        f"{model.config.block_size}: shorten it")
+    new = model.generate(ids, min(args.max_new_tokens, room), temperature=args.temperature,
+                         top_k=args.top_k or None, top_p=args.top_p, seed=seed,
+                         eos_id=enc.eot_token if args.stop_at_eot else None)
+    if new and new[-1] == enc.eot_token:
+        new = new[:-1]                    # the end-of-text token is not text
+    return enc.decode(new)
+
+
+def answer(model, enc, prompt, args):
+    """Print num_samples completions of one prompt; sample i uses seed + i."""
+    prompt = prompt.replace("\\n", "\n")
+    for i in range(args.num_samples):
+        text = complete(model, enc, prompt, args, args.seed + i)
+        if args.num_samples > 1:
+            print(f"---- sample {i + 1}/{args.num_samples} ----")
+        print(prompt + text if args.echo else text, flush=True)
+
+
+def prompts_from_stdin():
+    """Typed prompts (with a "> " cue on a terminal) or piped lines, until an empty line
+    on a terminal or the end of the input."""
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            return
+        if interactive and not line:
+            return
+        if line:
+            yield line
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="sample.py", formatter_class=HelpFormatter,
+                                description="Sample completions from a checkpoint: one "
+                                            "--prompt, or a prompt loop on standard input.")
+    p.add_argument("--checkpoint", default="out/ckpt.pt",
+                   help="a checkpoint file or a Hugging Face Llama folder")
+    p.add_argument("--prompt", default=None,
+                   help="one prompt, then exit; when not given: read prompts from stdin")
+    p.add_argument("--num-samples", type=int, default=1, help="completions per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help="tokens per completion (fewer if the context ends first)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=50, help="0 = no top-k cut")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass in (0, 1]; when not given: no nucleus cut")
+    p.add_argument("--seed", type=int, default=0, help="sample i of a prompt uses seed + i")
+    p.add_argument("--echo", action="store_true", help="print the prompt before its completion")
+    p.add_argument("--no-stop", dest="stop_at_eot", action="store_false",
+                   help="keep going past the end-of-text token (when not given: stop there)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    args = p.parse_args(argv)
+    if args.num_samples < 1 or args.max_new_tokens < 1:
+        raise UserError("--num-samples and --max-new-tokens must be at least 1")
+    if args.temperature < 0 or args.top_k < 0:
+        raise UserError("--temperature and --top-k must be >= 0")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    model, ckpt = load_model(args.checkpoint, pick_device(args.device))
+    if "tokenizer" not in ckpt:
+        raise UserError(f"{args.checkpoint} carries no tokenizer: sample.py needs one to "
+                        "turn text into tokens")
+    enc = data.encoding_from_state(ckpt["tokenizer"])
+    model.eval()
+    if args.prompt is not None:
+        return answer(model, enc, args.prompt, args)
+    for prompt in prompts_from_stdin():
+        try:
+            answer(model, enc, prompt, args)
+        except UserError as e:            # a bad prompt ends that prompt, not the session
+            print(f"error: {e}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    run_cli(main)
