@@ -22,6 +22,8 @@ same prompt -> the same completion.
 import argparse
 import sys
 
+import torch
+
 import data
 from model import load_model
 from plumbing import HelpFormatter, UserError, pick_device, run_cli
@@ -89,9 +91,13 @@ def parse_args(argv=None):
     p.add_argument("--no-stop", dest="stop_at_eot", action="store_false",
                    help="keep going past the end-of-text token (when not given: stop there)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads: decoding a small model is one small matmul after "
+                        "another, so more threads mostly add synchronisation (measured: 200 "
+                        "tokens of `small` in 1.5 s on 1 thread, 18 s on 2 busy cores)")
     args = p.parse_args(argv)
-    if args.num_samples < 1 or args.max_new_tokens < 1:
-        raise UserError("--num-samples and --max-new-tokens must be at least 1")
+    if args.num_samples < 1 or args.max_new_tokens < 1 or args.threads < 1:
+        raise UserError("--num-samples, --max-new-tokens and --threads must be at least 1")
     if args.temperature < 0 or args.top_k < 0:
         raise UserError("--temperature and --top-k must be >= 0")
     if args.top_p is not None and not 0 < args.top_p <= 1:
@@ -101,6 +107,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     model, ckpt = load_model(args.checkpoint, pick_device(args.device))
     if "tokenizer" not in ckpt:
         raise UserError(f"{args.checkpoint} carries no tokenizer: sample.py needs one to "
