@@ -1,0 +1,272 @@
+"""train.py under faults: bad input seen by a late rank 0, a frozen rank, stale / corrupt /
+mixed checkpoints, Ctrl-C, read-only and full disks. Each fault must end in one line that
+says what happened, and a resume must finish with the uninterrupted run's losses."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import data_parallel
+import train
+from harness import ROOT, run_python, torchrun
+from model import GPT, get_config
+
+
+def tiny(text_file, ckpt, *extra):
+    return ["--preset", "tiny", "--data", str(text_file), "--batch-size", "2", "--seq-len", "32",
+            "--warmup-steps", "2", "--log-interval", "1", "--eval-interval", "1000",
+            "--eval-iters", "1", "--sample-tokens", "0", "--ckpt", str(ckpt), *map(str, extra)]
+
+
+def error_lines(output):
+    return [line for line in output.splitlines() if "error:" in line]
+
+
+class Live:
+    """A command whose output is read as it comes (to act on a line: SIGSTOP seen, a step
+    logged), in a session of its own so a signal or a kill reaches every process."""
+
+    def __init__(self, cmd, env=None):
+        full = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT, **(env or {})}
+        self.p = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines = []
+
+    def until(self, text, timeout):
+        """Read lines until one contains `text`; -> that line."""
+        deadline = time.time() + timeout
+        for line in self.p.stdout:
+            self.lines.append(line)
+            if text in line:
+                return line
+            if time.time() > deadline:
+                break
+        self.kill()
+        raise AssertionError(f"no {text!r} within {timeout} s:\n{''.join(self.lines)}")
+
+    def finish(self, timeout):
+        try:
+            rest, _ = self.p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running after {timeout} s:\n{''.join(self.lines)}")
+        self.lines.append(rest)
+        return self.p.returncode, "".join(self.lines)
+
+    def kill(self):
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def python_cmd(*args):
+    return [sys.executable, *map(str, args)]
+
+
+def torchrun_cmd(nproc, *args, extra=()):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", *extra, *map(str, args)]
+
+
+def losses(ckpt):
+    return torch.load(ckpt, weights_only=True)["history"]["loss"]
+
+
+def same_losses(got, want):
+    assert len(got) == len(want), (got, want)
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
+# ----------------------------------------------------------------------------------------
+# One process: resume flags, generations, mixed shards, Ctrl-C, disks
+
+def test_resume_refuses_other_model_flags_in_one_line(text_file, tmp_path, capsys):
+    ckpt = tmp_path / "c.pt"
+    train.main(tiny(text_file, ckpt, "--steps", "2", "--save-interval", "2"))
+    capsys.readouterr()
+    for flags in (["--preset", "small"], ["--preset", "tiny", "--n-layer", "3"]):
+        with pytest.raises(SystemExit) as e:
+            train.run_cli(train.main, tiny(text_file, ckpt, "--steps", "4", "--resume")[2:] +
+                          flags)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(error_lines(err)) == 1, err
+        assert "holds another model" in err and "drop the model flags" in err
+    # no model flags: the checkpoint's model (and name) continues
+    hist = train.main(tiny(text_file, ckpt, "--steps", "4", "--resume")[2:])
+    assert len(hist["loss"]) == 4 and "model tiny:" in capsys.readouterr().out
+
+
+def test_corrupt_latest_falls_back_to_the_previous_generation(text_file, tmp_path, capsys):
+    straight = train.main(tiny(text_file, tmp_path / "a.pt", "--steps", "6"))
+    ckpt = tmp_path / "b.pt"
+    train.main(tiny(text_file, ckpt, "--steps", "6", "--stop-after", "4", "--save-interval", "2"))
+    assert torch.load(f"{ckpt}.1", weights_only=True)["step"] == 2       # --keep 2
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])                           # truncated
+    capsys.readouterr()
+    resumed = train.main(tiny(text_file, ckpt, "--steps", "6", "--resume", "--save-interval", "2"))
+    out = capsys.readouterr().out
+    assert "falling back to the previous checkpoint" in out and "(step 2)" in out, out
+    assert resumed["loss"] == straight["loss"]
+    # every generation unreadable: one line, no traceback
+    for path in (ckpt, f"{ckpt}.1"):
+        open(path, "w").write("not a checkpoint")
+    with pytest.raises(SystemExit) as e:
+        train.run_cli(train.main, tiny(text_file, ckpt, "--steps", "6", "--resume"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(error_lines(err)) == 1 and "no older checkpoint" in err
+
+
+def test_a_shard_from_another_save_is_refused(tmp_path):
+    """Two saves of a 1-rank ZeRO-1 layout; shard-0 of one copied into the other."""
+    from plumbing import Runtime
+    folders = []
+    for step in (2, 4):
+        model = GPT(get_config("tiny"), seed=step)
+        zero = data_parallel.ZeRO(model, 1, 0, 1)
+        opt = torch.optim.AdamW(zero.optimizer_groups(0.1))
+        meta = dict(world_size=1, step=step, save_id=f"run/step_{step}", run_id="run")
+        folders.append(data_parallel.save_sharded_checkpoint(str(tmp_path), step, zero, opt,
+                                                             Runtime(), meta))
+    assert data_parallel.read_generation(folders[1])[0]["step"] == 4
+    assert os.listdir(tmp_path / "step_2")      # kept: --keep 2
+    os.replace(os.path.join(folders[0], "shard-0.pt"), os.path.join(folders[1], "shard-0.pt"))
+    with pytest.raises(train.UserError, match="belongs to another save"):
+        data_parallel.read_generation(folders[1])
+
+
+def test_sigint_one_process_saves_and_resumes(text_file, tmp_path):
+    ckpt = tmp_path / "i.pt"
+    args = tiny(text_file, ckpt, "--steps", "40", "--save-interval", "100")
+    ref = tmp_path / "ref.pt"
+    assert run_python("train.py", tiny(text_file, ref, "--steps", "40"), timeout=180).returncode == 0
+    live = Live(python_cmd("train.py", *args))
+    live.until("step    3 |", timeout=120)
+    os.killpg(live.p.pid, signal.SIGINT)
+    status, out = live.finish(timeout=60)
+    assert status == 130, out
+    stops = [line for line in out.splitlines() if line.startswith("SIGINT: stopped after")]
+    assert len(stops) == 1 and "--resume" in stops[0] and "Traceback" not in out, out
+    step = int(stops[0].split("after step ")[1].split()[0])
+    assert 3 <= step < 40 and torch.load(ckpt, weights_only=True)["step"] == step
+    assert run_python("train.py", args + ["--resume"], timeout=180).returncode == 0
+    same_losses(losses(ckpt), losses(ref))
+
+
+def test_unwritable_output_fails_before_step_one(text_file, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    r = run_python("train.py", tiny(text_file, blocker / "ckpt.pt", "--steps", "2"), timeout=60)
+    assert r.returncode == 2 and len(error_lines(r.output)) == 1, r.output
+    assert "cannot write checkpoints" in r.output and "step    1" not in r.output
+
+
+def mount_tmpfs(path, size):
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or 'mount failed'})")
+
+
+def test_read_only_and_full_disks(text_file, tmp_path):
+    """Needs `mount` (root, CAP_SYS_ADMIN): a read-only tmpfs, then one with room for one
+    checkpoint and a half (the first save fits, the second does not)."""
+    probe = tmp_path / "probe.pt"
+    train.main(tiny(text_file, probe, "--steps", "1"))
+    size = os.path.getsize(probe)
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, f"{(size * 3 // 2) // 4096 * 4096}")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        r = run_python("train.py", tiny(text_file, disk / "c.pt", "--steps", "2"), timeout=60)
+        assert r.returncode == 2 and len(error_lines(r.output)) == 1, r.output
+        assert "Read-only file system" in r.output and "step    1" not in r.output
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
+        args = tiny(text_file, disk / "c.pt", "--steps", "4", "--save-interval", "2")
+        r = run_python("train.py", args, timeout=120)
+        assert r.returncode == 2 and len(error_lines(r.output)) == 1, r.output
+        assert "no space left on device" in r.output and "Traceback" not in r.output
+        assert sorted(os.listdir(disk)) == ["c.pt"]                 # no temporary files
+        assert torch.load(disk / "c.pt", weights_only=True)["step"] == 2
+        r = run_python("train.py", args[:-2] + ["--save-interval", "0", "--resume"], timeout=120)
+        assert r.returncode == 0 and "step    4" in r.output, r.output
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+# ----------------------------------------------------------------------------------------
+# Under torchrun
+
+@pytest.mark.slow
+def test_one_error_line_when_rank0_is_late(text_file, tmp_path):
+    late = {"NANOSCALE_TEST_DELAY_RANK0": "4"}
+    common = tiny(text_file, tmp_path / "none.pt", "--steps", "2")
+    for bad, message in ((["--dp", "zero1", "--resume"], "no sharded checkpoint"),
+                         (["--dp", "zero4"], "invalid choice: 'zero4'")):
+        r = torchrun("train.py", common + bad, nproc=2, timeout=120, env=late)
+        assert r.returncode != 0 and "exitcode  : 2" in r.output, r.output
+        lines = error_lines(r.output)
+        assert len(lines) == 1 and message in lines[0], r.output
+
+
+@pytest.mark.slow
+def test_frozen_rank_is_named_and_the_restart_finishes(text_file, tmp_path):
+    args = ["train.py", *tiny(text_file, tmp_path / "h.pt", "--steps", "6", "--dp", "ddp",
+                              "--save-interval", "2", "--timeout", "6")]
+    ref = tmp_path / "ref.pt"
+    r = torchrun("train.py", tiny(text_file, ref, "--steps", "6", "--dp", "ddp"), nproc=2)
+    assert r.returncode == 0, r.output
+    live = Live(torchrun_cmd(2, *args, "--hang-at-step", "3", extra=["--max-restarts=1"]))
+    pid = int(live.until("stopping itself at step 3", timeout=120).split("pid ")[1].split(")")[0])
+    t0 = time.time()
+    line = live.until("no answer within the timeout", timeout=60)
+    detected = time.time() - t0
+    os.kill(pid, signal.SIGKILL)        # torchrun itself would SIGKILL it only after 30 s
+    status, out = live.finish(timeout=180)
+    assert "rank 0:" in line and "rank 1 (no heartbeat" in line and "all_reduce" in line, line
+    assert detected < 6 + 10, detected
+    assert status == 0 and "restart 1: resuming from the last checkpoint" in out, out
+    same_losses(losses(tmp_path / "h.pt"), losses(ref))
+
+
+@pytest.mark.slow
+def test_restart_does_not_adopt_another_runs_checkpoint(text_file, tmp_path):
+    ckpt = tmp_path / "s.pt"
+    old = torchrun("train.py", tiny(text_file, ckpt, "--steps", "2", "--save-interval", "2"),
+                   nproc=1)
+    assert old.returncode == 0, old.output
+    new = torchrun("train.py", tiny(text_file, ckpt, "--steps", "3", "--n-layer", "1",
+                                    "--save-interval", "3", "--crash-at-step", "1"),
+                   nproc=1, extra=["--max-restarts=1"])
+    assert new.returncode == 0, new.output
+    assert "another run's checkpoint" in new.output and "starting from step 0" in new.output
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["config"]["n_layer"] == 1 and saved["step"] == 3
+
+
+@pytest.mark.slow
+def test_sigint_two_ranks_saves_and_resumes(text_file, tmp_path):
+    ckpt = tmp_path / "t.pt"
+    args = tiny(text_file, ckpt, "--steps", "30", "--dp", "zero1", "--save-interval", "100")
+    ref = tmp_path / "ref.pt"
+    r = torchrun("train.py", tiny(text_file, ref, "--steps", "30", "--dp", "zero1"), nproc=2)
+    assert r.returncode == 0, r.output
+    live = Live(torchrun_cmd(2, "train.py", *args))
+    live.until("step    3 |", timeout=120)
+    os.killpg(live.p.pid, signal.SIGINT)          # as a terminal's Ctrl-C: every process
+    status, out = live.finish(timeout=90)
+    stops = [line for line in out.splitlines() if line.startswith("SIGINT: stopped after")]
+    # (torchrun prints its own SignalException traceback; none may come from a rank)
+    assert len(stops) == 1 and 'train.py", line' not in out, out
+    step = int(stops[0].split("after step ")[1].split()[0])
+    assert torch.load(ckpt, weights_only=True)["step"] == step
+    r = torchrun("train.py", args + ["--resume"], nproc=2)
+    assert r.returncode == 0, r.output
+    same_losses(losses(ckpt), losses(ref))
