@@ -334,6 +334,25 @@ def test_cli_rtn_writes_a_loadable_checkpoint(fp32_ckpt, tmp_path, text_file):
     assert isinstance(load_model(out)[0], GPT)
 
 
+def test_cli_prune_saves_a_dense_checkpoint_with_the_zeros(fp32_ckpt, tmp_path, text_file):
+    path, _, _ = fp32_ckpt
+    out = str(tmp_path / "pruned.pt")
+    Q.main(["prune", "--pattern", "2:4", "--criterion", "magnitude", "--finetune-steps", "2",
+            "--ckpt", path, "--data", text_file, "--save", out, *SMALL_RUN])
+    model, ckpt = load_model(out)
+    assert "quantization" not in ckpt
+    w = model.layers[1].feed_forward.w2.weight
+    assert ((w.view(w.shape[0], -1, 4) == 0).sum(-1) == 2).all()
+
+
+@pytest.mark.slow
+def test_cli_compare_runs_every_row(fp32_ckpt, tmp_path, text_file):
+    rows = Q.main(["compare", "--ckpt", fp32_ckpt[0], "--data", text_file, "--qat-steps", "2",
+                   "--out-dir", str(tmp_path), *SMALL_RUN])
+    assert len(rows) == 1 + 3 + 4 + 4 + 1 + 1 + 2 * 3 + 5        # fp32 ... wanda + steps
+    assert (tmp_path / "compare.md").read_text().count("\n") == len(rows) + 2
+
+
 @pytest.mark.parametrize("argv,message", [
     (["rtn", "--bits", "5"], "--bits 5 is not supported"),
     (["rtn", "--bits", "4", "--group-size", "24"], "does not divide the input dimension"),
