@@ -254,11 +254,10 @@ def bench_spec(target, draft, corpus, device, tiny, methods, train_steps, log):
     for m in methods:                     # warm-up: first calls allocate and dispatch
         sd.run_method(target, drafters[m], [prompts[:1]], run, 0.0, gamma,
                       sd.DEFAULT_WIDTH.get(m, 1))
+    entries = [(m, drafters[m], gamma, sd.DEFAULT_WIDTH.get(m, 1)) for m in methods]
+    plain, *rows = sd.compared(target, entries, [[p] for p in prompts], run, 0.0)
     table = []
-    for m in methods:
-        width = sd.DEFAULT_WIDTH.get(m, 1)
-        plain, row = sd.paired(target, drafters[m], [[p] for p in prompts], run, 0.0, gamma,
-                               width)
+    for (m, _, _, width), row in zip(entries, rows):     # one plain baseline for all rows
         table.append((f"spec {m} γ={gamma} w={width}", f"{row['tps']:.0f} tok/s",
                       f"{row['speedup']:.2f}x plain ({plain['tps']:.0f} tok/s)",
                       f"α {row['alpha']:.2f}, τ {row['tau']:.2f} tokens/call, == greedy "

@@ -574,14 +574,21 @@ def run_method(target, drafter, groups, args, T, gamma, width):
     return outs, time.perf_counter() - t0, stats if drafter is not None else None
 
 
-def paired(target, drafter, groups, args, T, gamma, width):
-    """Plain decoding and the method alternated --repeats times, the best time of each
-    kept: on a shared CPU the least disturbed runs are compared. -> (plain row, row)."""
-    runs = [[run_method(target, d, groups, args, T, gamma, width) for d in (None, drafter)]
-            for _ in range(args.repeats)]
-    plain, best = (min((r[i] for r in runs), key=lambda x: x[1]) for i in (0, 1))
-    plain = ledger_row("plain", 0, 1, T, len(groups[0]), *plain)
-    return plain, ledger_row("", gamma, width, T, len(groups[0]), *best, plain)
+def compared(target, entries, groups, args, T):
+    """Plain decoding and every entry (name, drafter, gamma, width) alternated --repeats
+    times, the best time of each kept (on a shared CPU, the least disturbed run). ONE
+    plain run is the baseline of the whole table, so each row's speedup is its tok/s over
+    the plain row's printed beside it. -> [plain row, one row per entry]."""
+    best = {}
+    for _ in range(args.repeats):
+        for i, (_, drafter, gamma, width) in enumerate([(None, None, 0, 1)] + entries):
+            run = run_method(target, drafter, groups, args, T, gamma, width)
+            if i not in best or run[1] < best[i][1]:
+                best[i] = run
+    B = len(groups[0])
+    plain = ledger_row("plain", 0, 1, T, B, *best[0])
+    return [plain] + [ledger_row(name, gamma, width, T, B, *best[i + 1], plain)
+                      for i, (name, _, gamma, width) in enumerate(entries)]
 
 
 def ledger_row(name, gamma, width, T, B, outs, secs, st, plain=None):
@@ -639,21 +646,24 @@ def main(argv=None):
     for m in [None] + methods:                  # warm-up: first calls allocate and dispatch
         run_method(target, drafters.get(m), [prompts[:1]], args, 0.0, args.gamma, width(m))
     rows = []
+    entries = [(m, drafters[m], args.gamma, width(m)) for m in methods]
     for T in temps:
         for B in batches:
-            for m in methods:
-                plain, row = paired(target, drafters[m], [prompts[i:i + B] for i in range(
-                    0, len(prompts), B)], args, T, args.gamma, width(m))
-                rows += ([plain] if m == methods[0] else []) + [{**row, "method": m}]
-                if args.mode == "generate":
-                    print0(f"--- {m}, T={T:g}: {enc.decode(prompts[0] + row['outs'][0])!r}")
+            groups = [prompts[i:i + B] for i in range(0, len(prompts), B)]
+            table = compared(target, entries, groups, args, T)
+            rows += table
+            for row in table[1:] if args.mode == "generate" else ():
+                print0(f"--- {row['method']}, T={T:g}: "
+                       f"{enc.decode(prompts[0] + row['outs'][0])!r}")
     cmd = " ".join(["python spec_decode.py"] + (argv if argv is not None else sys.argv[1:]))
-    print_ledger(rows, f"ledger ({cmd}); speedup = plain time / method time, each the best "
-                       f"of {args.repeats} alternated runs:")
+    print_ledger(rows, f"ledger ({cmd}); speedup = plain time / method time = method tok/s "
+                       f"/ the plain row's above it, each the best of {args.repeats} "
+                       f"alternated runs:")
     sweep = [m for m in ("draft", "eagle", "dflash") if m in methods and args.mode == "bench"]
     if sweep and args.sweep:                    # drafting cost vs γ: sequential vs one block
-        print_ledger([{**paired(target, drafters[m], [prompts[:1]], args, 0.0, g, 1)[1],
-                       "method": m} for g in map(int, args.sweep.split(",")) for m in sweep],
+        gammas = [int(g) for g in args.sweep.split(",")]
+        print_ledger(compared(target, [(m, drafters[m], g, 1) for g in gammas for m in sweep],
+                              [prompts[:1]], args, 0.0),
                      "drafting cost vs γ (T=0, B=1, prompt 0): the draft model and EAGLE pay "
                      "one pass per draft token, DFlash one pass per step")
     return rows

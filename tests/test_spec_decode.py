@@ -269,3 +269,21 @@ def test_cli_errors_are_one_line(tmp_path):
         "error: --gamma must be at least 1, got 0"
     r = run_python("spec_decode.py", ["--ckpt", str(tmp_path / "none.pt")], timeout=60)
     assert r.returncode == 2 and "not found" in r.output and "Traceback" not in r.output
+
+
+def test_bench_speedups_are_ratios_to_the_plain_row_printed(target, drafters, capsys):
+    """One plain baseline per table: each printed speedup = its printed tok/s over the
+    plain row's (to the rounding of the printed numbers)."""
+    args = types.SimpleNamespace(repeats=2, max_new_tokens=10, seed=0)
+    entries = [(m, drafters[m], 3, 1) for m in ("draft", "medusa", "eagle")]
+    groups = [[[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]], [[3, 1, 4, 1, 5]]]     # equal lengths
+    rows = sd.compared(target, entries, groups, args, 0.0)
+    assert [r["method"] for r in rows] == ["plain", "draft", "medusa", "eagle"]
+    sd.print_ledger(rows, "title")
+    lines = capsys.readouterr().out.strip().splitlines()[2:]
+    printed = [line.split("|")[-1].split() for line in lines]       # tok/s, speedup, =greedy
+    plain_tps = float(printed[0][0])
+    assert printed[0][1] == "1.00x"
+    for tps, speedup, same in printed[1:]:
+        assert abs(float(speedup[:-1]) - float(tps) / plain_tps) <= 0.006 + 0.5 / plain_tps
+        assert same == "yes"                                          # T = 0: plain greedy
