@@ -11,6 +11,9 @@ Run:  python quantize.py rtn --bits 4 --group-size 32 --save out/quantize/ckpt-i
       python quantize.py prune --sparsity 0.5 --pattern 2:4 --criterion wanda
       python quantize.py compare                  # every method at 8, 4 and 3 bits
 Input: out/ckpt.pt, or, when there is none, a fresh tiny model trained for a few seconds.
+Measured (docs/quantize.md, small preset): int8 costs nothing (Δ loss <= 1e-4); at int3
+GPTQ keeps 97.4% of the next-token argmaxes where RTN keeps 95.2%; the weight-only
+formats decode 1.6-8x slower on this CPU (a dequantization per matmul, no fused kernel).
 
 What each technique saves, adds and sacrifices (Ψ = weights of the block linears; the
 embedding, head and norms stay fp32 here, as most weight-only schemes keep them):
