@@ -45,7 +45,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from plumbing import UserError, atomic_write
+from plumbing import UserError, atomic_write, run_cli
 
 DEFAULT_VOCAB_SIZE = 4096     # = enc.n_vocab: 256 bytes + 3839 merges + <|endoftext|>
 EOT = "<|endoftext|>"         # the one special token: separates documents
@@ -453,7 +453,7 @@ def format_reward(completion: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Train/load the BPE tokenizer and corpus, or show the task.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("mode", nargs="?", default="corpus", choices=["corpus", "task"],
@@ -464,17 +464,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="task: problem seed")
     p.add_argument("--digits", type=int, default=2, help="task: max digits per operand")
     p.add_argument("--ops", default="+-", help="task: operators to use, from '+-*'")
-    args = p.parse_args()
-    try:
-        if args.mode == "task":
-            for split in ("train", "test"):  # test = the ~10% of prompts the hash holds out
-                for prob in make_problems(args.n // 2, args.seed, args.digits, args.ops, split):
-                    print(f"{split:5s} prompt {prob.prompt!r:10s} answer {prob.answer!r:7s} example {format_example(prob)!r}")
-            return
-        t0 = time.perf_counter()
-        c = load_corpus(args.data, args.vocab_size)
-    except UserError as e:
-        raise SystemExit(f"error: {e}")
+    args = p.parse_args(argv)
+    if args.mode == "task":
+        for split in ("train", "test"):  # test = the ~10% of prompts the hash holds out
+            for prob in make_problems(args.n // 2, args.seed, args.digits, args.ops, split):
+                print(f"{split:5s} prompt {prob.prompt!r:10s} answer {prob.answer!r:7s} example {format_example(prob)!r}")
+        return
+    t0 = time.perf_counter()
+    c = load_corpus(args.data, args.vocab_size)
     print(f"corpus     {c.name}: {c.n_docs} documents, {c.n_bytes / 1e6:.2f} MB  (loaded in {time.perf_counter() - t0:.1f} s)")
     print(f"tokenizer  n_vocab {c.enc.n_vocab}, trained in {c.tokenizer_seconds:.1f} s (cached in {cache_dir()})")
     print(f"tokens     train {len(c.train):,} | val {len(c.val):,}")
@@ -488,4 +485,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)      # a UserError: one `error:` line, exit status 2
