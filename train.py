@@ -30,6 +30,13 @@ Techniques here and their price:
     (selective, Korthikanti et al. 2022: removes the 5·a·s/h term for a few % of time).
   - gradient accumulation: k micro-batches of b instead of one of k·b: activations ÷ k,
     same update (tested), but k sequential forward/backward passes.
+
+Faults, each ending in one line that says what happened (docs/train.md, "Faults"): every
+save records its run (run_id, torchrun's launch_id, save_id in every shard); --resume takes
+the newest readable of --keep generations and refuses model flags that contradict the
+checkpoint; a torchrun restart resumes only its own launch's saves; Ctrl-C / SIGTERM
+finish the step, save and exit 130 / 143; --timeout bounds a collective waiting for a
+frozen rank (plumbing.py); the output folder is checked before step 1.
 """
 import argparse
 import math
@@ -277,9 +284,11 @@ def restore_rng_state(state):
     set_rng_state({**state, "numpy": (name, key, int(pos), int(has_gauss), float(cached))})
 
 
-def load_resume(path, what):
-    """A checkpoint to resume from, read safely (weights_only=True), or one clear error."""
-    resume = load_checkpoint(path, map_location="cpu", what=what)
+def load_resume(path, what, resume=None):
+    """A checkpoint to resume from, read safely (weights_only=True) unless given, checked,
+    or one clear error."""
+    if resume is None:
+        resume = load_checkpoint(path, map_location="cpu", what=what)
     if isinstance(resume, dict) and "exported_from" in resume and "optimizer" not in resume:
         raise UserError(f"{path} is a model export of a --dp run; resume it with "
                         "--dp (from its sharded checkpoint)")
@@ -397,14 +406,7 @@ def read_generation(args, path):
     if not args.dp:
         return load_resume(path, "--resume: checkpoint"), None
     meta, full = data_parallel.read_generation(path)
-    return load_resume_meta(meta, path), full
-
-
-def load_resume_meta(meta, path):
-    needed = ("config", "step", "rng", "tokenizer", "history", "scaler")
-    if any(k not in meta for k in needed):
-        raise UserError(f"{path}/meta.pt is not a training checkpoint of this repo")
-    return meta
+    return load_resume(os.path.join(path, "meta.pt"), "", meta), full
 
 
 def find_resume(args, restarted=False):

@@ -125,20 +125,64 @@ def test_corrupt_latest_falls_back_to_the_previous_generation(text_file, tmp_pat
 
 def test_a_shard_from_another_save_is_refused(tmp_path):
     """Two saves of a 1-rank ZeRO-1 layout; shard-0 of one copied into the other."""
-    from plumbing import Runtime
-    folders = []
-    for step in (2, 4):
-        model = GPT(get_config("tiny"), seed=step)
-        zero = data_parallel.ZeRO(model, 1, 0, 1)
-        opt = torch.optim.AdamW(zero.optimizer_groups(0.1))
-        meta = dict(world_size=1, step=step, save_id=f"run/step_{step}", run_id="run")
-        folders.append(data_parallel.save_sharded_checkpoint(str(tmp_path), step, zero, opt,
-                                                             Runtime(), meta))
+    folders = [one_save(tmp_path, step) for step in (2, 4)]
     assert data_parallel.read_generation(folders[1])[0]["step"] == 4
     assert os.listdir(tmp_path / "step_2")      # kept: --keep 2
     os.replace(os.path.join(folders[0], "shard-0.pt"), os.path.join(folders[1], "shard-0.pt"))
     with pytest.raises(train.UserError, match="belongs to another save"):
         data_parallel.read_generation(folders[1])
+
+
+def one_save(root, step=2, world=1):
+    """A sharded save of a tiny model in a 1-rank ZeRO-1 layout (no process group needed)."""
+    from plumbing import Runtime
+    zero = data_parallel.ZeRO(GPT(get_config("tiny"), seed=step), 1, 0, 1)
+    opt = torch.optim.AdamW(zero.optimizer_groups(0.1))
+    meta = dict(world_size=world, step=step, save_id=f"run/step_{step}", run_id="run")
+    return data_parallel.save_sharded_checkpoint(str(root), step, zero, opt, Runtime(), meta)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("truncated shard", "shard-0.pt is empty or truncated"),
+    ("empty meta", "meta.pt is empty or truncated"),
+    ("missing shard", "shard-1.pt' not found"),
+    ("latest points nowhere", "step_9/meta.pt' not found"),
+    ("bare tensor shard", "shard-0.pt is not a checkpoint shard of this repo"),
+    ("text meta", "meta.pt is not a PyTorch checkpoint")])
+def test_damaged_sharded_checkpoint_is_one_line_naming_the_file(tmp_path, damage, message):
+    args = train.parse_args(["--dp", "zero1", "--resume", "--ckpt", str(tmp_path / "c.pt")])
+    folder = one_save(tmp_path / "c_shards", world=2 if damage == "missing shard" else 1)
+    shard, meta = os.path.join(folder, "shard-0.pt"), os.path.join(folder, "meta.pt")
+    if damage == "truncated shard":
+        open(shard, "r+b").truncate(0)
+    elif damage == "empty meta":
+        open(meta, "w").close()
+    elif damage == "latest points nowhere":
+        open(tmp_path / "c_shards" / "latest", "w").write("step_9")
+        os.rename(folder, tmp_path / "moved")
+    elif damage == "bare tensor shard":
+        torch.save(torch.zeros(3), shard)
+    elif damage == "text meta":
+        open(meta, "w").write("hello")
+    with pytest.raises(train.UserError) as e:
+        train.find_resume(args)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("content", ["text", "tensor", "folder"])
+def test_wrong_file_as_resume_checkpoint_is_one_line(text_file, tmp_path, capsys, content):
+    ckpt = tmp_path / "c.pt"
+    if content == "text":
+        ckpt.write_text("hello")
+    elif content == "tensor":
+        torch.save(torch.zeros(3), ckpt)
+    else:
+        ckpt.mkdir()
+    with pytest.raises(SystemExit) as e:
+        train.run_cli(train.main, tiny(text_file, ckpt, "--steps", "2", "--resume"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(error_lines(err)) == 1 and str(ckpt) in err, err
+    assert "Traceback" not in err
 
 
 def test_sigint_one_process_saves_and_resumes(text_file, tmp_path):
