@@ -547,10 +547,12 @@ def build_drafters(methods, target, args, target_ckpt):
         else:
             todo[m] = built[m]
     if todo:
+        seq = min(TRAIN["seq"], target.config.block_size)   # rows fit the target's context
         print0(f"training {', '.join(todo)} on the frozen target's features ({args.train_steps}"
-               f" steps × {TRAIN['batch']}×{TRAIN['seq']} tokens), cached in {args.out_dir}/")
+               f" steps × {TRAIN['batch']}×{seq} tokens), cached in {args.out_dir}/")
         t0, corpus = time.perf_counter(), corpus_of(target, target_ckpt)
-        pool = distill_pool(target, corpus, TRAIN["pool"], TRAIN["seq"], args.seed)
+        pool = distill_pool(target, corpus, TRAIN["pool"], seq, args.seed,
+                            prompt_len=min(16, seq // 2))
         print0(f"  self-distilled pool: {pool[0].numel():,} tokens in "
                f"{time.perf_counter() - t0:.0f} s")
         train_drafters(todo, target, pool, args.train_steps, TRAIN["batch"], TRAIN["lr"], args.seed)
