@@ -414,6 +414,9 @@ def atomic_write(path, write, mode="wb", before_replace=None):
     try:
         with os.fdopen(fd, mode) as f:
             write(f)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)      # mkstemp's 0600 would hide it from other users
         if before_replace is not None:
             before_replace()
         os.replace(tmp, path)
@@ -463,6 +466,9 @@ def check_writable(folder, need_bytes):
         fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-test-")
         os.close(fd)
         os.unlink(probe)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"cannot write checkpoints to {folder}: part of that path is a "
+                        "file, not a folder") from None
     except OSError as e:
         raise UserError(f"cannot write checkpoints to {folder}: {e.strerror}") from None
     free = shutil.disk_usage(folder).free
