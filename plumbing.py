@@ -14,32 +14,24 @@ plumbing.py -- the few things every script needs and none of them teaches:
                            torch.autograd.graph.saved_tensors_hooks;
        - StepTimer:        wall time per step (CUDA-synchronised), tokens/s.
 
-  3. faults, so that a run that goes wrong says what happened in one line:
-       - user errors: `run_cli` turns a UserError into one `error:` line and status 2.
-         Under torchrun every rank validates the same inputs, so several ranks may meet
-         the same error, and rank 0 may be late (a cold tokenizer cache, a loaded host):
-         the ranks AGREE through torchrun's key-value store (it exists before the
-         process group and outlives it): the first rank to claim the error prints it,
-         the others wait (at most 10 s) until it has, then every rank exits 2. Whichever
-         rank finds the error and however late rank 0 is, one line (`report_once`).
-         Argument errors go the same way (`ArgumentParser` raises UserError).
-         NANOSCALE_TEST_DELAY_RANK0=SECONDS (read only in run_cli) makes rank 0 late,
-         for the tests.
-       - hangs: the process group's timeout bounds every collective (`setup_runtime`,
-         default 300 s on CPU/gloo, 600 s on GPU/NCCL, instead of torch's 30 min), and
-         a heartbeat thread per rank writes (time, collectives entered) into the store
-         every second. A collective that times out becomes one line per surviving rank
-         naming the collective it waited in and the ranks that stopped beating (a
-         SIGSTOPped or dead process) or lag behind, and exit status 3, so torchrun
-         --max-restarts restarts the group. (gloo raises the timeout in the waiting rank;
-         NCCL's own watchdog aborts the process instead, with its own log lines.)
-       - Ctrl-C: `GracefulStop` turns the first SIGINT/SIGTERM into a request the loop
-         honours at the end of its step (the caller saves, then raises Interrupted:
-         status 128 + signal, 130 / 143); a second one, a second or more later, exits
-         at once. (torchrun forwards the terminal's Ctrl-C to its workers, who already
-         got it: the two arrive within milliseconds and count as one.)
-       - disks: `check_writable` before training; `os_reason` digs the OSError
-         ("No space left on device") out of torch.save's RuntimeError.
+  3. faults, each ending in one line that says what happened:
+       - user errors (`run_cli`, `report_once`): one `error:` line per JOB, status 2.
+         Every rank validates the same inputs, so several may meet the error and rank 0
+         may be late: the ranks agree through torchrun's key-value store (it exists
+         before the process group): the first rank to claim the error prints it, the
+         others wait (≤ 10 s) until it has. Argument errors too (`ArgumentParser`).
+         NANOSCALE_TEST_DELAY_RANK0=SECONDS (read only in run_cli) makes rank 0 late.
+       - hangs: the process group's timeout bounds every collective (default 300 s on
+         CPU, 600 s on GPU; torch's is 30 min); a heartbeat thread per rank writes (time,
+         collectives entered) to the store each second, so a rank whose collective times
+         out names the collective and the silent peers, then exits 3 for torchrun
+         --max-restarts. (gloo raises in the waiting rank; NCCL's watchdog aborts instead.)
+       - Ctrl-C (`GracefulStop`, `Interrupted`): the first SIGINT/SIGTERM is a request the
+         loop honours at the end of its step (save, then exit 130 / 143); a second one, a
+         second or more later, exits at once (torchrun's forward of the same Ctrl-C comes
+         within milliseconds and counts as the first).
+       - disks: `check_writable` before training; `os_reason` finds the OSError ("No space
+         left on device") behind torch.save's RuntimeError.
 
 Nothing here is clever on purpose: a meter that is hard to read cannot be trusted.
 """
@@ -133,8 +125,6 @@ def setup_runtime(device="auto", timeout=None):
     dev = pick_device(device, local_rank)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     timeout = float(timeout or DEFAULT_TIMEOUT[dev.type])
-    if timeout <= 0:
-        raise UserError(f"--timeout must be a positive number of seconds, got {timeout:g}")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():

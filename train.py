@@ -899,6 +899,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     require_at_least_one(args, ("steps", "batch_size", "grad_accum", "log_interval",
                                 "eval_interval", "eval_iters", "warmup_steps", "keep"))
+    if args.timeout is not None and args.timeout <= 0:
+        raise UserError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.mode == "bench" and args.attn is None:
         args.attn = "math"     # so the s² attention scores show up in the activation column
     return args

@@ -205,6 +205,33 @@ def test_sigint_one_process_saves_and_resumes(text_file, tmp_path):
 
 
 
+SECOND_SIGNAL = """
+import os, signal, sys, time
+from plumbing import GracefulStop
+with GracefulStop() as stop:
+    os.kill(os.getpid(), signal.SIG{first})
+    time.sleep(0.2)                      # handlers run between bytecodes
+    print("requested", stop.signum, flush=True)
+    os.kill(os.getpid(), signal.SIGINT)  # torchrun's forward, milliseconds later: the same
+    time.sleep(1.2)
+    os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: out at once
+    time.sleep(5)
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("first", ["INT", "TERM"])
+def test_second_signal_exits_at_once(first):
+    """The first SIGINT / SIGTERM is only a request; a second SIGINT a second later exits
+    130 at once, without saving."""
+    r = subprocess.run([sys.executable, "-c", SECOND_SIGNAL.format(first=first)], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                       timeout=60)
+    number = int(getattr(signal, f"SIG{first}"))
+    assert f"requested {number}" in r.stdout and "not reached" not in r.stdout, r.stdout
+    assert r.returncode == 128 + int(signal.SIGINT) and "without saving" in r.stderr, r.stderr
+
+
 def test_unwritable_output_fails_before_step_one(text_file, tmp_path, capsys):
     blocker = tmp_path / "a-file"            # a folder under a file: unwritable, even by root
     blocker.write_text("x")
