@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -135,11 +136,14 @@ def test_a_shard_from_another_save_is_refused(tmp_path):
 
 
 def one_save(root, step=2, world=1):
-    """A sharded save of a tiny model in a 1-rank ZeRO-1 layout (no process group needed)."""
+    """A sharded save of a tiny model in a 1-rank ZeRO-1 layout (no process group needed);
+    its meta has every key a resume reads (placeholders where this test needs none)."""
     from plumbing import Runtime
     zero = data_parallel.ZeRO(GPT(get_config("tiny"), seed=step), 1, 0, 1)
     opt = torch.optim.AdamW(zero.optimizer_groups(0.1))
-    meta = dict(world_size=world, step=step, save_id=f"run/step_{step}", run_id="run")
+    meta = dict(world_size=world, step=step, save_id=f"run/step_{step}", run_id="run",
+                config=asdict(get_config("tiny")), rng={}, tokenizer={}, history={},
+                scaler={}, args={})
     return data_parallel.save_sharded_checkpoint(str(root), step, zero, opt, Runtime(), meta)
 
 
@@ -168,6 +172,16 @@ def test_damaged_sharded_checkpoint_is_one_line_naming_the_file(tmp_path, damage
     with pytest.raises(train.UserError) as e:
         train.find_resume(args)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_sharded_resume_falls_back_past_a_damaged_newest_save(tmp_path, capsys):
+    args = train.parse_args(["--dp", "zero1", "--resume", "--ckpt", str(tmp_path / "c.pt")])
+    older, newest = (one_save(tmp_path / "c_shards", step) for step in (2, 4))
+    open(os.path.join(newest, "shard-0.pt"), "r+b").truncate(100)
+    resume, full, where = train.find_resume(args)
+    assert where == older and resume["step"] == 2 and full
+    out = capsys.readouterr().out
+    assert "shard-0.pt" in out and "falling back to the previous checkpoint" in out, out
 
 
 @pytest.mark.parametrize("content", ["text", "tensor", "folder"])
