@@ -26,7 +26,8 @@ import numpy as np
 
 import data
 import evaluate as ev
-from plumbing import UserError, print0, svg_bar_chart, terminal_bars
+from plots import svg_bar_chart, terminal_bars
+from plumbing import UserError, print0
 
 
 def ngram_overlap(train_seqs, items, n):

@@ -59,8 +59,8 @@ import torch.nn.functional as F
 
 import data
 from model import GPT, GPTConfig, KVCache, PRESETS, get_config, load_model
-from plumbing import (UserError, print0, run_cli, seed_everything, svg_bar_chart,
-                      svg_line_plot, terminal_bars, terminal_plot)
+from plots import svg_bar_chart, svg_line_plot, terminal_bars, terminal_plot
+from plumbing import UserError, print0, run_cli, seed_everything
 
 DEFAULT_CKPT = os.path.join("out", "ckpt.pt")
 OUT_DIR = os.path.join("out", "evaluate")

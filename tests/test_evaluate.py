@@ -17,8 +17,8 @@ import data
 import contamination
 import evaluate as ev
 from model import GPT, get_config
-from plumbing import (UserError, run_cli, svg_bar_chart, svg_line_plot, terminal_bars,
-                      terminal_plot)
+from plots import svg_bar_chart, svg_line_plot, terminal_bars, terminal_plot
+from plumbing import UserError, run_cli
 
 BYTES = data.make_encoding({bytes([i]): i for i in range(256)})
 
