@@ -47,19 +47,18 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 
 import data
 import data_parallel
 import evaluate as ev
 import optim
-from model import GPT, GPTConfig, PRESETS, get_config, load_checkpoint
+import resume as saved
+from model import GPT, GPTConfig, PRESETS, get_config
 from plumbing import (ActivationMeter, ArgumentParser, GracefulStop, HelpFormatter,
-                      Interrupted, StepTimer, UserError, atomic_save, attempt, check_writable,
-                      comm, fmt_bytes, fmt_count, generation_paths, gpu_peak_flops, os_reason,
-                      print0, require_at_least_one, rng_state, run_cli, seed_everything,
-                      set_rng_state, setup_runtime, warmup_cosine)
+                      Interrupted, StepTimer, UserError, attempt, check_writable, comm,
+                      fmt_bytes, fmt_count, gpu_peak_flops, print0, require_at_least_one,
+                      run_cli, seed_everything, setup_runtime, warmup_cosine)
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -246,60 +245,6 @@ def micro_batches(corpus, args, step, device, rank=0):
 
 
 # ----------------------------------------------------------------------------------------
-# Checkpoints
-
-def save_checkpoint(path, model, optimizer, scaler, master, step, args, corpus, history,
-                    identity=None):
-    """One file: the config and tokenizer (so any script can rebuild the model alone), fp32
-    weights, optimizer and loss-scale state, the step (= data position: batches are a
-    function of the step), every RNG state, the losses so far, and the run's identity
-    (run_id, launch_id); the previous --keep - 1 files stay as ckpt.pt.1, ..."""
-    weights = model.state_dict()
-    if master is not None:   # the fp32 master copy is the real weights
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
-        weights = {**weights, **{n: p.detach() for n, p in zip(names, master.params)}}
-    weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
-    ckpt = dict(config=asdict(model.config), model=weights, optimizer=optimizer.state_dict(),
-                scaler=scaler.state_dict(), step=step, args=vars(args), rng=plain_rng_state(),
-                tokenizer=data.encoding_to_state(corpus.enc), corpus=corpus.name,
-                history=history, **(identity or {}))
-    atomic_save(ckpt, path, keep=args.keep)    # a crash mid-save: never half a file
-
-
-def plain_rng_state():
-    """plumbing.rng_state() as plain data: numpy's state is a tuple holding an ndarray (a
-    pickled numpy object, which torch.load(weights_only=True) refuses), so its MT19937 key
-    travels as an int64 tensor and the rest as numbers."""
-    state = rng_state()
-    name, key, pos, has_gauss, cached = state["numpy"]
-    state["numpy"] = [name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss),
-                      float(cached)]
-    return state
-
-
-def restore_rng_state(state):
-    """The inverse of plain_rng_state (also reads `python model.py convert`'s output)."""
-    name, key, pos, has_gauss, cached = state["numpy"]
-    key = np.asarray(key.tolist() if torch.is_tensor(key) else key, dtype=np.uint32)
-    set_rng_state({**state, "numpy": (name, key, int(pos), int(has_gauss), float(cached))})
-
-
-def load_resume(path, what, resume=None):
-    """A checkpoint to resume from, read safely (weights_only=True) unless given, checked,
-    or one clear error."""
-    if resume is None:
-        resume = load_checkpoint(path, map_location="cpu", what=what)
-    if isinstance(resume, dict) and "exported_from" in resume and "optimizer" not in resume:
-        raise UserError(f"{path} is a model export of a --dp run; resume it with "
-                        "--dp (from its sharded checkpoint)")
-    needed = ("config", "step", "rng", "tokenizer", "history", "scaler")
-    if not isinstance(resume, dict) or any(k not in resume for k in needed):
-        raise UserError(f"{path} is not a training checkpoint of this repo (needs "
-                        f"{', '.join(needed)})")
-    return resume
-
-
-# ----------------------------------------------------------------------------------------
 # The memory story, measured and next to the formulas
 
 def model_state_report(state, n_params, precision, muon_params=0):
@@ -386,89 +331,6 @@ class Run:
     run_id: str                       # one per training run, kept by every resume
 
 
-def shards_dir(args):
-    """--dp runs save sharded checkpoints here, one folder per saved step."""
-    return os.path.splitext(args.ckpt)[0] + "_shards"
-
-
-def identity(run, step):
-    """What every save records about who wrote it. run_id: one per training run (a resume
-    keeps it); launch_id: torchrun's run id, the same for every rank and every restart of
-    one torchrun command (None for a plain `python train.py`); save_id: this save."""
-    launch = os.environ.get("TORCHELASTIC_RUN_ID")
-    return dict(run_id=run.run_id, launch_id=launch,
-                save_id=f"{run.run_id}/step_{step}/attempt-{attempt()}")
-
-
-def read_generation(args, path):
-    """-> (checkpoint dict, whole shards or None), read and checked: a single file, or
-    (--dp) a save folder whose every shard belongs to its meta.pt."""
-    if not args.dp:
-        return load_resume(path, "--resume: checkpoint"), None
-    meta, full = data_parallel.read_generation(path)
-    return load_resume(os.path.join(path, "meta.pt"), "", meta), full
-
-
-def find_resume(args, restarted=False):
-    """-> (checkpoint, whole shards or None, where), or None for a fresh run. Tries the
-    newest generation first and falls back, with a line, to an older one when it is
-    unreadable. restarted (torchrun restarted us after a failure): resume only a save of
-    this launch; another run's checkpoint in the folder is never adopted."""
-    if not (args.resume or restarted):
-        return None
-    paths = (data_parallel.generations(shards_dir(args)) if args.dp else
-             [p for p in generation_paths(args.ckpt, args.keep) if os.path.exists(p)])
-    problems = []
-    for path in paths:
-        try:
-            resume, full = read_generation(args, path)
-        except UserError as e:
-            problems.append(str(e))
-            continue
-        if restarted and resume.get("launch_id") != os.environ.get("TORCHELASTIC_RUN_ID"):
-            print0(f"restart {attempt()}: {path} is another run's checkpoint (run "
-                   f"{resume.get('run_id')}), not resumed: starting from step 0")
-            return None
-        if problems:
-            print0(f"warning: {problems[0]}; falling back to the previous checkpoint {path} "
-                   f"(step {resume['step']})")
-        if restarted:
-            print0(f"restart {attempt()}: resuming from the last checkpoint {path} "
-                   f"(step {resume['step']})")
-        check_model_flags(args, resume, path)
-        return resume, full, path
-    if problems and len(paths) == 1 and not restarted:
-        raise UserError(problems[0])
-    if problems:
-        raise UserError(f"{problems[0]}; no older checkpoint to fall back on is readable")
-    if restarted:
-        print0(f"restart {attempt()}: no checkpoint yet, starting from step 0")
-        return None
-    if args.dp:
-        raise UserError(f"--resume --dp: no sharded checkpoint in {shards_dir(args)!r} "
-                        "(written by a --dp run with --save-interval)")
-    raise UserError(f"--resume: checkpoint {args.ckpt!r} not found")
-
-
-MODEL_FLAGS = ("n_layer", "n_embd", "n_head", "n_kv_head", "n_expert", "block_size")
-
-
-def check_model_flags(args, resume, path):
-    """--resume continues the checkpoint's model. Model flags given on the command line
-    (--preset, --n-layer, ...) that disagree with it are refused in one line: silently
-    training another model than the one asked for is worse than stopping."""
-    cfg = resume["config"]
-    asked = {k: v for k, v in PRESETS.get(args.preset or "", {}).items() if k in MODEL_FLAGS}
-    asked.update({k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None})
-    clash = [f"{k}={v} (checkpoint: {cfg.get(k)})" for k, v in asked.items()
-             if cfg.get(k) != v]
-    if clash:
-        flags = f"--preset {args.preset}" if args.preset else "the model flags"
-        raise UserError(f"--resume: {path} holds another model than {flags} asks for: "
-                        f"{', '.join(clash)}; drop the model flags to continue it, or "
-                        f"give another --ckpt to train a new model")
-
-
 def build_model(args, rt, resume):
     """The config (the checkpoint's when resuming), the corpus and the model on the device."""
     if resume:
@@ -514,7 +376,7 @@ def build(args, rt):
     """-> Run: the model (checkpointed, in its precision, wrapped for --dp), its optimizer
     and loss scaler, the corpus, and where a --resume continues from."""
     restarted = attempt() != "0" and bool(args.save_interval) and not args.resume
-    found = find_resume(args, restarted)
+    found = saved.find_resume(args, restarted)
     resume = found[0] if found else None
     model, corpus = build_model(args, rt, resume)
     master = None
@@ -545,49 +407,8 @@ def build(args, rt):
         scaler.load_state_dict(resume["scaler"])
         run.step = resume["step"]
         run.history = resume["history"]
-        restore_rng_state(resume["rng"])
+        saved.restore_rng_state(resume["rng"])
     return run
-
-
-def save(args, rt, run):
-    """One file for one process; sharded (data_parallel.py) plus a single-file export of
-    the weights for the other scripts under --dp. A save the disk refuses is one line
-    saying why; the previous checkpoint is untouched (atomic_write)."""
-    try:
-        write_checkpoint(args, rt, run)
-    except (OSError, RuntimeError) as e:
-        reason = os_reason(e)
-        if reason is None:
-            raise
-        where = shards_dir(args) if args.dp else args.ckpt
-        raise UserError(f"saving the checkpoint of step {run.step} to {where} failed: "
-                        f"{reason.lower()}; the previous checkpoint there is untouched") \
-            from None
-
-
-def write_checkpoint(args, rt, run):
-    ids = identity(run, run.step)
-    if not args.dp:
-        return save_checkpoint(args.ckpt, run.model, run.optimizer, run.scaler, run.master,
-                               run.step, args, run.corpus, run.history, ids)
-    meta = dict(config=asdict(run.model.config), scaler=run.scaler.state_dict(),
-                step=run.step, args=vars(args), rng=plain_rng_state(),
-                tokenizer=data.encoding_to_state(run.corpus.enc), corpus=run.corpus.name,
-                history=run.history, world_size=rt.world_size, mode=args.dp, **ids)
-    data_parallel.save_sharded_checkpoint(shards_dir(args), run.step, run.sync,
-                                          run.optimizer, rt, meta, args.keep)
-    weights = data_parallel.full_state_dict(run.model, run.sync)  # collective: zero3, fsdp
-    if rt.is_main:
-        export = {k: v for k, v in meta.items() if k not in ("rng", "scaler")}
-        atomic_save({**export, "model": weights, "exported_from": args.dp}, args.ckpt)
-    if rt.distributed:
-        comm.barrier()
-
-
-def checkpoint_bytes(n_params, args):
-    """About one checkpoint: fp32 weights + Adam's two moments (12 B/param), and under
-    --dp the single-file export of the weights (4 B/param) next to the shards."""
-    return n_params * (12 + (4 if args.dp else 0))
 
 
 def state_rows(run, rt):
@@ -656,7 +477,7 @@ def train(args, rt):
     banner(args, rt, run, n_params, tokens_per_step)
     if args.save_interval:        # a read-only or full disk: now, not at the first save
         check_writable(os.path.dirname(os.path.abspath(args.ckpt)),
-                       checkpoint_bytes(n_params, args))
+                       saved.checkpoint_bytes(n_params, args))
     first_step = run.step
     last = min(args.steps, first_step + (args.stop_after or args.steps))
     state, act_bytes, sent, t_start = None, 0, 0, time.time()
@@ -686,7 +507,7 @@ def train(args, rt):
                 print0(f"step {run.step:4d} | val loss {val:.4f}")
             if args.save_interval and (run.step % args.save_interval == 0 or
                                        run.step == last or signum):
-                save(args, rt, run)
+                saved.save(args, rt, run)
             if signum:
                 stopped(args, run, signum)
     elapsed = time.time() - t_start
@@ -733,7 +554,7 @@ def global_mean(value, rt, signum=0):
 def stopped(args, run, signum):
     """After a SIGINT / SIGTERM: the one line saying where the run stopped and how to go
     on, then Interrupted (run_cli exits 130 / 143)."""
-    where = shards_dir(args) if args.dp else args.ckpt
+    where = saved.shards_dir(args) if args.dp else args.ckpt
     print0(f"{signal.Signals(signum).name}: stopped after step {run.step} of {args.steps}; "
            + (f"checkpoint saved to {where}: run the same command with --resume to continue"
               if args.save_interval else "nothing saved (--save-interval 0)"))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import data_parallel
+import resume as saved
 import train
 from harness import ROOT, run_python, torchrun
 from model import GPT, get_config
@@ -170,7 +171,7 @@ def test_damaged_sharded_checkpoint_is_one_line_naming_the_file(tmp_path, damage
     elif damage == "text meta":
         open(meta, "w").write("hello")
     with pytest.raises(train.UserError) as e:
-        train.find_resume(args)
+        saved.find_resume(args)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
@@ -178,7 +179,7 @@ def test_sharded_resume_falls_back_past_a_damaged_newest_save(tmp_path, capsys):
     args = train.parse_args(["--dp", "zero1", "--resume", "--ckpt", str(tmp_path / "c.pt")])
     older, newest = (one_save(tmp_path / "c_shards", step) for step in (2, 4))
     open(os.path.join(newest, "shard-0.pt"), "r+b").truncate(100)
-    resume, full, where = train.find_resume(args)
+    resume, full, where = saved.find_resume(args)
     assert where == older and resume["step"] == 2 and full
     out = capsys.readouterr().out
     assert "shard-0.pt" in out and "falling back to the previous checkpoint" in out, out

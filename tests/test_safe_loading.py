@@ -17,6 +17,7 @@ import data
 import data_parallel
 import model as model_py
 import spec_decode
+import resume as saved
 import train
 from harness import run_python
 from model import GPT, get_config, load_checkpoint, load_model
@@ -188,12 +189,12 @@ def test_rng_state_travels_as_plain_data(tmp_path):
     random.seed(1)
     np.random.seed(2)
     torch.manual_seed(3)
-    torch.save({"rng": train.plain_rng_state()}, tmp_path / "r.pt")
+    torch.save({"rng": saved.plain_rng_state()}, tmp_path / "r.pt")
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     random.seed(9)
     np.random.seed(9)
     torch.manual_seed(9)
-    train.restore_rng_state(torch.load(tmp_path / "r.pt", weights_only=True)["rng"])
+    saved.restore_rng_state(torch.load(tmp_path / "r.pt", weights_only=True)["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
@@ -224,5 +225,5 @@ def test_old_checkpoint_is_refused_with_the_conversion_command_which_works(tmp_p
     assert ckpt["config"] == asdict(model.config) and ckpt["args"] == {"lr": 1e-3}
     assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
     state = rng_state()
-    train.restore_rng_state(ckpt["rng"])                       # still restorable
-    train.restore_rng_state({**state, "numpy": list(state["numpy"])})
+    saved.restore_rng_state(ckpt["rng"])                       # still restorable
+    saved.restore_rng_state({**state, "numpy": list(state["numpy"])})
