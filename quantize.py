@@ -502,103 +502,13 @@ def w8a8_model(model, int_mm_rows):
 
 
 # ----------------------------------------------------------------------------------------
-# Quantization-aware training: fake quantization in forward, straight-through backward
-
-class FakeQuantSTE(torch.autograd.Function):
-    """Forward: the dequantized weight (code - zero)·scale. Backward: the straight-through
-    estimator (Bengio et al. 2013), ∂ŵ/∂w = 1, except where the clamp to [qmin, qmax] was
-    active: a clipped weight does not move the output, so its gradient is 0."""
-
-    @staticmethod
-    def forward(ctx, w, scale, zero, bits):
-        qmin, qmax = code_range(bits)
-        unclipped = torch.round(w / scale) + zero
-        ctx.save_for_backward((unclipped >= qmin) & (unclipped <= qmax))
-        return (unclipped.clamp(qmin, qmax) - zero) * scale
-
-    @staticmethod
-    def backward(ctx, grad):
-        inside, = ctx.saved_tensors
-        return grad * inside, None, None, None
-
-
-class LSQQuant(torch.autograd.Function):
-    """LSQ (Esser et al. 2019): ŵ = round(clamp(w/s, -Q_N, Q_P))·s with a learned step s per
-    group. ∂ŵ/∂w = 1 inside the range, 0 outside (eq. 4); ∂ŵ/∂s = round(w/s) - w/s inside,
-    -Q_N or Q_P where clipped (eq. 3), times the gradient scale 1/√(N·Q_P), N = weights per
-    step (Sec. 2.2), so the step learns at the same relative rate as the weights."""
-
-    @staticmethod
-    def forward(ctx, w, step, q_n, q_p):
-        g = w.shape[1] // step.shape[1]
-        r = w / expand(step, g)
-        inside = (r >= -q_n) & (r <= q_p)
-        d_step = torch.where(inside, torch.round(r) - r, torch.where(r < -q_n, -q_n, q_p))
-        ctx.save_for_backward(inside, d_step)
-        ctx.grad_scale, ctx.g = 1 / math.sqrt(g * q_p), g
-        return torch.round(r.clamp(-q_n, q_p)) * expand(step, g)
-
-    @staticmethod
-    def backward(ctx, grad):
-        inside, d_step = ctx.saved_tensors
-        per_group = (grad * d_step).view(grad.shape[0], -1, ctx.g).sum(-1)
-        return grad * inside, per_group * ctx.grad_scale, None, None
-
-
-class QATLinear(nn.Module):
-    """A linear trained through its quantizer. STE mode: scale/zero from the current
-    weights' min/max each step (so, with min/max, no weight is ever clipped); LSQ mode: a
-    learned fp16 step per group, codes symmetric around the format's middle zero point."""
-
-    def __init__(self, weight, bits, group_size, lsq=False):
-        super().__init__()
-        self.weight = nn.Parameter(weight.detach().clone())
-        self.bits, self.group_size, self.lsq = bits, group_size, lsq
-        qmin, qmax = code_range(bits)
-        self.zero = 0 if bits == 8 else 2 ** (bits - 1)
-        self.q_n, self.q_p = self.zero - qmin, qmax - self.zero
-        if lsq:   # the paper's init: s = 2·mean|w| / √Q_P
-            mean_abs = weight.detach().abs().reshape(weight.shape[0], -1, group_size).mean(-1)
-            self.step = nn.Parameter(2 * mean_abs / math.sqrt(self.q_p))
-
-    def stored_step(self):
-        """The step as stored (fp16), with a straight-through gradient to the fp32 step."""
-        s = self.step.clamp(min=1e-5)
-        return s + (s.half().float() - s).detach()
-
-    def fake_weight(self):
-        g = self.group_size
-        if self.lsq:
-            return LSQQuant.apply(self.weight, self.stored_step(), self.q_n, self.q_p)
-        scale, zero = group_params(self.weight.detach(), self.bits, g)
-        return FakeQuantSTE.apply(self.weight, expand(scale, g), expand(zero, g), self.bits)
-
-    def forward(self, x):
-        return F.linear(x, self.fake_weight())
-
-    @torch.no_grad()
-    def export(self):
-        """-> a QuantLinear whose dequantized weight is exactly this layer's forward weight."""
-        w, g = self.weight, self.group_size
-        if not self.lsq:
-            return QuantLinear(rtn(w, self.bits, g), w.shape, self.bits, g)
-        scale = self.stored_step()
-        zero = torch.full_like(scale, float(self.zero))
-        codes = to_codes(w, expand(scale, g), expand(zero, g), self.bits)
-        return QuantLinear(store(codes, scale, zero, self.bits), w.shape, self.bits, g)
-
+# Swapping layers and fine-tuning: shared by qat.py (quantization-aware training) and
+# prune.py (pruning with masks), which are split out of this file by concept
 
 def swap_linears(model, make):
     """Replace every target linear by make(linear); -> model."""
     for name, lin in target_linears(model):
         replace_module(model, name, make(lin))
-    return model
-
-
-def export_qat(model):
-    for name, m in list(model.named_modules()):
-        if isinstance(m, QATLinear):
-            replace_module(model, name, m.export())
     return model
 
 
@@ -622,100 +532,6 @@ def finetune(model, corpus, steps, lr, batch_size, seq_len, seed):
         opt.step()
     model.eval()
     return loss.item()
-
-
-# ----------------------------------------------------------------------------------------
-# Pruning: magnitude, Wanda; unstructured or 2:4; masks that stay through fine-tuning
-
-class MaskedLinear(nn.Module):
-    """A linear with a fixed 0/1 mask: forward uses W ⊙ M, so pruned weights get a zero
-    gradient and stay 0 through fine-tuning. The mask is not part of the stored state: the
-    checkpoint holds the dense weight with its zeros (what it costs here)."""
-
-    def __init__(self, weight, mask):
-        super().__init__()
-        self.weight = nn.Parameter(weight.detach() * mask)
-        self.register_buffer("mask", mask, persistent=False)
-        self.out_features, self.in_features = weight.shape
-
-    def forward(self, x):
-        return F.linear(x, self.weight * self.mask)
-
-
-def prune_mask(score, sparsity, pattern):
-    """0 where pruned. unstructured: the int(in·sparsity) lowest scores of each output row
-    (Wanda's comparison group); 2:4: the two lowest of every four consecutive inputs."""
-    out_f, in_f = score.shape
-    if pattern == "2:4":
-        groups = score.reshape(out_f, -1, 4)
-        drop = groups.argsort(-1)[..., :2]
-        return torch.ones_like(groups).scatter(-1, drop, 0.0).reshape(out_f, in_f)
-    drop = score.argsort(1)[:, :int(in_f * sparsity)]
-    return torch.ones_like(score).scatter(1, drop, 0.0)
-
-
-def prune_score(w, criterion, stats=None):
-    """magnitude |W_ij|; Wanda |W_ij|·||X_j||₂ (the input norm over calibration tokens)."""
-    if criterion == "magnitude" or stats.n == 0:    # no token reached it: magnitude
-        return w.abs()
-    return w.abs() * stats.sq_sum.sqrt().float()[None, :]
-
-
-def check_prune(model, sparsity, pattern):
-    if not 0 <= sparsity < 1:
-        raise UserError(f"--sparsity must be in [0, 1), got {sparsity}")
-    if pattern == "2:4" and sparsity != 0.5:
-        raise UserError(f"2:4 keeps 2 of every 4 weights: sparsity is 0.5, not {sparsity}")
-    for name, lin in target_linears(model):
-        if pattern == "2:4" and lin.in_features % 4:
-            raise UserError(f"{name}: input dimension {lin.in_features} is not a multiple of 4")
-
-
-def prune_model(model, batches, sparsity, pattern, criterion):
-    """-> calibration forwards used. Wanda runs layer by layer on the pruned earlier
-    layers' outputs (Sun et al. 2023, as GPTQ); magnitude needs no data."""
-    check_prune(model, sparsity, pattern)
-    make = lambda lin, stats: MaskedLinear(lin.weight, prune_mask(
-        prune_score(lin.weight.detach(), criterion, stats), sparsity, pattern))
-    if criterion == "magnitude":
-        swap_linears(model, lambda lin: make(lin, None))
-        return 0
-    return sequential(model, batches, lambda name, lin, stats: make(lin, stats))
-
-
-def pack_24(w, mask):
-    """2:4 stored sparse: the two kept values of every four (in order) + their 2-bit
-    positions, four per byte: 4 bytes·n/2 + n/8 bytes for fp32 values, vs 4n dense."""
-    out_f, in_f = w.shape
-    _, order = torch.sort(-mask.reshape(out_f, -1, 4), dim=-1, stable=True)
-    idx = order[..., :2].sort(-1).values
-    values = w.reshape(out_f, -1, 4).gather(-1, idx)
-    return {"values": values.reshape(out_f, -1), "indices": pack_codes(idx, 2)}
-
-
-def unpack_24(packed, shape):
-    out_f, in_f = shape
-    idx = unpack_codes(packed["indices"], 2, out_f * in_f // 2).view(out_f, -1, 2)
-    w = torch.zeros(out_f, in_f // 4, 4, dtype=packed["values"].dtype)
-    return w.scatter(-1, idx, packed["values"].view(out_f, -1, 2)).view(out_f, in_f)
-
-
-def sparsity_report(model, pattern):
-    """Per-layer and total sparsity of the masked linears, and the 2:4 storage bytes."""
-    lines, zeros, total, sparse_bytes = [], 0, 0, 0
-    for name, m in model.named_modules():
-        if isinstance(m, MaskedLinear):
-            z = int((m.weight == 0).sum())
-            zeros, total = zeros + z, total + m.weight.numel()
-            lines.append(f"  {name:<28} {z / m.weight.numel():6.1%} zeros")
-            if pattern == "2:4":
-                sparse_bytes += stored_nbytes(pack_24(m.weight.detach(), m.mask))
-    lines.append(f"  {'total (block linears)':<28} {zeros / max(total, 1):6.1%} zeros of {total:,}")
-    if pattern == "2:4":
-        lines.append(f"  2:4 stored sparse (fp32 values + 2-bit indices): {fmt_bytes(sparse_bytes)}"
-                     f" vs dense {fmt_bytes(4 * total)} -- what a sparse kernel would read; here"
-                     f" the weights stay dense, so nothing is saved")
-    return lines
 
 
 # ----------------------------------------------------------------------------------------
@@ -908,35 +724,6 @@ def fmt_name(bits, group_size, act_bits=0):
     return name + (" + int8 act" if act_bits else "")
 
 
-def qat_run(base, corpus, bits, group_size, lsq, args, steps):
-    """QAT from the fp32 weights for `steps` steps, exported to the stored format."""
-    model = swap_linears(copy.deepcopy(base),
-                         lambda lin: QATLinear(lin.weight, bits, group_size, lsq))
-    seq = min(base.config.block_size, args.seq_len)
-    finetune(model, corpus, steps, args.lr, args.batch_size, seq, args.seed + 3)
-    return export_qat(model)
-
-
-def qat_rows(base, corpus, ev, bits_list, quantizers, args, steps):
-    """QAT against its two controls: PTQ at the same bits, and the same number of fp32
-    fine-tuning steps (then RTN) -- so the gain is the quantizer's, not the extra steps'.
-    Yields (ledger row, model)."""
-    t0 = time.perf_counter()
-    tuned = copy.deepcopy(base)
-    seq = min(base.config.block_size, args.seq_len)
-    finetune(tuned, corpus, steps, args.lr, args.batch_size, seq, args.seed + 3)
-    yield ev.row(tuned, f"fp32 + {steps} steps", "fp32", time.perf_counter() - t0), tuned
-    for bits in bits_list:
-        g = default_group(bits, args.group_size)
-        control = quantize_model(copy.deepcopy(tuned), bits, g)
-        yield ev.row(control, f"fp32 + {steps} steps, rtn", fmt_name(bits, g)), control
-        for lsq in quantizers:
-            t0 = time.perf_counter()
-            model = qat_run(base, corpus, bits, g, lsq, args, steps)
-            yield ev.row(model, f"qat-{'lsq' if lsq else 'ste'} {steps} steps",
-                         fmt_name(bits, g), time.perf_counter() - t0), model
-
-
 def int_mm_decision(base):
     """Measure torch._int_mm on the widest block linear; -> rows from which to use it."""
     widest = max((lin for _, lin in target_linears(base)), key=lambda m: m.weight.numel())
@@ -973,35 +760,8 @@ def cmd_ptq(args, base, corpus, ev, table, int_mm_rows):
     return model
 
 
-def cmd_qat(args, base, corpus, ev, table, int_mm_rows):
-    g = default_group(args.bits, args.group_size)
-    table.add(ev.row(quantize_model(copy.deepcopy(base), args.bits, g), "rtn (PTQ)",
-                     fmt_name(args.bits, g)))
-    for row, model in qat_rows(base, corpus, ev, [args.bits], [args.lsq], args, args.steps):
-        table.add(row)
-    return model                        # the last one: the QAT model
-
-
-def cmd_prune(args, base, corpus, ev, table, int_mm_rows):
-    calib = calibration(corpus, base, args, "wanda") if args.criterion == "wanda" else []
-    model = copy.deepcopy(base)
-    t0 = time.perf_counter()
-    passes = prune_model(model, calib, args.sparsity, args.pattern, args.criterion)
-    fmt = f"{args.pattern} {args.sparsity:.0%}"
-    table.add(ev.row(model, args.criterion, fmt, time.perf_counter() - t0, passes))
-    if args.finetune_steps:
-        t0 = time.perf_counter()
-        seq = min(base.config.block_size, args.seq_len)
-        finetune(model, corpus, args.finetune_steps, args.lr, args.batch_size, seq, args.seed + 3)
-        table.add(ev.row(model, f"{args.criterion} + {args.finetune_steps} steps", fmt,
-                         time.perf_counter() - t0, passes))
-    print0("sparsity after pruning" + (" and fine-tuning:" if args.finetune_steps else ":"))
-    for line in sparsity_report(model, args.pattern):
-        print0(line)
-    return model
-
-
 def cmd_compare(args, base, corpus, ev, table, int_mm_rows):
+    import prune, qat      # they import this file (see run_mode)
     bits_list = bits_of(args)
     calib = calibration(corpus, base, args, "compare")
     for bits in bits_list:
@@ -1018,26 +778,21 @@ def cmd_compare(args, base, corpus, ev, table, int_mm_rows):
     model, passes, note = ptq(base, "smoothquant", 8, 0, calib, args, int_mm_rows)
     table.add(ev.row(model, "smoothquant", fmt_name(8, 0, 8), time.perf_counter() - t0,
                      passes, note))
-    for row, _ in qat_rows(base, corpus, ev, [b for b in bits_list if b != 8], [False, True],
-                           args, args.qat_steps):
+    for row, _ in qat.qat_rows(base, corpus, ev, [b for b in bits_list if b != 8],
+                               [False, True], args, args.qat_steps):
         table.add(row)
-    for criterion in ("magnitude", "wanda"):
-        for pattern in ("unstructured", "2:4"):
-            model = copy.deepcopy(base)
-            t0 = time.perf_counter()
-            passes = prune_model(model, calib, 0.5, pattern, criterion)
-            table.add(ev.row(model, criterion, f"{pattern} 50%", time.perf_counter() - t0,
-                             passes))
-    seq = min(base.config.block_size, args.seq_len)
-    t0 = time.perf_counter()
-    finetune(model, corpus, args.qat_steps, args.lr, args.batch_size, seq, args.seed + 3)
-    table.add(ev.row(model, f"wanda + {args.qat_steps} steps", "2:4 50%",
-                     time.perf_counter() - t0, passes))
+    for row in prune.compare_rows(base, corpus, ev, calib, args):
+        table.add(row)
     return None
 
 
-COMMANDS = {"rtn": cmd_ptq, "gptq": cmd_ptq, "awq": cmd_ptq, "smoothquant": cmd_ptq,
-            "qat": cmd_qat, "prune": cmd_prune, "compare": cmd_compare}
+def run_mode(args, base, corpus, ev, table, int_mm_rows):
+    """The mode's command. qat.py and prune.py, split out by concept, import this file for
+    its formats and calibration, so they are imported here, when their mode runs."""
+    import prune, qat
+    commands = {"rtn": cmd_ptq, "gptq": cmd_ptq, "awq": cmd_ptq, "smoothquant": cmd_ptq,
+                "qat": qat.cmd_qat, "prune": prune.cmd_prune, "compare": cmd_compare}
+    return commands[args.mode](args, base, corpus, ev, table, int_mm_rows)
 
 
 def bits_of(args):
@@ -1051,13 +806,14 @@ def bits_of(args):
 
 def check_args(args, model):
     """Everything that can be checked against the model's shapes, before any work."""
+    import prune          # it imports this file (see run_mode)
     for bits in bits_of(args):
         for _, lin in target_linears(model):
             check_format(bits, default_group(bits, args.group_size), lin.in_features)
     if args.mode == "prune":
-        check_prune(model, args.sparsity, args.pattern)
+        prune.check_prune(model, args.sparsity, args.pattern)
     if args.mode == "compare":
-        check_prune(model, 0.5, "2:4")
+        prune.check_prune(model, 0.5, "2:4")
 
 
 def main(argv=None):
@@ -1088,7 +844,7 @@ def main(argv=None):
     int_mm_rows = int_mm_decision(base) if args.mode in ("smoothquant", "compare") else None
     table = Table(f"ledger (python quantize.py {' '.join(args.argv)}):")
     table.add(ev.row(base, "fp32", "fp32"))
-    model = COMMANDS[args.mode](args, base, corpus, ev, table, int_mm_rows)
+    model = run_mode(args, base, corpus, ev, table, int_mm_rows)
     rows = table.rows
     seconds = time.perf_counter() - t_start
     print0(f"total {seconds:.0f} s; timings: wall clock on this (possibly shared) CPU")
@@ -1191,4 +947,7 @@ def _subcommands(p, common, fmt, gptq_flags, awq_flags, sq_flags, train):
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    # qat.py and prune.py import this file as the module `quantize`: run that module's
+    # main, so that every layer class (QuantLinear, ...) exists once, not also as __main__'s
+    import quantize
+    run_cli(quantize.main)

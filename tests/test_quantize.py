@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import data
+import prune
+import qat
 import quantize as Q
 from model import GPT, get_config, load_model
 from plumbing import run_cli
@@ -209,14 +211,14 @@ def test_w8a8_smoothing_reduces_error_and_int_mm_matches():
 def test_ste_forward_is_dequantized_and_gradient_is_clipped_straight_through():
     w = torch.linspace(-1, 1, 32).repeat(2, 1).requires_grad_()
     scale, zero = torch.full((2, 32), 0.05), torch.full((2, 32), 8.0)   # range [-0.4, 0.35]
-    out = Q.FakeQuantSTE.apply(w, scale, zero, 4)
+    out = qat.FakeQuantSTE.apply(w, scale, zero, 4)
     assert torch.equal(out, (torch.clamp(torch.round(w / 0.05) + 8, 0, 15) - 8) * 0.05)
     up = torch.randn(2, 32)
     out.backward(up)
     inside = (torch.round(w / 0.05) + 8 >= 0) & (torch.round(w / 0.05) + 8 <= 15)
     assert 0 < inside.sum() < inside.numel()
     assert torch.equal(w.grad, torch.where(inside, up, torch.zeros_like(up)))
-    layer = Q.QATLinear(torch.randn(8, 32), 4, 16)
+    layer = qat.QATLinear(torch.randn(8, 32), 4, 16)
     assert torch.equal(layer.fake_weight(), layer.export().dequantized())
 
 
@@ -227,7 +229,7 @@ def test_lsq_gradients_match_autograd_of_the_formula():
     up = torch.randn(4, 32, generator=gen, dtype=torch.float64)
     q_n, q_p, g = 8, 7, 16
     w1, s1 = w.clone().requires_grad_(), step.clone().requires_grad_()
-    Q.LSQQuant.apply(w1, s1, q_n, q_p).backward(up)
+    qat.LSQQuant.apply(w1, s1, q_n, q_p).backward(up)
     # Esser et al.'s code: grad_scale and round_pass, then autograd does the rest
     w2, s2 = w.clone().requires_grad_(), step.clone().requires_grad_()
     scale = 1 / math.sqrt(g * q_p)
@@ -238,7 +240,7 @@ def test_lsq_gradients_match_autograd_of_the_formula():
     assert torch.allclose(w1.grad, w2.grad, atol=1e-12)
     assert torch.allclose(s1.grad, s2.grad, atol=1e-10)
     assert (w1.grad == 0).any() and (w1.grad != 0).any()      # both regions were hit
-    layer = Q.QATLinear(torch.randn(8, 32), 3, 16, lsq=True)
+    layer = qat.QATLinear(torch.randn(8, 32), 3, 16, lsq=True)
     assert torch.equal(layer.fake_weight(), layer.export().dequantized())
 
 
@@ -249,18 +251,18 @@ def test_2_4_masks_and_they_stay_through_finetuning(text_file):
     corpus = data.load_corpus(text_file, 512)
     model = GPT(get_config("tiny"), seed=0)
     calib = [data.get_batch(corpus.train, 2, 32, 0, i)[0] for i in range(2)]
-    assert Q.prune_model(model, calib, 0.5, "2:4", "wanda") == 8    # 2 blocks × 4 stages
+    assert prune.prune_model(model, calib, 0.5, "2:4", "wanda") == 8    # 2 blocks × 4 stages
     before = {n: m.weight.detach().clone() for n, m in model.named_modules()
-              if isinstance(m, Q.MaskedLinear)}
+              if isinstance(m, prune.MaskedLinear)}
     for name, w in before.items():
         zeros = (w.view(w.shape[0], -1, 4) == 0).sum(-1)
         assert (zeros == 2).all(), name
-        packed = Q.pack_24(w, (w != 0).float())
-        assert torch.equal(Q.unpack_24(packed, w.shape), w)
+        packed = prune.pack_24(w, (w != 0).float())
+        assert torch.equal(prune.unpack_24(packed, w.shape), w)
         assert Q.stored_nbytes(packed) == w.numel() // 2 * 4 + w.numel() // 8
     Q.finetune(model, corpus, 3, 1e-2, 2, 32, 0)
     for name, m in model.named_modules():
-        if isinstance(m, Q.MaskedLinear):
+        if isinstance(m, prune.MaskedLinear):
             assert torch.equal(m.weight == 0, before[name] == 0), name
             assert not torch.equal(m.weight, before[name])           # the rest did train
 
@@ -270,8 +272,8 @@ def test_wanda_and_magnitude_scores():
     st = Q.ActStats(16)
     st.add(x)
     want = w.abs() * x.pow(2).sum(0).sqrt()[None, :]
-    assert torch.allclose(Q.prune_score(w, "wanda", st), want, rtol=1e-5)
-    mask = Q.prune_mask(want, 0.25, "unstructured")
+    assert torch.allclose(prune.prune_score(w, "wanda", st), want, rtol=1e-5)
+    mask = prune.prune_mask(want, 0.25, "unstructured")
     assert ((mask == 0).sum(1) == 4).all()                        # int(16 · 0.25) per row
     kept_min = torch.where(mask.bool(), want, torch.inf).amin(1)
     dropped_max = torch.where(mask.bool(), -torch.inf, want).amax(1)
