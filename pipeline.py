@@ -405,56 +405,82 @@ def format_schedule(actions_per_rank):
 # ONE batch_isend_irecv (one NCCL group). On gloo we wait for our receives only; the sends
 # complete in the background and are waited for at the end.
 
+class Exchange:
+    """This rank's P2P traffic during one run of its action list. A tensor for a stage on
+    another rank waits in the outbox until the slot at which its receiver consumes it
+    (send_at); before each action, the sends due and the action's own receive go out as
+    ONE batch_isend_irecv (one NCCL group)."""
+
+    def __init__(self, pp_group, n_stages, activation_shape, dtype, device):
+        if pp_group is None:                                # one process, all stages here
+            self.me, self.global_ranks = 0, [0]
+        else:
+            self.me = dist.get_rank(pp_group)
+            self.global_ranks = dist.get_process_group_ranks(pp_group)
+        self.rank_of = rank_of_stages(n_stages, len(self.global_ranks))
+        self.group, self.n_stages = pp_group, n_stages
+        self.shape, self.dtype, self.device = activation_shape, dtype, device
+        self.outbox = []            # (send_at slot, tensor, destination global rank)
+        self.send_works = []        # gloo: send handles, waited for at the end
+
+    def hand_over(self, box, key, tensor, to_stage, send_at):
+        if self.rank_of[to_stage] == self.me:   # DualPipeV: both stages here, no traffic
+            box[key] = tensor
+        else:
+            dst = self.global_ranks[self.rank_of[to_stage]]
+            self.outbox.append((send_at, tensor.contiguous(), dst))
+
+    def before(self, a):
+        """Post the sends due by action a's slot and a's receive; -> the received tensor."""
+        ops, recvs = [], []
+        due = sorted((o for o in self.outbox if o[0] <= a.slot), key=lambda o: o[0])
+        self.outbox = [o for o in self.outbox if o[0] > a.slot]
+        for _, tensor, dst in due:
+            ops.append(dist.P2POp(dist.isend, tensor, dst, self.group))
+        src = a.stage - 1 if a.kind == "F" else a.stage + 1
+        if a.kind in "FBI" and 0 <= src < self.n_stages and self.rank_of[src] != self.me:
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            src_rank = self.global_ranks[self.rank_of[src]]
+            ops.append(dist.P2POp(dist.irecv, buf, src_rank, self.group))
+            recvs.append(buf)
+        if not ops:
+            return None
+        works = comm.batch_isend_irecv(ops)
+        if len(works) == len(ops):       # one handle per op (gloo): wait for receives only
+            self.send_works.extend(works[:len(due)])
+            works = works[len(due):]
+        for w in works:                  # NCCL: one handle for the group, a stream wait
+            w.wait()
+        return recvs[0] if recvs else None
+
+    def finish(self):
+        """Send what is left (gradients for a slot after our last action); wait for all."""
+        if self.outbox:
+            ops = [dist.P2POp(dist.isend, t, dst, self.group)
+                   for _, t, dst in sorted(self.outbox, key=lambda o: o[0])]
+            self.send_works.extend(comm.batch_isend_irecv(ops))
+        for w in self.send_works:
+            w.wait()
+
+
 def run_schedule(stages, actions, inputs, targets, pp_group, activation_shape, dtype,
                  device, timeline=None, weight_grads=None):
     """Run this rank's action list once. weight_grads: the WeightGradStore for the I/W
     split (a fresh one by default; pass one to count its deferred jobs)."""
     device = torch.device(device)
     n_stages = next(iter(stages.values())).n_stages
-    if pp_group is None:                                    # one process, all stages here
-        me, global_ranks = 0, [0]
-    else:
-        me, global_ranks = dist.get_rank(pp_group), dist.get_process_group_ranks(pp_group)
-    rank_of = rank_of_stages(n_stages, len(global_ranks))
+    p2p = Exchange(pp_group, n_stages, activation_shape, dtype, device)
     M = 1 + max(a.mb for a in actions)          # every rank runs an F of every microbatch
     arriving_x, arriving_grad = {}, {}   # (stage, mb) -> activation in / gradient of output
     held = {}                            # (stage, mb) -> (input, output) kept for backward
-    outbox, send_works, losses = [], [], []
+    losses = []
     split = any(a.kind == "I" for a in actions)
     store = WeightGradStore() if weight_grads is None else weight_grads
     store.pending, store.queue = [], {}              # nothing left from a failed step
-
-    def hand_over(box, key, tensor, to_stage, send_at):
-        if rank_of[to_stage] == me:      # DualPipeV: both stages here, no communication
-            box[key] = tensor
-        else:
-            outbox.append((send_at, tensor.contiguous(), global_ranks[rank_of[to_stage]]))
-
-    def exchange(a):
-        ops, recvs = [], []
-        due = sorted((o for o in outbox if o[0] <= a.slot), key=lambda o: o[0])
-        outbox[:] = [o for o in outbox if o[0] > a.slot]
-        for _, tensor, dst in due:
-            ops.append(dist.P2POp(dist.isend, tensor, dst, pp_group))
-        src = a.stage - 1 if a.kind == "F" else a.stage + 1
-        if a.kind in "FBI" and 0 <= src < n_stages and rank_of[src] != me:
-            buf = torch.empty(activation_shape, dtype=dtype, device=device)
-            ops.append(dist.P2POp(dist.irecv, buf, global_ranks[rank_of[src]], pp_group))
-            recvs.append(buf)
-        if not ops:
-            return None
-        works = comm.batch_isend_irecv(ops)
-        if len(works) == len(ops):       # one handle per op (gloo): wait for receives only
-            send_works.extend(works[:len(due)])
-            works = works[len(due):]
-        for w in works:                  # NCCL: one handle for the group, a stream wait
-            w.wait()
-        return recvs[0] if recvs else None
-
     for_forward = (lambda: DeferWeightGrads(store)) if split else nullcontext
     try:
         for a in actions:
-            received = exchange(a)
+            received = p2p.before(a)
             stage, key = stages[a.stage], (a.stage, a.mb)
             t_start = time.perf_counter()
             if a.kind == "F":
@@ -469,8 +495,8 @@ def run_schedule(stages, actions, inputs, targets, pp_group, activation_shape, d
                 if stage.is_last:
                     losses.append(y.detach())
                 else:
-                    hand_over(arriving_x, (a.stage + 1, a.mb), y.detach(), a.stage + 1,
-                              a.send_at)
+                    p2p.hand_over(arriving_x, (a.stage + 1, a.mb), y.detach(), a.stage + 1,
+                                  a.send_at)
             elif a.kind in "BI":
                 x, y = held.pop(key)
                 store.deferring = a.kind == "I"
@@ -483,20 +509,15 @@ def run_schedule(stages, actions, inputs, targets, pp_group, activation_shape, d
                 if a.kind == "I":
                     store.file(key)
                 if not stage.is_first:
-                    hand_over(arriving_grad, (a.stage - 1, a.mb), x.grad, a.stage - 1,
-                              a.send_at)
+                    p2p.hand_over(arriving_grad, (a.stage - 1, a.mb), x.grad, a.stage - 1,
+                                  a.send_at)
             else:
                 store.run(key)
             if timeline is not None:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 timeline.append((a.kind, a.stage, a.mb, t_start, time.perf_counter()))
-        if outbox:                       # gradients for a slot after our last action
-            ops = [dist.P2POp(dist.isend, t, dst, pp_group)
-                   for _, t, dst in sorted(outbox, key=lambda o: o[0])]
-            send_works.extend(comm.batch_isend_irecv(ops))
-        for w in send_works:
-            w.wait()
+        p2p.finish()
     finally:
         store.deferring = False
     assert not store.queue, f"W never ran for {list(store.queue)}"
