@@ -45,7 +45,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from plumbing import UserError, atomic_write, run_cli
+from plumbing import ArgumentParser, UserError, atomic_write, run_cli
 
 DEFAULT_VOCAB_SIZE = 4096     # = enc.n_vocab: 256 bytes + 3839 merges + <|endoftext|>
 EOT = "<|endoftext|>"         # the one special token: separates documents
@@ -454,7 +454,7 @@ def format_reward(completion: str) -> float:
 
 # ---------------------------------------------------------------------------------------
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="Train/load the BPE tokenizer and corpus, or show the task.",
+    p = ArgumentParser(description="Train/load the BPE tokenizer and corpus, or show the task.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("mode", nargs="?", default="corpus", choices=["corpus", "task"],
                    help="corpus: tokenizer + corpus stats; task: sample arithmetic problems")

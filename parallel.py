@@ -58,7 +58,7 @@ import pipeline
 import planner
 from ring_attention import cp_positions, cp_shard, make_ring_attn_fn
 from model import GPT, MoE, get_config
-from plumbing import (UserError, all_reduce_flat, comm, decay_groups, fmt_bytes, print0,
+from plumbing import (ArgumentParser, UserError, all_reduce_flat, comm, decay_groups, fmt_bytes, print0,
                       require_at_least_one, run_cli, seed_everything, setup_runtime,
                       warmup_cosine)
 from tensor_parallel import (GatheredInputs, SavedActivations, VocabParallelCrossEntropy,
@@ -642,7 +642,7 @@ def model_config(args):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="parallel.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Train the shared GPT split along a (dp, ep, pp, cp, tp) DeviceMesh, by "
                     "hand; --check compares every step with one process. Other modes: "

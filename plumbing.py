@@ -37,6 +37,7 @@ Nothing here is clever on purpose: a meter that is hard to read cannot be truste
 """
 import argparse
 import datetime
+import difflib
 import math
 import os
 import random
@@ -309,10 +310,37 @@ def run_cli(main, argv=None):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad flag raises UserError (one `error:` line per job, exit 2, through
-    run_cli) instead of printing usage on every rank and exiting."""
+    run_cli) instead of printing usage on every rank and exiting. A mistyped flag is named
+    (with the nearest real one), even before a positional mode: plain argparse would read
+    `--stpes 10` as an unknown flag plus a mode "10" and complain about the mode."""
 
     def error(self, message):
         raise UserError(f"{self.prog}: {message} (see --help)")
+
+    def parse_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        known = self._flags()
+        for token in args:
+            if token == "--":
+                break
+            name = token.split("=", 1)[0]
+            # argparse takes unambiguous prefixes (--step for --steps): those are known
+            if name.startswith("--") and not any(k.startswith(name) for k in known):
+                near = difflib.get_close_matches(name, sorted(known), n=1)
+                self.error(f"unknown flag {name}" + (f" (did you mean {near[0]}?)"
+                                                     if near else ""))
+        return super().parse_args(args, namespace)
+
+    def _flags(self):
+        """Every option string of this parser and of its subcommands."""
+        flags, parsers = set(), [self]
+        while parsers:
+            parser = parsers.pop()
+            for action in parser._actions:
+                flags.update(action.option_strings)
+                if isinstance(action, argparse._SubParsersAction):
+                    parsers += list(action.choices.values())
+        return flags
 
 
 class GracefulStop:

@@ -62,7 +62,7 @@ import torch
 import data
 from kvcache import BlockAllocator, PagedKVCache, blocks_for, extend_hash_chain
 from model import KVCache, load_model, sample_next
-from plumbing import UserError, pick_device, run_cli
+from plumbing import ArgumentParser, UserError, pick_device, run_cli
 
 DEFAULT_CHECKPOINT = "out/ckpt.pt"
 POLICIES = ("fcfs", "slo")
@@ -652,7 +652,7 @@ def load_served_model(args):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Serve the checkpoint over an OpenAI-compatible HTTP API. The benchmark "
                     "(sequential generate() vs static batching vs the engine) is its own "
                     "mode: python serve.py bench --help.",

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 import data
 from model import Block, KVCache, RMSNorm, load_checkpoint, load_model
-from plumbing import UserError, fmt_bytes, print0, require_at_least_one, run_cli, warmup_cosine
+from plumbing import (ArgumentParser, UserError, fmt_bytes, print0, require_at_least_one,
+                      run_cli, warmup_cosine)
 
 METHODS = ("draft", "tree", "medusa", "mtp", "eagle", "dflash")
 DEFAULT_WIDTH = {"tree": 3, "medusa": 3}           # others draft a chain (width 1)
@@ -672,7 +673,7 @@ def main(argv=None):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Speculative decoding: six drafters, one exact "
+    p = ArgumentParser(description="Speculative decoding: six drafters, one exact "
                                 "verifier, a ledger.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("mode", nargs="?", default="generate", choices=["generate", "bench"],

@@ -43,3 +43,19 @@ def test_helpers():
     assert pick_device("cpu").type == "cpu"
     with pytest.raises(UserError):
         pick_device("tpu")
+
+
+def test_a_mistyped_flag_is_named_even_before_a_positional_mode():
+    """argparse alone reads `--stpes 10` as an unknown flag plus a mode "10" and names the
+    mode; plumbing.ArgumentParser names the flag and the nearest real one."""
+    import pytest
+    from plumbing import ArgumentParser, UserError
+    p = ArgumentParser(prog="demo")
+    p.add_argument("mode", nargs="?", default="train", choices=["train", "bench"])
+    p.add_argument("--steps", type=int, default=3)
+    sub_free = p.parse_args(["--step", "7"])             # an unambiguous prefix still works
+    assert sub_free.steps == 7 and sub_free.mode == "train"
+    with pytest.raises(UserError, match=r"unknown flag --stpes \(did you mean --steps\?\)"):
+        p.parse_args(["--stpes", "10"])
+    with pytest.raises(UserError, match="unknown flag --zzz"):
+        p.parse_args(["bench", "--zzz=1"])
