@@ -54,6 +54,7 @@ import data_parallel
 import evaluate as ev
 import optim
 import resume as saved
+from plots import svg_line_plot
 from model import GPT, GPTConfig, PRESETS, get_config
 from plumbing import (ActivationMeter, ArgumentParser, GracefulStop, HelpFormatter,
                       Interrupted, StepTimer, UserError, attempt, check_writable, comm,
@@ -480,6 +481,13 @@ def train(args, rt):
                        saved.checkpoint_bytes(n_params, args))
     first_step = run.step
     last = min(args.steps, first_step + (args.stop_after or args.steps))
+    if first_step and first_step >= args.steps:
+        print0(f"nothing to do: the checkpoint is already at step {first_step} of --steps "
+               f"{args.steps} (raise --steps to train further)")
+        return run.history
+    if first_step:
+        print0(f"resumed at step {first_step} from "
+               f"{saved.shards_dir(args) if args.dp else args.ckpt}")
     state, act_bytes, sent, t_start = None, 0, 0, time.time()
     with GracefulStop() as stop:    # Ctrl-C: finish the step, save, say how to resume
         while run.step < last:
@@ -499,8 +507,10 @@ def train(args, rt):
             run.history["loss"].append(loss)
             run.step += 1
             if run.step % args.log_interval == 0 or run.step == args.steps:
+                per_step = (time.time() - t_start) / (run.step - first_step)
                 print0(log_line(args, rt, run, loss, lr, timer, state, act_bytes,
-                                sent / (run.step - first_step), skipped, tokens_per_step))
+                                sent / (run.step - first_step), skipped, tokens_per_step)
+                       + f" | eta {fmt_duration(per_step * (last - run.step))}")
             if run.step % args.eval_interval == 0 or run.step == args.steps:
                 val = evaluate(run.model, run.corpus, args, rt.device)
                 run.history["val"].append((run.step, val))
@@ -508,16 +518,44 @@ def train(args, rt):
             if args.save_interval and (run.step % args.save_interval == 0 or
                                        run.step == last or signum):
                 saved.save(args, rt, run)
+                print0(f"saved step {run.step} to "
+                       f"{saved.shards_dir(args) if args.dp else args.ckpt}")
             if signum:
                 stopped(args, run, signum)
     elapsed = time.time() - t_start
     if state is not None:
         final_report(args, rt, run, state, n_params, act_bytes, sent / (run.step - first_step))
     print0(f"trained {run.step} steps in {elapsed:.1f} s")
+    if run.step < args.steps and args.save_interval:
+        print0(f"stopped at step {run.step} of {args.steps} (--stop-after): continue with "
+               f"the same command and --resume")
+    if args.save_interval and rt.is_main:
+        print0(f"loss curve: {loss_curve(args, run.history)}")
     if args.sample_tokens and run.step > 0:
         sample(run.model, run.corpus.enc, args, rt.device)
     run.history["elapsed"] = elapsed
     return run.history
+
+
+def fmt_duration(seconds):
+    """12 s, 3m05s, 1h02m: the log line's time to the end of this invocation."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def loss_curve(args, history):
+    """The training loss of every step and the validation losses, as an SVG next to the
+    checkpoint (plots.py: written by hand, one point per step). -> its path."""
+    series = {"train": list(enumerate(history["loss"], start=1)),
+              "val": [(step, val) for step, val in history["val"]]}
+    name = os.path.splitext(os.path.basename(args.ckpt))[0] + "_loss"
+    return svg_line_plot(name, series, title=f"{args.preset}: loss per step", xlabel="step",
+                         ylabel="loss (nats)",
+                         directory=os.path.dirname(os.path.abspath(args.ckpt)))
 
 
 def final_report(args, rt, run, state, n_params, act_bytes, sent_per_step):

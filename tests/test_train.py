@@ -201,3 +201,29 @@ def test_bad_input_from_the_command_line(tmp_path):
     assert result.returncode == 2
     assert "error:" in result.output and "empty" in result.output
     assert "Traceback" not in result.output
+
+
+def test_status_lines_and_the_loss_curve(text_file, tmp_path, capsys):
+    """Every state change says so in one line: saved, stopped early (how to resume),
+    resumed (from where), nothing left to do; the log line carries an ETA; the loss curve
+    is an SVG next to the checkpoint with one point per step and per validation."""
+    import xml.etree.ElementTree as ET
+    ckpt = str(tmp_path / "s.pt")
+    common = tiny_args(text_file, "--steps", "8", "--save-interval", "4", "--ckpt", ckpt)
+    train.main(common + ["--stop-after", "4"])
+    out = capsys.readouterr().out
+    assert f"saved step 4 to {ckpt}" in out
+    assert "stopped at step 4 of 8 (--stop-after): continue with the same command and " \
+           "--resume" in out
+    assert all(" | eta " in line for line in out.splitlines() if line.startswith("step")
+               and "| loss " in line)
+    history = train.main(common + ["--resume"])
+    out = capsys.readouterr().out
+    assert f"resumed at step 4 from {ckpt}" in out and f"saved step 8 to {ckpt}" in out
+    svg = tmp_path / "s_loss.svg"
+    assert f"loss curve: {svg}" in out
+    points = ET.parse(svg).getroot().findall(".//{http://www.w3.org/2000/svg}circle")
+    assert len(points) == len(history["loss"]) + len(history["val"]) == 8 + 2
+    train.main(common + ["--resume"])
+    assert "nothing to do: the checkpoint is already at step 8 of --steps 8" in \
+        capsys.readouterr().out
