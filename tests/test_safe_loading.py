@@ -227,3 +227,31 @@ def test_old_checkpoint_is_refused_with_the_conversion_command_which_works(tmp_p
     state = rng_state()
     saved.restore_rng_state(ckpt["rng"])                       # still restorable
     saved.restore_rng_state({**state, "numpy": list(state["numpy"])})
+
+
+def test_every_entry_point_gives_one_line_for_every_broken_file(tmp_path, capsys):
+    """Truncated, empty, text, a bare tensor, a folder that is not a model: each is one
+    `error:` line naming the file, exit 2, from every command that opens a checkpoint."""
+    import evaluate
+    import quantize
+    import sample
+    model = GPT(get_config("tiny"), seed=0)
+    torch.save({"config": asdict(model.config), "model": model.state_dict()},
+               tmp_path / "good.pt")
+    blob = (tmp_path / "good.pt").read_bytes()
+    (tmp_path / "truncated.pt").write_bytes(blob[:len(blob) // 2])
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("hello, I am text\n")
+    torch.save(torch.zeros(3), tmp_path / "tensor.pt")
+    (tmp_path / "folder").mkdir()
+    broken = ["truncated.pt", "empty.pt", "notes.txt", "tensor.pt", "folder"]
+    for name in broken:
+        path = str(tmp_path / name)
+        entries = dict(cli_entry_points(tmp_path, path))
+        entries["quantize.py --ckpt"] = (quantize.main, ["rtn", "--ckpt", path])
+        entries["evaluate.py --checkpoint"] = (evaluate.main, ["ppl", "--checkpoint", path])
+        entries["sample.py --checkpoint"] = (sample.main, ["--checkpoint", path,
+                                                            "--prompt", "a"])
+        for entry, (fn, argv) in entries.items():
+            line = one_error_line(capsys, fn, *argv)
+            assert name in line, (entry, name, line)
