@@ -47,9 +47,7 @@ import hashlib
 import math
 import os
 import random
-import re
 import time
-from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -59,7 +57,7 @@ import torch.nn.functional as F
 
 import data
 from model import GPT, GPTConfig, KVCache, PRESETS, get_config, load_model
-from plots import svg_bar_chart, svg_line_plot, terminal_bars, terminal_plot
+from plots import svg_bar_chart, terminal_bars
 from plumbing import UserError, print0, run_cli, seed_everything
 
 DEFAULT_CKPT = os.path.join("out", "ckpt.pt")
@@ -676,83 +674,14 @@ def run_calibration(args, device):
 
 
 # ----------------------------------------------------------------------------------------
-# uncertainty: which answers are wrong? Detectors scored by AUROC and accuracy-coverage
-
-@torch.no_grad()
-def sample_answers(model, enc, problems, k, temperature, max_new, seed):
-    """k sampled answers per problem (cut after "\\n"), equal-length prompts batched."""
-    nl, device = enc.encode_ordinary(data.TERMINATOR)[0], model.output.weight.device
-    prompts, out = _prompt_ids(enc, problems), [None] * len(problems)
-    for n, ids in _by_length(prompts).items():
-        rows = model.generate(torch.tensor([prompts[i] for i in ids for _ in range(k)], device=device),
-                              max_new, temperature=temperature, seed=seed + n, eos_id=nl).tolist()
-        for j, i in enumerate(ids):
-            out[i] = [r[:r.index(nl) + 1] if nl in r else r for r in rows[j * k:(j + 1) * k]]
-    return out
-
-
-def meaning(text):
-    """What an answer means, for clustering: its number, or the stripped text."""
-    s = data.extract_answer(text)
-    return int(s) if re.fullmatch(r"-?\d+", s) else s
-
-
-def consistency_scores(enc, greedy, samples):
-    """-> agreement of the samples with the greedy answer's meaning, entropy over distinct
-    token sequences (naive), entropy over meanings (discrete semantic entropy)."""
-    agree, naive, semantic = [], [], []
-    for g, ss in zip(greedy, samples):
-        means = [meaning(enc.decode(s)) for s in ss]
-        agree.append(np.mean([m == meaning(enc.decode(g)) for m in means]))
-        naive.append(entropy(list(Counter(tuple(s) for s in ss).values())))
-        semantic.append(entropy(list(Counter(means).values())))
-    return np.array(agree), np.array(naive), np.array(semantic)
-
+# uncertainty and contamination: uncertainty.py and contamination.py (split out by concept)
+# run those experiments with this file's metrics and models; imported at the mode's call,
+# because they import this file.
 
 def run_uncertainty(args, device):
-    if args.samples < 2:
-        raise UserError(f"--samples must be at least 2 (self-consistency compares samples), got {args.samples}")
-    _, enc, _ = load_base(args, device)
-    model, _ = task_model(args, enc, device)
-    _, test = eval_problems(args)
-    t0 = time.perf_counter()
-    rec = answer_records(model, enc, test, args.max_new)
-    seq, first, ent = confidences(rec)
-    t1 = time.perf_counter()
-    samples = sample_answers(model, enc, test, args.samples, args.temperature, args.max_new, args.seed)
-    agree, naive, semantic = consistency_scores(enc, rec["greedy"], samples)
-    t2 = time.perf_counter()
-    wrong = 1 - rec["correct"]
-    k = f"{args.samples} samples"
-    detectors = {"max prob (1-p)": (1 - seq, "one pass"), "first-token prob": (1 - first, "one pass"),
-                 "mean token entropy": (ent, "one pass"),
-                 f"self-consistency K={args.samples}": (1 - agree, k),
-                 "naive entropy": (naive, k), "semantic entropy": (semantic, k)}
-    print0(f"{len(test)} test problems, greedy accuracy {rec['correct'].mean():.1%} | one pass "
-           f"{t1 - t0:.1f} s, {args.samples} samples each (T={args.temperature}) {t2 - t1:.1f} s")
-    print0(f"{'detector (of a wrong answer)':<30}{'AUROC':>7}   95% CI{'acc@50%':>11}{'acc@80%':>9}{'cost':>14}")
-    curves, result = {}, {}
-    for name, (score, cost) in detectors.items():
-        a = auroc(score, wrong)
-        lo, hi = bootstrap_ci(lambda i: auroc(score[i], wrong[i]), len(score), args.bootstrap, args.seed)
-        curves[name] = accuracy_coverage(-score, rec["correct"])
-        at = dict((round(c, 2), acc) for c, acc in accuracy_coverage(-score, rec["correct"], 10))
-        print0(f"{name:<30}{a:7.3f}  [{lo:.2f}, {hi:.2f}]{at.get(0.5, float('nan')):10.1%}"
-               f"{at.get(0.8, float('nan')):9.1%}{cost:>14}")
-        result[name] = dict(auroc=a, ci=(lo, hi))
-    print0("semantic entropy clusters the samples by the number they spell; naive entropy by "
-           "their exact tokens (a number written with other tokens counts as another answer)")
-    path = svg_line_plot("accuracy_coverage", curves, title="accuracy vs coverage (abstain on the "
-                         "least confident)", xlabel="coverage", ylabel="accuracy",
-                         xlim=(0, 1), directory=args.plots)
-    print0(terminal_plot(curves, xlim=(0, 1)))
-    print0(f"plot: {path}")
-    return result
+    import uncertainty
+    return uncertainty.run(args, device)
 
-
-# ----------------------------------------------------------------------------------------
-# contamination: contamination.py (split out by concept) runs the experiment with this
-# file's metrics and models; imported here, at the mode's call, because it imports us.
 
 def run_contamination(args, device):
     import contamination

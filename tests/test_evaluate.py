@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import data
 import contamination
 import evaluate as ev
+import uncertainty
 from model import GPT, get_config
 from plots import svg_bar_chart, svg_line_plot, terminal_bars, terminal_plot
 from plumbing import UserError, run_cli
@@ -91,7 +92,7 @@ def test_small_helpers_by_hand():
     assert lo < x.mean() < hi and hi - lo < 4 * 1.96 / math.sqrt(400)
     # semantic entropy clusters by the number: "82", "082" agree; naive entropy does not
     enc = lambda s: [list(t.encode()) for t in s]
-    agree, naive, semantic = ev.consistency_scores(BYTES, enc(["82\n"]), [enc(["82\n", "082\n", "83\n"])])
+    agree, naive, semantic = uncertainty.consistency_scores(BYTES, enc(["82\n"]), [enc(["82\n", "082\n", "83\n"])])
     assert agree[0] == pytest.approx(2 / 3)
     assert naive[0] == pytest.approx(math.log(3))
     assert semantic[0] == pytest.approx(ev.entropy([2, 1]))
