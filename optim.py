@@ -404,64 +404,66 @@ def max_logit_per_head(q, k, mask=None):
     return scores.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
 
 
-def _recording(attention, inner):
-    def attn_fn(q, k, v, mask=None):
-        with torch.no_grad():
-            s = max_logit_per_head(q, k, mask)
-            prev = attention.qk_max
-            attention.qk_max = s if prev is None else torch.maximum(prev, s)
-        return inner(q, k, v, mask)
-    return attn_fn
+class QKClip:
+    """QK-clip for one model. It wraps every layer's attn_fn (model.py's documented seam)
+    with a recorder of the per-head max logit -- a running max over the forwards since the
+    last clip, so gradient-accumulation micro-batches combine -- and `apply()`, after each
+    optimizer step, rescales the offending heads' W_q / W_k. Its state (τ, the GQA mode,
+    the maxima) lives here, not on the model's modules."""
 
+    def __init__(self, model, tau=100.0, gqa="group"):
+        if not tau > 0:
+            raise UserError(f"QK-clip threshold tau must be > 0, got {tau}")
+        if gqa not in ("group", "query"):
+            raise UserError(f"unknown GQA QK-clip mode {gqa!r}: group or query")
+        self.model, self.tau, self.gqa = model, tau, gqa
+        self.maxima = [None] * len(model.layers)    # per layer: (H,) max logit, or None
+        for i, layer in enumerate(model.layers):
+            layer.attention.attn_fn = self._recorder(i, layer.attention.attn_fn)
 
-def enable_qk_clip(model, tau=100.0, gqa="group"):
-    """Wrap every layer's attn_fn with a recorder of the per-head max logit (a running max
-    over forward passes, so gradient-accumulation micro-batches combine)."""
-    if not tau > 0:
-        raise UserError(f"QK-clip threshold tau must be > 0, got {tau}")
-    if gqa not in ("group", "query"):
-        raise UserError(f"unknown GQA QK-clip mode {gqa!r}: group or query")
-    model.qk_clip = (tau, gqa)
-    for attn in (layer.attention for layer in model.layers):
-        attn.qk_max = None
-        if not getattr(attn, "qk_recording", False):      # enabling twice wraps once
-            attn.attn_fn, attn.qk_recording = _recording(attn, attn.attn_fn), True
-    return model
+    def _recorder(self, i, inner):
+        def attn_fn(q, k, v, mask=None):
+            with torch.no_grad():
+                s = max_logit_per_head(q, k, mask)
+                prev = self.maxima[i]
+                self.maxima[i] = s if prev is None else torch.maximum(prev, s)
+            return inner(q, k, v, mask)
+        return attn_fn
 
+    @torch.no_grad()
+    def apply(self, copies=None, group=None):
+        """Call after optimizer.step(). copies: {model parameter: tensor} also scaled the
+        same way (train.py's fp32 master weights). Under data parallelism the maxima are
+        all-reduced (MAX) over `group` first (default: the world; under tensor parallelism
+        pass the DP group) so every replica clips identically. Returns the per-layer (H,)
+        logit factors (1 = untouched) of the layers that recorded, and resets the maxima."""
+        factors = []
+        for i, layer in enumerate(self.model.layers):
+            S, self.maxima[i] = self.maxima[i], None
+            if S is None:
+                continue
+            if dist.is_available() and dist.is_initialized():
+                comm.all_reduce(S, op=dist.ReduceOp.MAX, group=group)
+            factors.append(self._clip_layer(layer.attention, S, copies))
+        return factors
 
-@torch.no_grad()
-def apply_qk_clip(model, copies=None, group=None):
-    """Call after optimizer.step(). copies: {model parameter: tensor} also scaled the same
-    way (train.py's fp32 master weights). Under data parallelism the maxima are all-reduced
-    (MAX) over `group` first (default: the world; under tensor parallelism pass the DP
-    group) so every replica clips identically. Returns the per-layer (H,) logit factors
-    (1 = untouched) and resets the recorders."""
-    if not hasattr(model, "qk_clip"):
-        raise UserError("apply_qk_clip: call enable_qk_clip(model, tau) first")
-    tau, gqa = model.qk_clip
-    factors = []
-    for layer in model.layers:
-        attn = layer.attention
-        S, attn.qk_max = attn.qk_max, None
-        if S is None:
-            continue
-        if dist.is_available() and dist.is_initialized():
-            comm.all_reduce(S, op=dist.ReduceOp.MAX, group=group)
-        n_q, n_kv, hd = S.numel(), attn.wk.weight.shape[0] // attn.head_dim, attn.head_dim
-        gamma = torch.where(S > tau, tau / S, torch.ones_like(S))   # wanted logit factor
-        if gqa == "group":
+    def _clip_layer(self, attn, S, copies):
+        n_q, hd = S.numel(), attn.head_dim
+        n_kv = attn.wk.weight.shape[0] // hd
+        gamma = torch.where(S > self.tau, self.tau / S, torch.ones_like(S))  # logit factor
+        if self.gqa == "group":
             g = gamma.view(n_kv, n_q // n_kv).amin(dim=1)             # τ / (group's max)
             q_scale, k_scale = g.sqrt().repeat_interleave(n_q // n_kv), g.sqrt()
-            factors.append(g.repeat_interleave(n_q // n_kv))
+            factor = g.repeat_interleave(n_q // n_kv)
         else:
             q_scale, k_scale = gamma, torch.ones(n_kv, device=S.device)
-            factors.append(gamma)
+            factor = gamma
         for w, scale in ((attn.wq.weight, q_scale), (attn.wk.weight, k_scale)):
             rows = scale.to(w.dtype).repeat_interleave(hd)[:, None]
             w.mul_(rows)
             if copies is not None and w in copies:
                 copies[w].mul_(rows.to(copies[w].dtype))
-    return factors
+        return factor
 
 
 # ----------------------------------------------------------------------------------------

@@ -191,12 +191,14 @@ def autocast_ctx(args, device):
                           enabled=args.precision == "autocast-bf16")
 
 
-def train_step(model, optimizer, batches, args, device, scaler=None, master=None, sync=None):
+def train_step(model, optimizer, batches, args, device, scaler=None, master=None, sync=None,
+               qk_clip=None):
     """One optimizer step over len(batches) micro-batches (gradient accumulation: the loss
     of each is divided by their number, so the summed gradient is that of the mean loss).
     sync: who holds the gradients -- data_parallel.OneProcess (the default) or a
     data-parallel wrapper, which communicates the gradients (during backward and in
     finish_grads) and, for ZeRO-1/2, the updated parameters (after_step).
+    qk_clip: an optim.QKClip (MuonClip), applied after the update.
     Returns (mean loss, activation bytes of one micro-batch, step skipped?)."""
     if sync is None:
         sync = data_parallel.OneProcess(model, master.params if master else
@@ -225,8 +227,8 @@ def train_step(model, optimizer, batches, args, device, scaler=None, master=None
         if master is not None:
             master.master_to_model()              # round the fp32 update into the model
         sync.after_step()                         # ZeRO-1/2: gather the updated slices
-    if args.qk_clip:   # MuonClip, with the maxima this step's forward recorded
-        optim.apply_qk_clip(model, dict(zip(master.model_params, master.params)) if master else None)
+    if qk_clip is not None:    # MuonClip, with the maxima this step's forwards recorded
+        qk_clip.apply(dict(zip(master.model_params, master.params)) if master else None)
     return total, act_bytes, found_inf
 
 
@@ -330,6 +332,7 @@ class Run:
     step: int                         # optimizer steps done = the data position
     history: dict                     # losses so far (saved with the checkpoint)
     run_id: str                       # one per training run, kept by every resume
+    qk_clip: Optional[optim.QKClip] = None   # MuonClip's recorders and clip (--qk-clip)
 
 
 def build_model(args, rt, resume):
@@ -393,12 +396,11 @@ def build(args, rt):
         sync = data_parallel.OneProcess(model, master.params if master else
                                         [p for p in model.parameters() if p.requires_grad])
     optimizer = build_optimizer(args, model, sync, master)
-    if args.qk_clip:
-        optim.enable_qk_clip(model, args.qk_clip)
     scaler = LossScaler(args.loss_scale, args.scale_window, enabled=args.precision == "fp16")
     run_id = resume.get("run_id") if resume else None
     run = Run(model, optimizer, scaler, master, sync, corpus, 0, {"loss": [], "val": []},
-              run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12])
+              run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12],
+              optim.QKClip(model, args.qk_clip) if args.qk_clip else None)
     if resume:
         _, full, where = found
         if args.dp:
@@ -499,7 +501,7 @@ def train(args, rt):
             with StepTimer(rt.device) as timer:
                 loss, act_bytes, skipped = train_step(run.model, run.optimizer, batches, args,
                                                       rt.device, run.scaler, run.master,
-                                                      run.sync)
+                                                      run.sync, run.qk_clip)
             sent += comm.total_wire - wire_before
             state = state_rows(run, rt)        # measured while the gradients still exist
             run.sync.zero_grad()
@@ -642,7 +644,7 @@ def bench(args, rt):
             wire = comm.total_wire
             with StepTimer(rt.device) as timer:
                 _, act, _ = train_step(run.model, run.optimizer, batches, run_args, rt.device,
-                                       run.scaler, run.master, run.sync)
+                                       run.scaler, run.master, run.sync, run.qk_clip)
             sent = comm.total_wire - wire
             rows = state_rows(run, rt)
             state = rows["total"] - rows["opt_scalars"]

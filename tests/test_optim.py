@@ -214,22 +214,21 @@ def test_newton_schulz_band_and_singular_vectors(shape, kind):
 
 # ---- QK-clip ------------------------------------------------------------------------------
 
-def _max_logits(model, x):
-    """A forward through the QK-clip recorders; they keep the maxima for apply_qk_clip."""
-    for layer in model.layers:
-        layer.attention.qk_max = None
+def _max_logits(clip, x):
+    """A forward through the QK-clip recorders; they keep the maxima for clip.apply()."""
+    clip.maxima = [None] * len(clip.maxima)
     with torch.no_grad():
-        model(x)
-    return torch.stack([layer.attention.qk_max for layer in model.layers])   # (L, H)
+        clip.model(x)
+    return torch.stack(clip.maxima)                                          # (L, H)
 
 
 def test_recorder_is_exact_and_does_not_change_outputs():
     model = tiny_model(attn="math")
     x, y = batch(0, model.config)
     logits0 = model(x)[0]
-    optim.enable_qk_clip(model, tau=1.0)
+    clip = optim.QKClip(model, tau=1.0)
     torch.testing.assert_close(model(x)[0], logits0, rtol=0, atol=0)
-    recorded = _max_logits(model, x)
+    recorded = _max_logits(clip, x)
     # brute force: rebuild q, k of layer 0 by hand from the model's own weights
     attn, h = model.layers[0].attention, model.layers[0].attention_norm(model.tok_embeddings(x))
     from model import apply_rope
@@ -243,18 +242,19 @@ def test_recorder_is_exact_and_does_not_change_outputs():
     torch.testing.assert_close(recorded[0], s.amax(dim=(0, 2, 3)).detach())
 
 
-def measure(model, x):
-    """Per-head max logit (L, H) of model on x, leaving the QK-clip recorders as they were."""
-    saved = [(layer.attention, layer.attention.attn_fn, getattr(layer.attention, "qk_max", None))
-             for layer in model.layers]
-    for attn, fn, _ in saved:
-        attn.qk_max, attn.attn_fn = None, optim._recording(attn, fn)
+def measure(model, x, clip=None):
+    """Per-head max logit (L, H) of model on x, through a probe QKClip removed afterwards;
+    the recorded maxima of `clip` (the model's own, if any) are left as they were."""
+    fns = [layer.attention.attn_fn for layer in model.layers]
+    stash = list(clip.maxima) if clip is not None else None
+    probe = optim.QKClip(model, tau=1.0)
     with torch.no_grad():
         model(x)
-    out = torch.stack([attn.qk_max for attn, _, _ in saved])
-    for attn, fn, stash in saved:
-        attn.attn_fn, attn.qk_max = fn, stash
-    return out
+    for layer, fn in zip(model.layers, fns):
+        layer.attention.attn_fn = fn
+    if clip is not None:
+        clip.maxima = stash
+    return torch.stack(probe.maxima)
 
 
 def test_qk_clip_bounds_exploding_logits():
@@ -268,23 +268,22 @@ def test_qk_clip_bounds_exploding_logits():
         model = tiny_model()
         opt = optim.build_optimizer(model.named_parameters(), "muon", lr=0.01, muon_lr=0.05,
                                     weight_decay=0.0)
-        if gqa != "off":
-            optim.enable_qk_clip(model, tau=tau, gqa=gqa)
+        clip = optim.QKClip(model, tau=tau, gqa=gqa) if gqa != "off" else None
         peaks[gqa] = []
         for s in range(steps):
             x, y = batch(s % 2, model.config)
             model(x, y)[1].backward()
             opt.step()
             opt.zero_grad()
-            logits = measure(model, x)                 # the updated weights, before the clip
+            logits = measure(model, x, clip)           # the updated weights, before the clip
             if gqa != "off":
-                S = torch.stack([layer.attention.qk_max for layer in model.layers])
-                factors = torch.stack(optim.apply_qk_clip(model))
+                S = torch.stack(clip.maxima)
+                factors = torch.stack(clip.apply())
                 want = torch.where(S > tau, tau / S, torch.ones_like(S))
                 if gqa == "group":                      # each head: its group's smallest
                     want = want.view(len(S), -1, 2).amin(-1).repeat_interleave(2, -1)
                 torch.testing.assert_close(factors, want)
-                post = measure(model, x)
+                post = measure(model, x, clip)
                 # layer 0 sees the same input, so its logits scale exactly (deeper layers
                 # also see the effect of the clip upstream)
                 torch.testing.assert_close(post[0], logits[0] * factors[0], rtol=1e-4, atol=1e-5)
@@ -306,11 +305,11 @@ def test_qk_clip_without_an_update_lands_exactly_on_tau():
             attn.wq.weight.mul_(torch.linspace(5, 60, 4).repeat_interleave(8)[:, None])
             attn.wk.weight.mul_(20)
         x = batch(0, model.config)[0]
-        optim.enable_qk_clip(model, tau=2.0, gqa=gqa)
-        pre = _max_logits(model, x)
+        clip = optim.QKClip(model, tau=2.0, gqa=gqa)
+        pre = _max_logits(clip, x)
         assert pre.max() > 4
-        optim.apply_qk_clip(model)
-        post = measure(model, x)
+        clip.apply()
+        post = measure(model, x, clip)
         assert post.max() <= 2.0 * (1 + 1e-5)
         if gqa == "query":
             torch.testing.assert_close(post, torch.minimum(pre, torch.tensor(2.0)))
@@ -326,18 +325,18 @@ def test_qk_clip_gqa_modes_scale_the_right_rows():
     for gqa, q_expect, k_expect in (("group", [2 ** -0.5] * 2 + [1, 1], [2 ** -0.5, 1]),
                                     ("query", [1, 0.5, 1, 1], [1, 1])):
         model = tiny_model()
-        optim.enable_qk_clip(model, tau=tau, gqa=gqa)
+        clip = optim.QKClip(model, tau=tau, gqa=gqa)
         attn, hd = model.layers[0].attention, model.config.head_dim
         wq, wk = attn.wq.weight.detach().clone(), attn.wk.weight.detach().clone()
-        attn.qk_max = torch.tensor([1.0, 2 * tau, 4.0, -3.0])
+        clip.maxima[0] = torch.tensor([1.0, 2 * tau, 4.0, -3.0])
         master = {attn.wq.weight: wq.clone().double()}
-        factors = optim.apply_qk_clip(model, copies=master)
+        factors = clip.apply(copies=master)
         q_rows = torch.tensor(q_expect).repeat_interleave(hd)[:, None]
         k_rows = torch.tensor(k_expect).repeat_interleave(hd)[:, None]
         torch.testing.assert_close(attn.wq.weight, wq * q_rows)
         torch.testing.assert_close(attn.wk.weight, wk * k_rows)
         torch.testing.assert_close(master[attn.wq.weight], (wq * q_rows).double())
-        assert attn.qk_max is None and len(factors) == 1      # layer 1 recorded nothing
+        assert clip.maxima == [None, None] and len(factors) == 1   # layer 1 recorded nothing
 
 
 # ---- errors, builder, sharding --------------------------------------------------------------
@@ -360,11 +359,9 @@ def test_bad_inputs_raise_one_line_errors():
     with pytest.raises(UserError, match="> 0"):
         optim.build_optimizer(model.named_parameters(), "muon", lr=0)
     with pytest.raises(UserError, match="tau"):
-        optim.enable_qk_clip(model, tau=0)
-    with pytest.raises(UserError, match="enable_qk_clip"):
-        optim.apply_qk_clip(model)
+        optim.QKClip(model, tau=0)
     with pytest.raises(UserError, match="GQA"):
-        optim.enable_qk_clip(model, tau=1, gqa="key")
+        optim.QKClip(model, tau=1, gqa="key")
     with pytest.raises(UserError, match="empty"):
         optim.SGD([])
     with pytest.raises(UserError, match="matrix"):
