@@ -209,24 +209,35 @@ class Stats:              # α = accepted / tries; τ = tokens per target call, 
     tau = property(lambda s: (s.accepted + s.row_rounds) / max(s.row_rounds, 1))
 
 
+def check_request(target, prompts, max_new_tokens, gamma, width):
+    """One clear error for inputs speculative decoding cannot serve."""
+    if gamma < 1:
+        raise UserError(f"gamma must be at least 1 (draft tokens per step), got {gamma}")
+    if width < 1 or not prompts or min(map(len, prompts)) < 1:
+        raise UserError("every prompt needs at least one token, and width at least 1")
+    longest = max(map(len, prompts))
+    if longest + max_new_tokens + gamma > target.config.block_size:
+        raise UserError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + "
+                        f"gamma ({gamma}) exceeds the context "
+                        f"(block_size={target.config.block_size})")
+
+
 @torch.no_grad()
 def speculative_generate(target, drafter, prompts, max_new_tokens, gamma=4, width=1,
                          temperature=0.0, seed=0, stats=None):
     """prompts: lists of token ids (lengths may differ). -> (new tokens per row, target
     RaggedCache). Between steps the target's cache holds every committed token but the last
     (the root of the next tree), and feats[b, j + 1] = its top feature at position j."""
-    if gamma < 1 or width < 1 or not prompts or min(map(len, prompts)) < 1:
-        raise UserError(f"gamma must be at least 1 (draft tokens per step), got {gamma}" if gamma
-                        < 1 else "every prompt needs at least one token, and width at least 1")
-    if max(map(len, prompts)) + max_new_tokens + gamma > target.config.block_size:
-        raise UserError(f"prompt ({max(map(len, prompts))} tokens) + max_new_tokens "
-                        f"({max_new_tokens}) + gamma ({gamma}) exceeds the context "
-                        f"(block_size={target.config.block_size})")
+    check_request(target, prompts, max_new_tokens, gamma, width)
     stats = Stats() if stats is None else stats
-    dev, dtype = target.output.weight.device, target.output.weight.dtype
+    dev = target.output.weight.device
+    dtype = target.output.weight.dtype
+    # room for the prompt, the answer and one step's tree (with slack for rolled-back rows)
     cap = max(map(len, prompts)) + max_new_tokens + 3 * (gamma + 1) + gamma * width + 8
-    gen, rand = torch.Generator(device=dev).manual_seed(seed), np.random.default_rng(seed).random
-    seqs, goal = [list(p) for p in prompts], [len(p) + max_new_tokens for p in prompts]
+    gen = torch.Generator(device=dev).manual_seed(seed)     # the drafters' sampling
+    rand = np.random.default_rng(seed).random               # the acceptance tests
+    seqs = [list(p) for p in prompts]
+    goal = [len(p) + max_new_tokens for p in prompts]
     cache = RaggedCache(target.config, len(seqs), cap, dev, dtype)
     feats = torch.zeros(len(seqs), cap + 1, target.config.n_embd, device=dev, dtype=dtype)
     if max(map(len, seqs)) > 1:                 # prefill all but the last prompt token
@@ -235,34 +246,51 @@ def speculative_generate(target, drafter, prompts, max_new_tokens, gamma=4, widt
     drafter.reset(target, seqs, feats, cap)
     while any(len(s) < g for s, g in zip(seqs, goal)):
         t0 = time.perf_counter()
-        tree = grow_tree(drafter, torch.tensor([s[-1] for s in seqs], device=dev), gamma,
-                         width, temperature, gen)
-        t1, base = time.perf_counter(), cache.lens.clone()
-        pos = (base[:, None] + torch.tensor(tree.depth, device=dev)).clamp(  # finished rows
-            max=target.config.block_size - 1)                              # may run past
+        roots = torch.tensor([s[-1] for s in seqs], device=dev)
+        tree = grow_tree(drafter, roots, gamma, width, temperature, gen)
+        t1 = time.perf_counter()
+        base = cache.lens.clone()
+        # finished rows may run past the context: their positions are clamped (and undone)
+        pos = (base[:, None] + torch.tensor(tree.depth, device=dev)).clamp(
+            max=target.config.block_size - 1)
         logits, _, h = target(tree.tokens, positions=pos, mask=attend_mask(base, tree.vis),
                               cache=cache, return_hidden=True)
-        P = (F.one_hot(logits.argmax(-1), logits.shape[-1]).double() if temperature == 0
-             else (logits.double() / temperature).softmax(-1)).cpu().numpy()  # T=0: one-hot
-        Q = {n: q.double().cpu().numpy() for n, q in tree.q.items()}
-        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-        for b, start in enumerate(base.tolist()):
-            if len(seqs[b]) >= goal[b]:         # finished: undo this step for the row
-                cache.lens[b] = start
-                drafter.rollback(b)
-                continue
-            path, x, tries = verify(P[b], tokens[b], parents[b], {n: q[b] for n, q in Q.items()},
-                                    rand)
-            cache.keep(b, start, [0] + path)
-            feats[b, start + 1:start + 2 + len(path)] = h[b, [0] + path]
-            seqs[b] += [tokens[b][n] for n in path] + [x]
-            drafter.commit(b, path)
-            stats.row_rounds, stats.tries, stats.accepted = (
-                stats.row_rounds + 1, stats.tries + tries, stats.accepted + len(path))
-        stats.rounds, stats.draft_s = stats.rounds + 1, stats.draft_s + t1 - t0
+        accept_rows(tree, logits, h, base, temperature, rand, (seqs, goal, cache, feats),
+                    drafter, stats)
+        stats.rounds += 1
+        stats.draft_s += t1 - t0
         stats.verify_s += time.perf_counter() - t1
     stats.drafter_calls += drafter.calls
     return [s[len(p):g] for s, p, g in zip(seqs, prompts, goal)], cache
+
+
+def accept_rows(tree, logits, h, base, temperature, rand, state, drafter, stats):
+    """Each row's verdict on its tree (verify: the exact acceptance rule), then the
+    commit: the accepted path and the corrected or bonus token join the row, the cache
+    keeps the path's K/V, the feature cache their hidden states."""
+    seqs, goal, cache, feats = state
+    if temperature == 0:                        # T = 0: the target's choice as a one-hot
+        P = F.one_hot(logits.argmax(-1), logits.shape[-1]).double()
+    else:
+        P = (logits.double() / temperature).softmax(-1)
+    P = P.cpu().numpy()
+    Q = {n: q.double().cpu().numpy() for n, q in tree.q.items()}
+    tokens = tree.tokens.tolist()
+    parents = tree.parents.tolist()
+    for b, start in enumerate(base.tolist()):
+        if len(seqs[b]) >= goal[b]:             # finished: undo this step for the row
+            cache.lens[b] = start
+            drafter.rollback(b)
+            continue
+        path, x, tries = verify(P[b], tokens[b], parents[b], {n: q[b] for n, q in Q.items()},
+                                rand)
+        cache.keep(b, start, [0] + path)
+        feats[b, start + 1:start + 2 + len(path)] = h[b, [0] + path]
+        seqs[b] += [tokens[b][n] for n in path] + [x]
+        drafter.commit(b, path)
+        stats.row_rounds += 1
+        stats.tries += tries
+        stats.accepted += len(path)
 
 
 # -- Drafters: start(roots, depth) catches up, -> the root's child logits (B, 1, V); ------
