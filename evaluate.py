@@ -186,7 +186,7 @@ def min_k_prob(logprobs, k_percent=20.0):
 # ----------------------------------------------------------------------------------------
 # Log-likelihood of continuations: the harness primitive
 
-def _by_length(prompts):
+def by_length(prompts):
     """{prompt length: indices}: a contiguous KV cache holds one length per batch."""
     groups = {}
     for i, p in enumerate(prompts):
@@ -235,7 +235,7 @@ def continuation_logprobs(model, pairs, reuse_cache=True, keep_logits=False, chu
     out_lp, out_logits = [None] * len(pairs), [None] * len(pairs)
     was_training = model.training
     model.eval()                                 # no dropout (lora.py's adapters have it)
-    for ids in _by_length([c for c, _ in pairs]).values():
+    for ids in by_length([c for c, _ in pairs]).values():
         for s in range(0, len(ids), chunk):
             part = ids[s:s + chunk]
             index = {}
@@ -254,7 +254,7 @@ def continuation_logprobs(model, pairs, reuse_cache=True, keep_logits=False, chu
 # ----------------------------------------------------------------------------------------
 # The evaluation API the other scripts share: one definition of each number
 
-def _prompt_ids(enc, problems):
+def prompt_ids(enc, problems):
     return [enc.encode_ordinary(p.prompt) for p in problems]
 
 
@@ -270,8 +270,8 @@ def greedy_answers(model, enc, problems, max_new=None):
         max_new = max(len(enc.encode_ordinary(p.answer + data.TERMINATOR)) for p in problems) + 1
     was_training, device = model.training, model.output.weight.device
     model.eval()
-    prompts, out = _prompt_ids(enc, problems), [None] * len(problems)
-    for ids in _by_length(prompts).values():
+    prompts, out = prompt_ids(enc, problems), [None] * len(problems)
+    for ids in by_length(prompts).values():
         rows = model.generate(torch.tensor([prompts[i] for i in ids], device=device), max_new,
                               temperature=0, eos_id=nl).tolist()
         for i, row in zip(ids, rows):
@@ -609,7 +609,7 @@ def answer_records(model, enc, problems, max_new):
     (of the greedy answer and of the reference answer), so any temperature can be applied
     afterwards without another forward."""
     greedy = greedy_answers(model, enc, problems, max_new)
-    prompts = _prompt_ids(enc, problems)
+    prompts = prompt_ids(enc, problems)
     refs = [enc.encode_ordinary(p.answer + data.TERMINATOR) for p in problems]
     _, lg_greedy = continuation_logprobs(model, list(zip(prompts, greedy)), keep_logits=True)
     _, lg_ref = continuation_logprobs(model, list(zip(prompts, refs)), keep_logits=True)

@@ -85,6 +85,11 @@ def shards_dir(args):
     return os.path.splitext(args.ckpt)[0] + "_shards"
 
 
+def location(args):
+    """Where this run's checkpoints go: the --ckpt file, or (--dp) its shards folder."""
+    return shards_dir(args) if args.dp else args.ckpt
+
+
 def identity(run, step):
     """What every save records about who wrote it. run_id: one per training run (a resume
     keeps it); launch_id: torchrun's run id, the same for every rank and every restart of
@@ -173,7 +178,7 @@ def save(args, rt, run):
         reason = os_reason(e)
         if reason is None:
             raise
-        where = shards_dir(args) if args.dp else args.ckpt
+        where = location(args)
         raise UserError(f"saving the checkpoint of step {run.step} to {where} failed: "
                         f"{reason.lower()}; the previous checkpoint there is untouched") \
             from None

@@ -191,6 +191,12 @@ def autocast_ctx(args, device):
                           enabled=args.precision == "autocast-bf16")
 
 
+def trained_params(model, master):
+    """What the optimizer steps: the fp32 master copies in mixed precision, else the
+    model's own trainable parameters."""
+    return master.params if master else [p for p in model.parameters() if p.requires_grad]
+
+
 def train_step(model, optimizer, batches, args, device, scaler=None, master=None, sync=None,
                qk_clip=None):
     """One optimizer step over len(batches) micro-batches (gradient accumulation: the loss
@@ -201,8 +207,7 @@ def train_step(model, optimizer, batches, args, device, scaler=None, master=None
     qk_clip: an optim.QKClip (MuonClip), applied after the update.
     Returns (mean loss, activation bytes of one micro-batch, step skipped?)."""
     if sync is None:
-        sync = data_parallel.OneProcess(model, master.params if master else
-                                        [p for p in model.parameters() if p.requires_grad])
+        sync = data_parallel.OneProcess(model, trained_params(model, master))
     scale = scaler.scale if scaler is not None and scaler.enabled else 1.0
     total = 0.0
     act_bytes = 0
@@ -370,7 +375,7 @@ def build_optimizer(args, model, sync, master):
         raise UserError(f"--optimizer muon runs without --dp or with --dp ddp: --dp {args.dp} "
                         "shards flat slices and Newton–Schulz needs whole matrices")
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    params = master.params if master else [p for p in model.parameters() if p.requires_grad]
+    params = trained_params(model, master)
     return optim.build_optimizer(zip(names, params), "muon", lr=args.lr,
                                  weight_decay=args.weight_decay, muon_lr=args.muon_lr,
                                  betas=(args.beta1, args.beta2))
@@ -393,8 +398,7 @@ def build(args, rt):
     if args.dp:
         sync = data_parallel.wrap(model, args.dp, rt, args.bucket_mb)
     else:
-        sync = data_parallel.OneProcess(model, master.params if master else
-                                        [p for p in model.parameters() if p.requires_grad])
+        sync = data_parallel.OneProcess(model, trained_params(model, master))
     optimizer = build_optimizer(args, model, sync, master)
     scaler = LossScaler(args.loss_scale, args.scale_window, enabled=args.precision == "fp16")
     run_id = resume.get("run_id") if resume else None
@@ -488,8 +492,7 @@ def train(args, rt):
                f"{args.steps} (raise --steps to train further)")
         return run.history
     if first_step:
-        print0(f"resumed at step {first_step} from "
-               f"{saved.shards_dir(args) if args.dp else args.ckpt}")
+        print0(f"resumed at step {first_step} from {saved.location(args)}")
     state, act_bytes, sent, t_start = None, 0, 0, time.time()
     with GracefulStop() as stop:    # Ctrl-C: finish the step, save, say how to resume
         while run.step < last:
@@ -520,8 +523,7 @@ def train(args, rt):
             if args.save_interval and (run.step % args.save_interval == 0 or
                                        run.step == last or signum):
                 saved.save(args, rt, run)
-                print0(f"saved step {run.step} to "
-                       f"{saved.shards_dir(args) if args.dp else args.ckpt}")
+                print0(f"saved step {run.step} to {saved.location(args)}")
             if signum:
                 stopped(args, run, signum)
     elapsed = time.time() - t_start
@@ -594,7 +596,7 @@ def global_mean(value, rt, signum=0):
 def stopped(args, run, signum):
     """After a SIGINT / SIGTERM: the one line saying where the run stopped and how to go
     on, then Interrupted (run_cli exits 130 / 143)."""
-    where = saved.shards_dir(args) if args.dp else args.ckpt
+    where = saved.location(args)
     print0(f"{signal.Signals(signum).name}: stopped after step {run.step} of {args.steps}; "
            + (f"checkpoint saved to {where}: run the same command with --resume to continue"
               if args.save_interval else "nothing saved (--save-interval 0)"))

@@ -30,8 +30,8 @@ from plumbing import UserError, print0
 def sample_answers(model, enc, problems, k, temperature, max_new, seed):
     """k sampled answers per problem (cut after "\\n"), equal-length prompts batched."""
     nl, device = enc.encode_ordinary(data.TERMINATOR)[0], model.output.weight.device
-    prompts, out = ev._prompt_ids(enc, problems), [None] * len(problems)
-    for n, ids in ev._by_length(prompts).items():
+    prompts, out = ev.prompt_ids(enc, problems), [None] * len(problems)
+    for n, ids in ev.by_length(prompts).items():
         rows = model.generate(torch.tensor([prompts[i] for i in ids for _ in range(k)], device=device),
                               max_new, temperature=temperature, seed=seed + n, eos_id=nl).tolist()
         for j, i in enumerate(ids):

@@ -10,6 +10,7 @@ import sys
 import sysconfig
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -53,3 +54,14 @@ def text_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
     path.write_text(text, encoding="utf-8")
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors run fastest on one thread: on a busy 2-core machine two spinning OpenMP
+    threads make them many times slower. For a whole test module
+    (`pytestmark = pytest.mark.usefixtures("one_thread")`); the setting is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

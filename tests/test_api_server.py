@@ -23,12 +23,7 @@ from serve import Engine, SamplingParams, decode_tokens
 POISON = "POISON!"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
 
 
 def byte_encoding():

@@ -59,14 +59,7 @@ DP_MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 WORKER = "tests/test_gpu.py"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The CPU self-checks' tiny tensors run fastest on one thread (two spinning OpenMP
-    threads on a busy 2-core machine are many times slower); restored after this module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
 
 
 def tiny_args(text_file, device, *extra):

@@ -9,14 +9,7 @@ from kvcache import (BlockAllocator, PagedKVCache, block_hash, blocks_for, dequa
 from model import GPT, get_config, math_attention, sdpa_attention
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors run fastest on one thread (on a busy machine two spinning OpenMP
-    threads make them many times slower); restored after this module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
 
 
 def dense_reference(q, k, v, context_len):

@@ -32,14 +32,7 @@ NF4_REFERENCE = [
 ADAPTERS = ["lora", "loraplus", "qlora", "vera", "dora"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (on a busy machine two spinning OpenMP
-    threads are much slower); restored after this module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
 
 
 def tiny(seed=0, **overrides):

@@ -18,14 +18,7 @@ from plumbing import UserError                  # noqa: E402
 STEPS = 20
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # these are tiny tensors: on a shared 2-core machine, 2 threads spin against other
-    # processes and a step takes 20× longer than with one
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
 
 
 def tiny_model(**overrides):

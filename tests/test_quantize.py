@@ -17,12 +17,7 @@ from plumbing import run_cli
 from serve import Engine, SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
 
 
 def tiny(seed=0, **kw):

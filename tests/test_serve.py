@@ -20,14 +20,7 @@ from serve import Engine, SamplingParams, decode_tokens, static_batch_generate
 from api_server import make_server
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and a busy machine's spinning OpenMP workers
-    make two threads much slower); the setting is restored after this module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
 
 
 def byte_encoding():
