@@ -255,23 +255,27 @@ class PagedKVCache:
         self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
         self.kv_dtype = kv_dtype or str(dtype).replace("torch.", "")
-        self.inner = attn_fn or ATTENTION_FUNCTIONS[cfg.attn]   # the math after the gather
+        # the math after the gather: None = the calling layer's attn_fn (a test or a
+        # benchmark may fix another, e.g. the explicit softmax)
+        self.inner = attn_fn
         # head-major: a block of one head is bs·D contiguous numbers, so a gathered
         # sequence comes out as (H_kv, L, D) with rows of keys contiguous -- what the
-        # attention kernel wants without another copy
-        shape = (cfg.n_layer, cfg.n_kv_head, num_blocks * block_size, cfg.head_dim)
+        # attention kernel wants without another copy. Widths from the config: GQA keys
+        # and values, or MLA's latent and rope key (model.GPTConfig.kv_cache_dims).
+        heads, k_dim, v_dim = cfg.kv_cache_dims
+        shape = (cfg.n_layer, heads, num_blocks * block_size)
         if self.kv_dtype == "int8":
-            self.k = torch.zeros(shape, dtype=torch.int8, device=device)
-            self.v = torch.zeros(shape, dtype=torch.int8, device=device)
-            self.k_scale = torch.ones(shape[:-1] + (1,), device=device)
-            self.v_scale = torch.ones(shape[:-1] + (1,), device=device)
+            self.k = torch.zeros(shape + (k_dim,), dtype=torch.int8, device=device)
+            self.v = torch.zeros(shape + (v_dim,), dtype=torch.int8, device=device)
+            self.k_scale = torch.ones(shape + (1,), device=device)
+            self.v_scale = torch.ones(shape + (1,), device=device)
         else:
             kd = getattr(torch, self.kv_dtype, None)
             if not isinstance(kd, torch.dtype) or not kd.is_floating_point:
                 raise UserError(f"unknown kv dtype {self.kv_dtype!r}: use int8, float32, "
                                 f"bfloat16 or float16")
-            self.k = torch.zeros(shape, dtype=kd, device=device)
-            self.v = torch.zeros(shape, dtype=kd, device=device)
+            self.k = torch.zeros(shape + (k_dim,), dtype=kd, device=device)
+            self.v = torch.zeros(shape + (v_dim,), dtype=kd, device=device)
             self.k_scale = self.v_scale = None
         self.length = 0          # the model contract: GPT.forward reads it (positions are
         self.groups = []         # passed explicitly, so 0 keeps its masks out of the way)
@@ -374,19 +378,23 @@ class PagedKVCache:
             pool, tuple) else take(pool).to(self.dtype)
         return x.view(x.shape[0], S, -1, x.shape[-1]).transpose(0, 1)
 
-    def attention(self, q, k_pool, v_pool, mask=None):
+    def attention(self, q, k_pool, v_pool, mask=None, attn_fn=None):
         """Paged attention for the packed step. q: (1, H, T, D). For each group: pick the
         group's queries (padded to its longest chunk), gather its keys/values through the
-        block tables, run the model's attention function with the causal/length mask,
-        scatter the real (unpadded) query rows back into packed order."""
-        out = torch.empty_like(q)
+        block tables, run the layer's attention function with the causal/length mask,
+        scatter the real (unpadded) query rows back into packed order. The output's width
+        is the attention's (MLA's latent attention returns d_c, not D)."""
+        inner = self.inner or attn_fn or ATTENTION_FUNCTIONS[self.cfg.attn]
+        out = None
         H, D = q.shape[1], q.shape[3]
         for q_index, keep, dest, key_blocks, group_mask in self.groups:
             S = group_mask.shape[0]
             qg = q[0].index_select(1, q_index).view(H, S, -1, D).transpose(0, 1)
             k, v = self.gather(k_pool, key_blocks, S), self.gather(v_pool, key_blocks, S)
-            og = self.inner(qg, k, v, group_mask)                   # (S, H, Tmax, D)
-            og = og.transpose(0, 1).reshape(H, -1, D).index_select(1, keep)
+            og = inner(qg, k, v, group_mask)                         # (S, H, Tmax, D_out)
+            og = og.transpose(0, 1).reshape(H, -1, og.shape[-1]).index_select(1, keep)
+            if out is None:
+                out = q.new_empty(1, H, q.shape[2], og.shape[-1])
             out[0].index_copy_(1, dest, og)
         return out
 
@@ -529,7 +537,8 @@ def gather_cost(cfg, bs):
     v = torch.randn(S, cfg.n_kv_head, L, cfg.head_dim)
     qd, full = q[0].transpose(0, 1)[:, :, None], torch.ones(S, 1, 1, L, dtype=torch.bool)
     timings = {}
-    for name, fn in (("dense", lambda: cache.inner(qd, k, v, full)),
+    dense_attention = ATTENTION_FUNCTIONS[cfg.attn]
+    for name, fn in (("dense", lambda: dense_attention(qd, k, v, full)),
                      ("paged", lambda: cache.attention(q, cache.k[0], cache.v[0]))):
         fn()
         runs = []

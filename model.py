@@ -70,10 +70,36 @@ class GPTConfig:
     tie_embeddings: bool = False
     attn: str = "sdpa"            # "sdpa" (fused kernel) or "math" (explicit softmax(QKᵀ)V)
     init_std: float = 0.02
+    # Multi-head latent attention (mla.py; DeepSeek-V2 §2.1): keys and values come from
+    # one low-rank latent per token, which is all the cache keeps (with the rope key).
+    kv_lora_rank: int = 0         # d_c; 0 = GQA as above, > 0 = MLA
+    q_lora_rank: int = 0          # MLA queries through their own latent of this rank; 0 = not
+    qk_rope_head_dim: int = 0     # d_R: the decoupled RoPE part of each query/key head
+    qk_nope_head_dim: int = 0     # the position-free part of each query/key head; 0 = head_dim
+    v_head_dim: int = 0           # MLA value head size; 0 = head_dim
 
     @property
     def head_dim(self):
         return self.n_embd // self.n_head
+
+    @property
+    def mla(self):
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self):
+        """Width that RoPE rotates: the whole head, or MLA's decoupled rope part."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def kv_cache_dims(self):
+        """What a KV cache stores per token and layer: (heads, key width, value width).
+        GQA: n_kv_head keys and values of head_dim. MLA: one "head" whose key slot holds
+        the latent c_KV (d_c) and whose value slot holds the shared rope key (d_R) --
+        the caches store them without knowing which attention they serve."""
+        if self.mla:
+            return 1, self.kv_lora_rank, self.qk_rope_head_dim
+        return self.n_kv_head, self.head_dim, self.head_dim
 
     @property
     def ffn_dim(self):
@@ -88,8 +114,11 @@ class GPTConfig:
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
             raise UserError(f"n_head={self.n_head} is not divisible by n_kv_head="
                             f"{self.n_kv_head} (each KV head serves a whole group of heads)")
-        if self.head_dim % 2:
-            raise UserError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.rope_dim % 2 or self.rope_dim < 1:
+            raise UserError(f"the rotary part of each head ({self.rope_dim}) must be even and "
+                            f"positive (MLA: set qk_rope_head_dim)")
+        if self.mla and self.q_lora_rank < 0:
+            raise UserError(f"q_lora_rank must be >= 0, got {self.q_lora_rank}")
         if self.n_expert and not 1 <= self.expert_top_k <= self.n_expert:
             raise UserError(f"expert_top_k={self.expert_top_k} must be in 1..n_expert="
                             f"{self.n_expert}")
@@ -215,8 +244,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:              # append this step's K/V, attend to all of them
             k, v = cache.update(layer, k, v)
-        paged = cache is not None and cache.attention is not None
-        y = cache.attention(q, k, v, mask) if paged else self.attn_fn(q, k, v, mask)
+        if cache is not None and cache.attention is not None:
+            y = cache.attention(q, k, v, mask, self.attn_fn)    # e.g. paged: gather first
+        else:
+            y = self.attn_fn(q, k, v, mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -303,11 +334,18 @@ class MoE(nn.Module):
         return (gate[:, :, None] * outs).sum(1).view(B, T, D)
 
 
+def latent_attention(cfg):
+    """MLA lives in its own file (mla.py: the latent, the absorbed inference path); it
+    imports this one, so it is imported here, when a config asks for it."""
+    from mla import LatentAttention
+    return LatentAttention(cfg)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = latent_attention(cfg) if cfg.mla else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.feed_forward = MoE(cfg) if cfg.n_expert else FeedForward(cfg.n_embd, cfg.ffn_dim)
         # replaceable: run(fn, *args) -> fn(*args) by default; train.py's full activation
@@ -353,20 +391,22 @@ class KVCache:
       - `update(layer, k, v) -> (k_all, v_all)`: store this step's (B, H_kv, T, D) keys
         and values of that layer, return every key and value to attend to;
       - `advance(n)`: called once per forward after all layers, with T new tokens;
-      - `attention`: None, or a function (q, k_all, v_all, mask) -> out that the layers
-        use instead of their attn_fn -- a cache whose keys are not (B, H_kv, T, D)
-        tensors does its own attention (kvcache.PagedKVCache: gathers through the block
-        tables, then the model's attention function)."""
+      - `attention`: None, or a function (q, k_all, v_all, mask, attn_fn) -> out that
+        the layers call instead of attn_fn(q, k_all, v_all, mask) -- a cache whose keys
+        are not (B, H_kv, T, D) tensors does its own attention (kvcache.PagedKVCache:
+        gathers through the block tables, then runs the layer's attn_fn on the result).
+    Shapes come from `cfg.kv_cache_dims`: (heads, key width, value width) -- for MLA
+    (mla.py) the "keys" are the latents and the "values" the rope keys."""
 
     attention = None              # this cache's keys are plain tensors: the layer attends
 
     def __init__(self, cfg: GPTConfig, batch_size, max_len=None, device="cpu",
                  dtype=torch.float32, n_kv_head=None):
         self.max_len = max_len or cfg.block_size
-        shape = (cfg.n_layer, batch_size, n_kv_head or cfg.n_kv_head, self.max_len,
-                 cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        heads, k_dim, v_dim = cfg.kv_cache_dims
+        shape = (cfg.n_layer, batch_size, n_kv_head or heads, self.max_len)
+        self.k = torch.zeros(shape + (k_dim,), device=device, dtype=dtype)
+        self.v = torch.zeros(shape + (v_dim,), device=device, dtype=dtype)
         self.length = 0           # positions already filled
 
     def update(self, layer, k, v):
@@ -380,7 +420,7 @@ class KVCache:
 
     @property
     def nbytes(self):
-        return self.k.numel() * self.k.element_size() * 2
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
 
 # ----------------------------------------------------------------------------------------
@@ -397,7 +437,7 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.extra_heads = nn.ModuleList(ExtraHead(cfg) for _ in range(cfg.n_extra_heads))
-        cos, sin = rope_table(cfg.head_dim, cfg.block_size, cfg.rope_theta)
+        cos, sin = rope_table(cfg.rope_dim, cfg.block_size, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.last_losses = {}     # the parts of the last training loss, for logging
