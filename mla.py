@@ -1,0 +1,355 @@
+"""
+mla.py -- multi-head latent attention (MLA; DeepSeek-V2 §2.1, DeepSeek-V3 §2.1.1): the
+KV cache holds one low-rank latent per token instead of every head's keys and values.
+
+What it teaches:
+  - Low-rank joint compression of keys and values: c_KV = RMSNorm(W_DKV x) of width d_c
+    (kv_lora_rank), and every head's key and value are up-projections of it,
+    k_C = W_UK c_KV, v = W_UV c_KV (both inside `wkv_b`). Only c_KV is cached.
+  - Decoupled RoPE: a rotation between W_UK and the query would depend on the key's
+    position, so W_UK could no longer be folded into the query (below). MLA therefore
+    keeps the position-free part (d_nope per head) apart from a small rotary part: each
+    head has its own rotary query q_R (d_R), and ONE rotary key k_R = RoPE(W_KR x),
+    shared by all heads, is cached next to c_KV. Logit of head h:
+    (q_C,h · k_C,h + q_R,h · k_R) / √(d_nope + d_R).
+  - Absorption at inference (DeepSeek-V2 §2.1.2, "W_UK can be absorbed into W_Q, and W_UV
+    into W_O"): q_C,h · (W_UK,h c) = (W_UK,hᵀ q_C,h) · c, so a query mapped into the
+    latent space attends to the cached latents directly; and Σ_j p_j W_UV,h c_j =
+    W_UV,h Σ_j p_j c_j, so the up-projection of values runs once, after attention. The
+    attention then runs on (c_KV ‖ k_R) as a single KV head of width d_c + d_R (MQA-like),
+    with c_KV as its value. Same outputs as the unabsorbed path (tests: 1e-5).
+  - Queries may come through their own latent (q_lora_rank: W_DQ, RMSNorm, W_UQ): fewer
+    parameters and activation memory in training; nothing changes in the cache.
+
+What it saves and what it costs (L layers, d_h head size, n_kv GQA key/value heads):
+  - KV bytes per token: (d_c + d_R)·L·bytes, against 2·n_kv·d_h·L·bytes for GQA/MHA.
+    DeepSeek-V2's choice d_c = 4·d_h, d_R = d_h/2 caches 4.5·d_h per layer: GQA with 2.25
+    groups, while every head keeps its own key and value (`python mla.py` measures it).
+  - Unabsorbed decode with a latent cache pays the up-projection of EVERY cached token at
+    EVERY step: T·d_c·H·(d_nope + d_v) multiply-adds per layer, growing with the context.
+    Absorbed decode pays per query H·d_nope·d_c (fold W_UK) + H·d_c·d_v (W_UV after), and
+    per cached token H·(2·d_c + d_R) (scores and weighted sum on the latent): FLOPs per
+    cached token traded for FLOPs per query. Prefill and training are the other way
+    round (many queries, each attending at width d_c + d_R instead of d_nope + d_R), so
+    training runs unabsorbed.
+  - Sacrificed: keys and values are rank-d_c; one rotary key for all heads; two more
+    matrices (down- and up-projection) per layer; the absorbed attention is wider per
+    head than d_h, and int8 KV quantization now rounds the latent, not the keys.
+
+The one seam for choosing the path: `LatentAttention.absorb` (None = absorbed exactly when
+a cache is given, i.e. at inference; True / False force one path -- the tests and the
+benchmark set it on every layer). QK-clip (optim.QKClip) records the per-head max logit
+through `attn_fn` as for model.Attention: both paths hand attn_fn queries and keys whose
+q·k/√(width) are MLA's real logits, and it rescales the head-specific rows (wq or wq_b,
+the k_C rows of wkv_b), never the shared rotary key in wkv_a.
+
+Run:  python mla.py      # KV bytes/token (measured from the caches, next to the formula)
+                         # and decode time per token: MHA, GQA, MLA absorbed / unabsorbed
+
+References: DeepSeek-AI 2024, "DeepSeek-V2" (§2.1); DeepSeek-AI 2024, "DeepSeek-V3
+Technical Report" (§2.1.1); deepseek-ai/DeepSeek-V3 inference/model.py (the names, the
+absorbed path); Su et al. 2021 (RoPE); Shazeer 2019 (MQA).
+"""
+import math
+
+import torch
+import torch.nn as nn
+
+from model import (ATTENTION_FUNCTIONS, GPT, KVCache, RMSNorm, apply_rope, get_config)
+from plumbing import (ArgumentParser, HelpFormatter, StepTimer, UserError, fmt_bytes,
+                      pick_device, run_cli)
+
+
+# ----------------------------------------------------------------------------------------
+# The layer
+
+def mla_dims(cfg):
+    """-> dict of MLA's widths, defaults resolved; UserError for a config that cannot
+    build one (GPTConfig.validate checks the rotary part; the rest is checked here)."""
+    dims = dict(n_head=cfg.n_head,
+                d_c=cfg.kv_lora_rank,
+                d_q=cfg.q_lora_rank,
+                d_nope=cfg.qk_nope_head_dim or cfg.head_dim,
+                d_rope=cfg.qk_rope_head_dim,
+                d_v=cfg.v_head_dim or cfg.head_dim)
+    widths = (dims["d_c"], dims["d_nope"], dims["d_rope"], dims["d_v"])
+    if min(widths) < 1 or dims["d_q"] < 0:
+        raise UserError(f"MLA needs positive widths (kv_lora_rank, qk_rope_head_dim, "
+                        f"qk_nope_head_dim, v_head_dim; q_lora_rank >= 0), got "
+                        f"kv_lora_rank={cfg.kv_lora_rank} q_lora_rank={cfg.q_lora_rank} "
+                        f"qk_rope_head_dim={cfg.qk_rope_head_dim} "
+                        f"qk_nope_head_dim={cfg.qk_nope_head_dim} v_head_dim={cfg.v_head_dim}")
+    if cfg.attn not in ATTENTION_FUNCTIONS:
+        raise UserError(f"unknown attention {cfg.attn!r}: {' or '.join(ATTENTION_FUNCTIONS)}")
+    return dims
+
+
+class LatentAttention(nn.Module):
+    """MLA with DeepSeek-V3's names. Weights (H heads):
+      wq (n_embd → H·(d_nope+d_R)), or wq_a (n_embd → q_lora_rank), q_norm, wq_b (→ H·(d_nope+d_R));
+        per head the rows are [q_C (d_nope) | q_R (d_R)];
+      wkv_a (n_embd → d_c + d_R): [the latent before kv_norm | the shared rotary key];
+      kv_norm (RMSNorm of the latent);
+      wkv_b (d_c → H·(d_nope+d_v)): per head [W_UK (d_nope rows) | W_UV (d_v rows)];
+      wo (H·d_v → n_embd).
+    All 2-D, so GPT.init_weights draws them from N(0, 0.02) and scales wo by 1/√(2L); the
+    norms are 1-D and start at 1.
+
+    forward(x, cos, sin, mask, cache, layer) is model.Attention's; cos/sin are d_R wide
+    (GPT builds its RoPE table cfg.rope_dim wide). With a cache it stores (c_KV, k_R) as
+    the protocol's (key, value) -- cfg.kv_cache_dims = (1, d_c, d_R) -- and hands the
+    cache this layer's latent attention function, which any cache (dense, paged, int8)
+    runs on what it gathered."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        d = mla_dims(cfg)
+        self.n_head = d["n_head"]
+        self.kv_lora_rank = d["d_c"]
+        self.qk_nope_head_dim = d["d_nope"]
+        self.qk_rope_head_dim = d["d_rope"]
+        self.v_head_dim = d["d_v"]
+        qk_dim = d["d_nope"] + d["d_rope"]
+        if d["d_q"]:
+            self.wq_a = nn.Linear(cfg.n_embd, d["d_q"], bias=False)
+            self.q_norm = RMSNorm(d["d_q"], cfg.norm_eps)
+            self.wq_b = nn.Linear(d["d_q"], self.n_head * qk_dim, bias=False)
+        else:
+            self.wq = nn.Linear(cfg.n_embd, self.n_head * qk_dim, bias=False)
+        self.wkv_a = nn.Linear(cfg.n_embd, d["d_c"] + d["d_rope"], bias=False)
+        self.kv_norm = RMSNorm(d["d_c"], cfg.norm_eps)
+        self.wkv_b = nn.Linear(d["d_c"], self.n_head * (d["d_nope"] + d["d_v"]), bias=False)
+        self.wo = nn.Linear(self.n_head * d["d_v"], cfg.n_embd, bias=False)
+        # DeepSeek's softmax scale: 1/√(d_nope + d_R), the width of the unabsorbed q·k
+        self.scale = 1.0 / math.sqrt(qk_dim)
+        self.attn_fn = ATTENTION_FUNCTIONS[cfg.attn]    # the replaceable part (as Attention)
+        self.absorb = None                              # the path seam: see the header
+
+    @property
+    def query_proj(self):
+        """The linear whose output rows are the per-head queries [q_C | q_R] (QK-clip
+        scales rows of it)."""
+        return self.wq_b if hasattr(self, "wq_b") else self.wq
+
+    def queries(self, x, cos, sin):
+        """-> q_C (B, H, T, d_nope), q_R rotated (B, H, T, d_R)."""
+        B, T, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_b") else self.wq(x)
+        q = q.view(B, T, -1, self.qk_nope_head_dim + self.qk_rope_head_dim).transpose(1, 2)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        return q_nope, apply_rope(q_rope, cos, sin)
+
+    def latent(self, x, cos, sin):
+        """-> what the cache stores: c_KV (B, 1, T, d_c) and the rotated shared rope key
+        (B, 1, T, d_R)."""
+        c, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        return self.kv_norm(c)[:, None], apply_rope(k_rope[:, None], cos, sin)
+
+    def up_weights(self):
+        """wkv_b as per-head W_UK (H, d_nope, d_c) and W_UV (H, d_v, d_c)."""
+        w = self.wkv_b.weight.view(-1, self.qk_nope_head_dim + self.v_head_dim,
+                                   self.kv_lora_rank)
+        return w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+
+    def forward(self, x, cos, sin, mask=None, cache=None, layer=0):
+        B, T, _ = x.shape
+        q_nope, q_rope = self.queries(x, cos, sin)
+        c, k_rope = self.latent(x, cos, sin)
+        if cache is not None:              # store this step's latents, attend to all of them
+            c, k_rope = cache.update(layer, c, k_rope)
+        absorb = cache is not None if self.absorb is None else self.absorb
+        if absorb:
+            q, attend = self.absorbed_query(q_nope, q_rope), self.absorbed_attention
+        else:
+            q, attend = torch.cat([q_nope, q_rope], dim=-1), self.unabsorbed_attention
+        if cache is not None and cache.attention is not None:
+            y = cache.attention(q, c, k_rope, mask, attend)     # e.g. paged: gather first
+        else:
+            y = attend(q, c, k_rope, mask)
+        if absorb:                         # W_UV after attention: (B, H, T, d_c) -> d_v
+            y = torch.einsum("bhtc,hvc->bhtv", y, self.up_weights()[1])
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    # -- the two latent attention functions: (q, c_all, k_rope_all, mask) -> out ---------
+    # Both go through self.attn_fn (the model's sdpa or explicit softmax), whose scale is
+    # 1/√(q's width): the unabsorbed q is d_nope + d_R wide, so that is DeepSeek's scale;
+    # the absorbed query is pre-multiplied so its 1/√(d_c + d_R) lands on the same logits.
+    # QK-clip's recorder, wrapped around attn_fn, therefore sees the real logits either way.
+
+    def unabsorbed_attention(self, q, c, k_rope, mask=None):
+        """The training path: up-project every latent to per-head k_C and v, append the
+        shared rope key to each head's key, attend. -> (B, H, Tq, d_v)."""
+        B, _, Tk, _ = c.shape
+        kv = self.wkv_b(c[:, 0]).view(B, Tk, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], -1)
+        k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        return self.attn_fn(q, k, v, mask)
+
+    def absorbed_query(self, q_nope, q_rope):
+        """[W_UKᵀ q_C | q_R] per head, (B, H, T, d_c + d_R), scaled so that attn_fn's
+        1/√(d_c + d_R) gives the logits' 1/√(d_nope + d_R)."""
+        q_latent = torch.einsum("bhtn,hnc->bhtc", q_nope, self.up_weights()[0])
+        q = torch.cat([q_latent, q_rope], dim=-1)
+        return q * (self.scale * math.sqrt(q.shape[-1]))
+
+    def absorbed_attention(self, q, c, k_rope, mask=None):
+        """The inference path: one KV head (c_KV ‖ k_R), value c_KV. -> (B, H, Tq, d_c),
+        the weighted latent that W_UV maps to each head's value afterwards."""
+        return self.attn_fn(q, torch.cat([c, k_rope], dim=-1), c, mask)
+
+
+def set_absorb(model, absorb):
+    """Choose the path on every MLA layer: True, False, or None (absorbed with a cache)."""
+    for layer in model.layers:
+        layer.attention.absorb = absorb
+    return model
+
+
+# ----------------------------------------------------------------------------------------
+# The ledger: KV bytes per token from the caches, decode time per token
+
+def formula_bytes_per_token(cfg, value_bytes, scale_bytes=0):
+    """The cache's bytes per token: L · heads · (key width + value width) · bytes, plus an
+    int8 cache's fp32 scale per (token, head) for its keys and for its values.
+    MLA: (d_c + d_R)·L·bytes; GQA/MHA: 2·n_kv·d_h·L·bytes."""
+    heads, k_dim, v_dim = cfg.kv_cache_dims
+    return cfg.n_layer * heads * ((k_dim + v_dim) * value_bytes + 2 * scale_bytes)
+
+
+def measured_bytes_per_token(cfg, kv_dtype):
+    """Bytes per token of the real caches: model.KVCache (fp32 only) and the paged pool."""
+    from kvcache import PagedKVCache        # the serving side; only the ledger needs it
+    paged = PagedKVCache(cfg, num_blocks=4, block_size=16, kv_dtype=kv_dtype)
+    dense = KVCache(cfg, batch_size=1, max_len=64).nbytes // 64 if kv_dtype == "float32" else None
+    return dense, paged.bytes_per_token
+
+
+def attention_params(model):
+    return sum(p.numel() for p in model.layers[0].attention.parameters())
+
+
+def bench_configs(args):
+    """MHA, GQA and MLA at the preset's width. MLA defaults to DeepSeek-V2's proportions:
+    d_c = 4·d_h, d_R = d_h/2."""
+    base = get_config(args.preset)
+    d_h = base.head_dim
+    return {
+        "MHA": get_config(args.preset, n_kv_head=base.n_head),
+        f"GQA {args.gqa_kv_heads} kv heads": get_config(args.preset, n_kv_head=args.gqa_kv_heads),
+        "MLA": get_config(args.preset, kv_lora_rank=args.kv_lora_rank or 4 * d_h,
+                          qk_rope_head_dim=args.rope_dim or d_h // 2,
+                          q_lora_rank=args.q_lora_rank),
+    }
+
+
+def print_bytes_table(configs):
+    print("KV cache bytes per token (all layers), measured from the caches vs the formula:")
+    print(f"{'config':<18}{'attn params/layer':>18}{'formula fp32':>14}{'KVCache':>10}"
+          f"{'paged fp32':>12}{'formula int8':>14}{'paged int8':>12}")
+    rows = {}
+    for name, cfg in configs.items():
+        model = GPT(cfg, seed=0)
+        dense, paged = measured_bytes_per_token(cfg, "float32")
+        _, paged8 = measured_bytes_per_token(cfg, "int8")
+        want, want8 = formula_bytes_per_token(cfg, 4), formula_bytes_per_token(cfg, 1, 4)
+        rows[name] = dict(formula=want, dense=dense, paged=paged, formula_int8=want8,
+                          paged_int8=paged8, attn_params=attention_params(model))
+        print(f"{name:<18}{rows[name]['attn_params']:>18,}{want:>14,}{dense:>10,}{paged:>12,}"
+              f"{want8:>14,}{paged8:>12,}")
+    return rows
+
+
+@torch.no_grad()
+def decode_seconds(model, prompt, new_tokens):
+    """Prefill the prompt into a fresh KVCache, then time `new_tokens` greedy decode
+    steps. -> (seconds per decoded token, the tokens)."""
+    device = prompt.device
+    cache = KVCache(model.config, prompt.shape[0], prompt.shape[1] + new_tokens,
+                    device=device)
+    logits, _ = model(prompt, cache=cache)
+    tokens = [logits[:, -1].argmax(-1, keepdim=True)]
+    with StepTimer(device) as timer:
+        for _ in range(new_tokens):
+            logits, _ = model(tokens[-1], cache=cache)
+            tokens.append(logits[:, -1].argmax(-1, keepdim=True))
+    return timer.seconds / new_tokens, torch.cat(tokens, dim=1)
+
+
+def print_decode_table(configs, args, device):
+    """Decode time per token, best of `repeats` runs, the runs of all rows alternated."""
+    runs = {}
+    for name, cfg in configs.items():
+        paths = (("absorbed", True), ("unabsorbed", False)) if cfg.mla else (("", None),)
+        for path, absorb in paths:           # the same weights (seed 0) on both MLA rows
+            model = GPT(cfg, seed=0).to(device).eval()
+            runs[f"{name} {path}".strip()] = set_absorb(model, absorb) if cfg.mla else model
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(configs["MHA"].vocab_size, (args.batch_size, args.context),
+                           generator=gen).to(device)
+    best, outs = {k: math.inf for k in runs}, {}
+    for repeat in range(args.repeats + 1):             # round 0 warms up, not counted
+        for label, model in runs.items():
+            seconds, outs[label] = decode_seconds(model, prompt, args.new_tokens)
+            if repeat:
+                best[label] = min(best[label], seconds)
+    same = torch.equal(outs["MLA absorbed"], outs["MLA unabsorbed"])
+    ref = next(k for k in runs if k.startswith("GQA"))
+    print(f"\ndecode time per token on {device} ({args.threads} thread(s)), batch "
+          f"{args.batch_size}, {args.context} tokens of context, {args.new_tokens} new, "
+          f"best of {args.repeats}; MLA absorbed and unabsorbed decode the same tokens: "
+          f"{'yes' if same else 'NO'}")
+    print(f"{'path':<22}{'ms/token':>10}{'vs ' + ref:>22}")
+    for label in runs:
+        print(f"{label:<22}{best[label] * 1e3:>10.2f}{best[label] / best[ref]:>21.2f}x")
+    return best, same
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    configs = bench_configs(args)
+    cfg = configs["MLA"]
+    print(f"preset {args.preset}: {cfg.n_layer} layers, {cfg.n_head} heads of d_h = "
+          f"{cfg.head_dim}; MLA d_c = {cfg.kv_lora_rank}, d_R = {cfg.qk_rope_head_dim}, "
+          f"q_lora_rank = {cfg.q_lora_rank}")
+    rows = print_bytes_table(configs)
+    mla, mha = rows["MLA"]["formula"], rows["MHA"]["formula"]
+    per_layer = mla / (4 * cfg.n_layer * 2 * cfg.head_dim)
+    print(f"MLA caches {fmt_bytes(mla)}/token: {mha / mla:.2f}x less than MHA, the size of "
+          f"GQA with {per_layer:.2f} kv heads")
+    best, same = print_decode_table(configs, args, device)
+    return dict(bytes=rows, decode=best, same_tokens=same)
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(description="Multi-head latent attention, measured: KV bytes per "
+                       "token and decode time, against MHA and GQA.",
+                       formatter_class=HelpFormatter)
+    p.add_argument("--preset", default="small", help="model size (model.PRESETS)")
+    p.add_argument("--kv-lora-rank", type=int, default=0, help="d_c; 0 = 4 x head_dim")
+    p.add_argument("--rope-dim", type=int, default=0, help="d_R; 0 = head_dim / 2")
+    p.add_argument("--q-lora-rank", type=int, default=0, help="0 = queries straight from x")
+    p.add_argument("--gqa-kv-heads", type=int, default=2, help="the GQA row's kv heads")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences decoded together")
+    p.add_argument("--context", type=int, default=192, help="prompt tokens before decoding")
+    p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (best kept)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed")
+    args = p.parse_args(argv)
+    for name in ("batch_size", "context", "new_tokens", "repeats", "threads", "gqa_kv_heads"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if min(args.kv_lora_rank, args.rope_dim, args.q_lora_rank) < 0:
+        raise UserError("--kv-lora-rank, --rope-dim and --q-lora-rank must be >= 0")
+    block = get_config(args.preset).block_size
+    if args.context + args.new_tokens > block:
+        raise UserError(f"--context + --new-tokens = {args.context + args.new_tokens} exceeds "
+                        f"the preset's context ({block})")
+    return args
+
+
+if __name__ == "__main__":
+    run_cli(main)
