@@ -141,6 +141,13 @@ class BlockAllocator:
             else:
                 self.free.append(block)
 
+    def cached_hashes(self):
+        """The router's view of this pool (the seam a cache-aware router reads): the set
+        of chain hashes of every full block whose K/V are here, in use or cached. A chain
+        hash names its whole prefix, so a prompt's longest cached prefix is its longest
+        run of leading block hashes found in this set. A copy, safe to keep."""
+        return set(self.block_of)
+
     def lookup(self, h, tokens):
         """The block holding the prefix with chain hash h, or None. No reference taken."""
         self.queries += 1
@@ -282,9 +289,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self):
-        parts = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.k_scale is not None
-                                    else [])
-        return sum(t.numel() * t.element_size() for t in parts)
+        return payload_bytes(self.parts())
 
     @property
     def bytes_per_token(self):
@@ -292,6 +297,47 @@ class PagedKVCache:
 
     def advance(self, n):
         pass                     # lengths live in the engine's sequences, not here
+
+    # -- moving whole blocks: the seam of disaggregation and of the second tier ---------
+    def parts(self):
+        """The pool's tensors by name: k, v, and k_scale, v_scale when int8."""
+        names = ("k", "v") + (("k_scale", "v_scale") if self.k_scale is not None else ())
+        return {name: getattr(self, name) for name in names}
+
+    def read_blocks(self, block_ids):
+        """Copy blocks out of the pool. -> payload: a plain dict {name: tensor} for every
+        part of `parts()`, each (n_layer, heads, len(block_ids)·block_size, width), in the
+        order of block_ids, on the cache's device, in the pool's dtype (int8 codes and
+        their float32 scales as stored: nothing is dequantized, so a round trip is bit
+        exact). A copy: the blocks may be freed or overwritten right after."""
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        out = {}
+        for name, t in self.parts().items():
+            n_layer, heads, _, width = t.shape
+            blocks = t.view(n_layer, heads, self.num_blocks, self.block_size, width)
+            out[name] = blocks.index_select(2, ids).view(n_layer, heads, -1, width)
+        return out
+
+    def write_blocks(self, block_ids, payload):
+        """The inverse of read_blocks: payload[name] (from this cache's read_blocks or an
+        identical one's: same config, block size and KV dtype) goes into blocks block_ids,
+        in order. Anything else is refused with a ValueError (never a silent cast)."""
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        parts = self.parts()
+        if set(payload) != set(parts):
+            raise ValueError(f"KV payload has parts {sorted(payload)}, this cache stores "
+                             f"{sorted(parts)} (a different KV dtype?)")
+        for name, t in parts.items():
+            n_layer, heads, _, width = t.shape
+            want = (n_layer, heads, len(ids) * self.block_size, width)
+            x = payload[name]
+            if tuple(x.shape) != want or x.dtype != t.dtype:
+                raise ValueError(f"KV payload {name}: {tuple(x.shape)} {x.dtype}, expected "
+                                 f"{want} {t.dtype}")
+            blocks = t.view(n_layer, heads, self.num_blocks, self.block_size, width)
+            x = x.to(self.device).reshape(n_layer, heads, len(ids), self.block_size, width)
+            blocks.index_copy_(2, ids, x)
+
 
     def _slots(self, tables, positions):
         """slot = table[p // bs] · bs + p % bs, for (S, max_blocks) tables and (S, N)
@@ -398,6 +444,12 @@ class PagedKVCache:
             out[0].index_copy_(1, dest, og)
         return out
 
+
+
+def payload_bytes(payload):
+    """Bytes of a KV payload (what moving it costs): for n tokens, 2·L·H_kv·D·bytes·n,
+    plus 2·L·H_kv·4·n of scales when int8."""
+    return sum(t.numel() * t.element_size() for t in payload.values())
 
 
 def paged_attention_blockwise(q, k_pool, v_pool, table, context_len, block_size):

@@ -48,6 +48,7 @@ outputs equal model.generate() per request, token for token (tests/test_serve.py
 """
 import argparse
 import bisect
+import dataclasses
 import itertools
 import math
 import os
@@ -67,6 +68,7 @@ from plumbing import ArgumentParser, UserError, pick_device, run_cli
 DEFAULT_CHECKPOINT = "out/ckpt.pt"
 POLICIES = ("fcfs", "slo")
 WAITING, RUNNING, HELD, FINISHED = "waiting", "running", "held", "finished"
+PREFILLED = "prefilled"    # prefill_only: first token sampled, blocks held for export_kv
 # A temperature below this samples greedily (vLLM's _SAMPLING_EPS): logits / 1e-30 would
 # overflow float32 to inf and the softmax to NaN, and the limit T -> 0 is argmax anyway.
 GREEDY_EPS = 1e-5
@@ -75,6 +77,10 @@ MAX_LOGPROBS = 20          # top alternatives per position, at most (OpenAI: 20)
 
 # ----------------------------------------------------------------------------------------
 # Requests
+
+class PoolFull(RuntimeError):
+    """import_kv found no room (KV blocks or a running slot): nothing changed, retry."""
+
 
 @dataclass
 class SamplingParams:
@@ -146,7 +152,7 @@ class Sequence:
         self.logprobs = []          # per output token: (token, logprob, [(id, logprob)])
         self.prompt_logprobs = []   # the same for prompt tokens 1 .. num_prompt-1
         self.after, self.error = None, None    # held behind this sequence; failure message
-        self.generator = None
+        self.generator, self.prefill_only = None, False
         if params.temperature >= GREEDY_EPS:   # the stream of numbers generate(seed=) uses
             seed = params.seed if params.seed is not None else random.getrandbits(62)
             self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -224,10 +230,15 @@ class Engine:
         self.step_log = []   # per step: seconds, tokens, decodes, context read, sequences
 
     # -- requests -------------------------------------------------------------------------
-    def add_request(self, prompt, params=None, arrival=None, seq_id=None, after=None):
+    def add_request(self, prompt, params=None, arrival=None, seq_id=None, after=None,
+                    prefill_only=False):
         """prompt: a string (needs the tokenizer) or a list of token ids. after: a live
         Sequence with the same prompt (n > 1 choices): this one waits until that one's
-        prompt is in the cache, then is admitted with its blocks as prefix-cache hits."""
+        prompt is in the cache, then is admitted with its blocks as prefix-cache hits.
+        prefill_only (the prefill side of disaggregation): once the prompt is computed and
+        the first token sampled, the sequence stops in status PREFILLED, out of the
+        queues, keeping its blocks, until `export_kv` (or `abort`) takes it out. If that
+        first token already ends it (max_tokens=1, a stop), it finishes as usual."""
         params = (params or SamplingParams()).validate(self.cfg.vocab_size)
         if isinstance(prompt, str):
             if self.enc is None:
@@ -242,6 +253,7 @@ class Engine:
                             f" exceeds the model's context of {self.cfg.block_size} tokens")
         seq = Sequence(next(self.ids) if seq_id is None else seq_id, prompt, params,
                        self.clock() if arrival is None else arrival, self.device)
+        seq.prefill_only = prefill_only
         self.live[seq.id] = seq
         if (after is not None and self.alloc.prefix_caching and after.id in self.live
                 and after.num_computed < after.num_prompt):
@@ -261,6 +273,89 @@ class Engine:
         if seq is not None:
             self._finish(seq, "abort")
             self.stats["aborted"] += 1
+        return seq
+
+    # -- the disaggregation seam: a prefilled sequence's KV out of one engine, into another
+    def export_kv(self, seq_id, release=True):
+        """The prefill side of prefill/decode disaggregation (DistServe, Zhong et al. 2024;
+        Splitwise): a sequence added with prefill_only=True and now PREFILLED ->
+        a plain dict (tensors, lists, numbers, strings: torch.save/send_object_list-able):
+          tokens        prompt + the first sampled token
+          num_prompt    prompt length
+          num_computed  tokens whose K/V are in `kv` (= num_prompt: the first output
+                        token's K/V are computed by the decode side's first step)
+          kv            PagedKVCache.read_blocks of the sequence's blocks covering
+                        num_computed tokens, in block-table order (on this cache's device)
+          block_size, kv_dtype   what the importing cache must match
+          params        the SamplingParams as a dict
+          generator     the sampler's torch.Generator state (a seeded request continues
+                        the same random stream), or None when greedy
+          logprobs, prompt_logprobs   what was recorded so far
+        release=True frees the blocks at once (kv is a copy); release=False keeps them
+        until `abort(seq_id)`."""
+        seq = self.live.get(seq_id)
+        if seq is None or seq.status != PREFILLED:
+            state = "not live" if seq is None else seq.status
+            raise UserError(f"export_kv: sequence {seq_id!r} is {state}, not prefilled "
+                            f"(add it with prefill_only=True and step until it is)")
+        n = blocks_for(seq.num_computed, self.block_size)
+        out = dict(tokens=list(seq.tokens), num_prompt=seq.num_prompt,
+                   num_computed=seq.num_computed,
+                   kv=self.cache.read_blocks(seq.block_table[:n]),
+                   block_size=self.block_size, kv_dtype=self.cache.kv_dtype,
+                   params=dataclasses.asdict(seq.params),
+                   generator=seq.generator.get_state() if seq.generator else None,
+                   logprobs=list(seq.logprobs), prompt_logprobs=list(seq.prompt_logprobs))
+        if release:
+            self._finish(seq, "exported")
+        return out
+
+    def can_import(self, exported):
+        """Whether import_kv would find room now (blocks for the KV and a running slot)."""
+        need = blocks_for(exported["num_computed"], self.block_size)
+        return self.alloc.can_allocate(need) and len(self.running) < self.max_num_seqs
+
+    def import_kv(self, exported, seq_id=None, arrival=None):
+        """The decode side of disaggregation: export_kv's dict -> a live Sequence here,
+        RUNNING, whose next step is a decode (the K/V of num_computed tokens written into
+        freshly allocated blocks; its full blocks registered in the prefix cache). When
+        there are no blocks or no running slot free it raises PoolFull and changes nothing:
+        the caller retries after a step. Preempted later, it is recomputed here (the usual
+        recompute preemption). token_times hold only the tokens produced on this engine."""
+        params = dict(exported["params"])
+        for name in ("stop", "stop_token_ids"):
+            params[name] = tuple(params[name])
+        params["logit_bias"] = tuple(tuple(p) for p in params["logit_bias"])
+        params = SamplingParams(**params).validate(self.cfg.vocab_size)
+        tokens, n_done = list(exported["tokens"]), exported["num_computed"]
+        if (exported["block_size"] != self.block_size
+                or exported["kv_dtype"] != self.cache.kv_dtype):
+            raise UserError(f"import_kv: blocks of {exported['block_size']} tokens in "
+                            f"{exported['kv_dtype']}, this engine: {self.block_size} in "
+                            f"{self.cache.kv_dtype}")
+        if not 0 < n_done < len(tokens) <= self.cfg.block_size:
+            raise UserError(f"import_kv: {n_done} computed of {len(tokens)} tokens (context "
+                            f"{self.cfg.block_size}): nothing left to decode")
+        if not self.can_import(exported):
+            raise PoolFull(f"import_kv: {blocks_for(n_done, self.block_size)} blocks needed, "
+                           f"{self.alloc.num_free} free; {len(self.running)} of "
+                           f"{self.max_num_seqs} running slots taken: retry later")
+        if seq_id is not None and seq_id in self.live:
+            raise UserError(f"import_kv: sequence id {seq_id!r} is already live here")
+        seq = Sequence(next(self.ids) if seq_id is None else seq_id,
+                       tokens[:exported["num_prompt"]], params,
+                       self.clock() if arrival is None else arrival, self.device)
+        seq.tokens, seq.num_computed, seq.num_cached_tokens = tokens, n_done, n_done
+        if seq.generator is not None and exported["generator"] is not None:
+            seq.generator.set_state(exported["generator"])
+        seq.logprobs = list(exported["logprobs"])
+        seq.prompt_logprobs = list(exported["prompt_logprobs"])
+        self.alloc.grow(seq.block_table, n_done)
+        self.cache.write_blocks(seq.block_table, exported["kv"])
+        self._register_full_blocks(seq)
+        seq.status = RUNNING
+        self.live[seq.id] = seq
+        bisect.insort(self.running, seq, key=self._key)
         return seq
 
     def has_work(self):
@@ -368,7 +463,7 @@ class Engine:
             if out and reason == "stop" and out[-1] in self._stop_ids(seq):
                 out = out[:-1]             # <|endoftext|> / a stop token: not in the text
             seq.text = decode_tokens(self.enc, out)
-        self.stats["finished"] += reason not in ("abort", "error")
+        self.stats["finished"] += reason not in ("abort", "error", "exported")
 
     def _fail(self, seq, exc):
         """Fault isolation: this sequence alone ends, with its own error."""
@@ -388,6 +483,10 @@ class Engine:
         token this step, and those that failed (finish_reason "error")."""
         batch = self._schedule()
         if not batch:
+            parked = sum(s.status == PREFILLED for s in self.live.values())
+            if self.has_work() and parked:     # the caller's to fix: export them
+                raise PoolFull(f"{parked} prefilled sequences hold the blocks the queue "
+                               f"needs: export_kv or abort them")
             if self.has_work():     # the start-up checks make this impossible: a bug
                 raise RuntimeError("the scheduler made no progress")
             return []
@@ -430,6 +529,9 @@ class Engine:
                 continue
             if reason:
                 self._finish(seq, reason)
+            elif seq.prefill_only:        # park it for export_kv: out of the queues
+                self.running.remove(seq)
+                seq.status = PREFILLED
         self._account(batch, now - t0)
         return [seq for seq, _ in sampled] + failed
 

@@ -5,7 +5,8 @@ import torch
 
 from harness import run_python
 from kvcache import (BlockAllocator, PagedKVCache, block_hash, blocks_for, dequantize_int8,
-                     extend_hash_chain, paged_attention_blockwise, paged_logits, quantize_int8)
+                     extend_hash_chain, paged_attention_blockwise, paged_logits, payload_bytes,
+                     quantize_int8)
 from model import GPT, get_config, math_attention, sdpa_attention
 
 
@@ -217,3 +218,50 @@ def test_cli_demo_runs_and_prints_ledger(tmp_path):
     assert "float32   max |Δlogit|" in r.output
     bad = run_python("kvcache.py", ["--block-size", "0"], timeout=60)
     assert bad.returncode == 2 and "error:" in bad.output and "Traceback" not in bad.output
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_read_write_blocks_round_trip_bit_exact(kv_dtype):
+    """Blocks read out of one pool and written into other block ids of a second pool hold
+    the same bits (int8 codes and scales as stored); the payload's size is the formula;
+    a payload of another KV dtype is refused."""
+    cfg = get_config("tiny")
+    src = PagedKVCache(cfg, 8, 4, kv_dtype=kv_dtype)
+    gen = torch.Generator().manual_seed(0)
+    for t in src.parts().values():           # random contents in every part
+        t.copy_(torch.randn(t.shape, generator=gen).mul(50).to(t.dtype))
+    payload = src.read_blocks([5, 2, 7])
+    heads, k_dim, v_dim = cfg.kv_cache_dims
+    assert payload["k"].shape == (cfg.n_layer, heads, 12, k_dim)
+    assert payload["v"].shape == (cfg.n_layer, heads, 12, v_dim)
+    value = payload["k"].element_size()
+    scales = 2 * cfg.n_layer * heads * 4 * 12 if kv_dtype == "int8" else 0
+    assert payload_bytes(payload) == cfg.n_layer * heads * (k_dim + v_dim) * value * 12 + scales
+    dst = PagedKVCache(cfg, 8, 4, kv_dtype=kv_dtype)
+    dst.write_blocks([0, 6, 3], payload)
+    for name, t in src.parts().items():
+        s = t.view(t.shape[0], t.shape[1], 8, 4, -1)
+        d = dst.parts()[name].view(t.shape[0], t.shape[1], 8, 4, -1)
+        for a, b in ((5, 0), (2, 6), (7, 3)):
+            assert torch.equal(s[:, :, a], d[:, :, b])
+        fresh = PagedKVCache(cfg, 8, 4, kv_dtype=kv_dtype).parts()[name]
+        assert torch.equal(d[:, :, 1], fresh.view_as(d)[:, :, 1])   # others untouched
+    other = "float32" if kv_dtype != "float32" else "int8"
+    with pytest.raises(ValueError, match="payload"):
+        PagedKVCache(cfg, 8, 4, kv_dtype=other).write_blocks([0, 1, 2], payload)
+
+
+def test_cached_hashes_name_the_blocks_in_use_or_cached():
+    alloc, bs = BlockAllocator(3, 2), 2
+    toks = [1, 2, 3, 4, 5]
+    hashes = extend_hash_chain([], toks, 2, bs)
+    table = []
+    assert alloc.grow(table, len(toks))
+    for i in range(2):
+        alloc.register(table[i], hashes[i], toks[i * bs:(i + 1) * bs])
+    assert alloc.cached_hashes() == set(hashes)
+    alloc.release_table(table)
+    assert alloc.cached_hashes() == set(hashes)          # cached, still findable
+    for _ in range(3):
+        table.append(alloc.allocate())                   # the free one, then 2 evictions
+    assert alloc.cached_hashes() == set()

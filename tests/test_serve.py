@@ -1,4 +1,5 @@
 import concurrent.futures
+import io
 import http.client
 import json
 import random
@@ -239,6 +240,86 @@ def test_abort_frees_blocks():
     eng.abort(b.id)
     assert a.finish_reason == b.finish_reason == "abort"
     assert_pool_clean(eng)
+
+
+def disaggregated(model, prompts, params, kv_dtype=None):
+    """Prefill engine -> export_kv -> import_kv into a decode engine -> run to the end.
+    -> (outputs in order, prefill engine, decode engine)."""
+    pre = Engine(model, block_size=4, num_blocks=40, kv_dtype=kv_dtype)
+    dec = Engine(model, block_size=4, num_blocks=40, kv_dtype=kv_dtype)
+    seqs = [pre.add_request(p, sp, prefill_only=True) for p, sp in zip(prompts, params)]
+    while pre.has_work():
+        pre.step()
+    final = []
+    for s in seqs:
+        if s.status == serve.PREFILLED:
+            ex = pre.export_kv(s.id)
+            assert set(ex["kv"]) == set(pre.cache.parts())
+            assert ex["num_computed"] == s.num_prompt == len(ex["tokens"]) - 1
+            torch.save(ex, io.BytesIO())                     # plain data, sendable
+            s = dec.import_kv(ex)
+            assert s.status == serve.RUNNING and len(s.tokens) - s.num_computed == 1
+        final.append(s)
+    while dec.has_work():
+        dec.step()
+    return [s.output_ids for s in final], pre, dec
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded", "int8"])
+def test_export_import_continues_exactly_as_one_engine(kind):
+    """Prefill on one engine, decode on another (the disaggregation seam): the outputs equal
+    one engine's, token for token (greedy; seeded sampling: the generator's state travels;
+    int8: the codes and scales travel as stored), and both pools end clean."""
+    model = tiny_model()
+    prompts, ns = workload(model.config, n=6, seed=4)
+    ns[0] = 1                                                # finished by its prefill
+    kw = dict(temperature=0.9, top_k=40) if kind == "seeded" else dict(temperature=0)
+    params = [SamplingParams(max_tokens=n, seed=7 + i, **kw) for i, n in enumerate(ns)]
+    kv = "int8" if kind == "int8" else None
+    one = Engine(model, block_size=4, num_blocks=40, kv_dtype=kv).generate(prompts, params)
+    outs, pre, dec = disaggregated(model, prompts, params, kv)
+    assert outs == [s.output_ids for s in one]
+    assert dec.stats["computed_tokens"] == sum(n - 1 for n in ns)   # decodes only
+    assert_pool_clean(pre)
+    assert_pool_clean(dec)
+    assert dec.alloc.cached_hashes()                         # imported blocks registered
+
+
+def test_abort_around_export_and_import_frees_blocks_on_both_sides():
+    model = tiny_model()
+    pre = Engine(model, block_size=4, num_blocks=16)
+    dec = Engine(model, block_size=4, num_blocks=16)
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    a = pre.add_request(list(range(40)), sp, prefill_only=True)     # 10 blocks each
+    b = pre.add_request(list(range(40, 80)), sp, prefill_only=True)
+    pre.step()
+    assert a.status == serve.PREFILLED and b.status == serve.WAITING
+    with pytest.raises(serve.PoolFull, match="export_kv or abort"):
+        pre.step()                                           # a's blocks stop b
+    with pytest.raises(UserError, match="not prefilled"):
+        pre.export_kv(b.id)
+    ex_a = pre.export_kv(a.id, release=False)               # still holding its blocks
+    assert pre.alloc.num_used > 0
+    pre.abort(a.id)                                          # aborted after export
+    while pre.has_work():
+        pre.step()
+    ex_b = pre.export_kv(b.id)
+    assert_pool_clean(pre)
+    got = dec.import_kv(ex_a)
+    assert not dec.can_import(ex_b)                          # 10 blocks > 16 - 10 free
+    before = list(dec.alloc.refcount)
+    with pytest.raises(serve.PoolFull, match="retry"):
+        dec.import_kv(ex_b)
+    assert dec.alloc.refcount == before                      # a refusal changes nothing
+    dec.abort(got.id)                                        # aborted after import
+    assert_pool_clean(dec)
+    dec.import_kv(ex_b)                                      # the retry now fits
+    while dec.has_work():
+        dec.step()
+    assert_pool_clean(dec)
+    ex_a["block_size"] = 8
+    with pytest.raises(UserError, match="blocks of 8"):
+        dec.import_kv(ex_a)
 
 
 def test_static_batching_equals_generate():
