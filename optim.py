@@ -14,8 +14,9 @@ What each optimizer keeps per parameter (fp32 state) and what it adds to a step:
   nano scale (d=128, 2k tokens: ~30%), < 1% in real runs (d=4096, millions of tokens).
 MuonClip (Kimi K2) adds a per-head max-logit recorder (one extra QKᵀ per layer in our
 unfused form; a flash-attention kernel has the row max for free) and a rescale of W_q,
-W_k rows after the step: no state; under data parallelism one all-reduce(max) of n_head
-floats per layer.
+W_k rows after the step (for multi-head latent attention, mla.py: only the head-specific
+rows, never the shared rotary key): no state; under data parallelism one
+all-reduce(max) of n_head floats per layer.
 
 Muon under sharding (the design choice): Newton–Schulz needs the WHOLE matrix, so Muon
 cannot work on ZeRO's flat 1/N slices like elementwise AdamW. We shard by matrix: each
@@ -394,6 +395,16 @@ def set_lr(optimizer, lr):
 #   "query": leave the shared W_k alone; W_q rows of each offending head × τ/S_h. Exact
 #     per head (K2 does this for MLA's shared rotary key: only the query gets the factor),
 #     but W_k is never reined in.
+#
+# MLA (mla.LatentAttention; Kimi K2 §2.1): head h's logit is (q_C,h·k_C,h + q_R,h·k_R)/√d,
+# where q_C,h and q_R,h (rows of wq, or of wq_b) and k_C,h (head h's W_UK rows of wkv_b)
+# belong to head h alone, while the rotary key k_R (the last d_R rows of wkv_a) is ONE
+# vector shared by every head. K2's rule: q_C,h and k_C,h × √γ_h, q_R,h × γ_h, k_R left
+# alone. Both terms then scale by γ_h (√γ·√γ and γ·1): the logit scales by γ_h exactly,
+# as for a plain head. Splitting γ as √γ on q_R and √γ on k_R instead would scale k_R for
+# all heads at once -- shrinking the rotary term of heads that did not offend, as the
+# shared W_k of a GQA group does. The value rows of wkv_b (W_UV) and the latent itself
+# are not touched. The GQA mode plays no role: no key component but k_R is shared.
 
 def max_logit_per_head(q, k, mask=None):
     """max over batch, queries and allowed keys of q·k/√d, per query head: (H,) fp32."""
@@ -409,7 +420,9 @@ class QKClip:
     with a recorder of the per-head max logit -- a running max over the forwards since the
     last clip, so gradient-accumulation micro-batches combine -- and `apply()`, after each
     optimizer step, rescales the offending heads' W_q / W_k. Its state (τ, the GQA mode,
-    the maxima) lives here, not on the model's modules."""
+    the maxima) lives here, not on the model's modules. MLA layers (mla.LatentAttention,
+    recognised by their wkv_b) use the same seam: their attn_fn receives queries and keys
+    whose q·k/√(width) are the real logits, in both of mla.py's paths."""
 
     def __init__(self, model, tau=100.0, gqa="group"):
         if not tau > 0:
@@ -448,9 +461,11 @@ class QKClip:
         return factors
 
     def _clip_layer(self, attn, S, copies):
+        gamma = torch.where(S > self.tau, self.tau / S, torch.ones_like(S))  # logit factor
+        if hasattr(attn, "wkv_b"):
+            return self._clip_latent(attn, gamma, copies)
         n_q, hd = S.numel(), attn.head_dim
         n_kv = attn.wk.weight.shape[0] // hd
-        gamma = torch.where(S > self.tau, self.tau / S, torch.ones_like(S))  # logit factor
         if self.gqa == "group":
             g = gamma.view(n_kv, n_q // n_kv).amin(dim=1)             # τ / (group's max)
             q_scale, k_scale = g.sqrt().repeat_interleave(n_q // n_kv), g.sqrt()
@@ -458,12 +473,33 @@ class QKClip:
         else:
             q_scale, k_scale = gamma, torch.ones(n_kv, device=S.device)
             factor = gamma
-        for w, scale in ((attn.wq.weight, q_scale), (attn.wk.weight, k_scale)):
-            rows = scale.to(w.dtype).repeat_interleave(hd)[:, None]
-            w.mul_(rows)
-            if copies is not None and w in copies:
-                copies[w].mul_(rows.to(copies[w].dtype))
+        scale_rows(attn.wq.weight, q_scale.repeat_interleave(hd), copies)
+        scale_rows(attn.wk.weight, k_scale.repeat_interleave(hd), copies)
         return factor
+
+    @staticmethod
+    def _clip_latent(attn, gamma, copies):
+        """MLA, K2's rule (see above): per head, [q_C | q_R] rows × [√γ | γ], [k_C | v]
+        rows of wkv_b × [√γ | 1]; wkv_a (the latent and the shared rotary key) untouched."""
+        n_head = gamma.numel()
+
+        def per_head(*parts):         # (factor per head, rows per head), ... -> (rows,)
+            return torch.cat([f[:, None].expand(n_head, width) for f, width in parts],
+                             dim=1).flatten()
+        root, ones = gamma.sqrt(), torch.ones_like(gamma)
+        q_rows = per_head((root, attn.qk_nope_head_dim), (gamma, attn.qk_rope_head_dim))
+        kv_rows = per_head((root, attn.qk_nope_head_dim), (ones, attn.v_head_dim))
+        scale_rows(attn.query_proj.weight, q_rows, copies)
+        scale_rows(attn.wkv_b.weight, kv_rows, copies)
+        return gamma
+
+
+def scale_rows(w, scale, copies=None):
+    """w (out, in) *= scale (out,) row by row, and the same on w's entry in copies."""
+    rows = scale.to(w.dtype)[:, None]
+    w.mul_(rows)
+    if copies is not None and w in copies:
+        copies[w].mul_(rows.to(copies[w].dtype))
 
 
 # ----------------------------------------------------------------------------------------

@@ -332,6 +332,107 @@ def test_qk_clip_gqa_modes_scale_the_right_rows():
         assert clip.maxima == [None, None] and len(factors) == 1   # layer 1 recorded nothing
 
 
+# ---- QK-clip on multi-head latent attention (mla.py) ---------------------------------------
+
+MLA = dict(kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5)
+
+
+def mla_logits(model, x, layer=0):
+    """(B, H, T, T) logits of an MLA layer (-inf where causally masked), by the paper's
+    equation from the raw weights: (q_C,h·W_UK,h c + RoPE(q_R,h)·RoPE(k_R)) / √(d_nope+d_R),
+    the rotary key k_R one vector for all heads."""
+    from model import apply_rope
+    attn = model.layers[layer].attention
+    n, r, dv = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+    h = model.tok_embeddings(x)
+    for block in model.layers[:layer]:
+        h = block(h, *model.rope(torch.arange(x.shape[1])))
+    h = model.layers[layer].attention_norm(h)
+    B, T = x.shape
+    cos, sin = model.rope(torch.arange(T))
+    q = attn.query_proj(attn.q_norm(attn.wq_a(h)) if hasattr(attn, "wq_a") else h)
+    q = q.view(B, T, -1, n + r).transpose(1, 2)
+    c = attn.kv_norm(attn.wkv_a(h)[..., :attn.kv_lora_rank])
+    k_rope = apply_rope(attn.wkv_a(h)[:, None, :, attn.kv_lora_rank:], cos, sin)
+    w_uk = attn.wkv_b.weight.view(-1, n + dv, attn.kv_lora_rank)[:, :n]
+    k_nope = torch.einsum("btc,hnc->bhtn", c, w_uk)
+    s = q[..., :n] @ k_nope.transpose(-2, -1)
+    s = s + apply_rope(q[..., n:], cos, sin) @ k_rope.transpose(-2, -1)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    return (s / math.sqrt(n + r)).masked_fill(~causal, -math.inf).detach()
+
+
+@pytest.mark.parametrize("absorb", [False, True], ids=["unabsorbed", "absorbed"])
+def test_qk_clip_mla_records_the_real_logits(absorb):
+    """Both of mla.py's paths hand the recorder queries and keys whose q·k/√(width) are
+    MLA's logits (the absorbed query is pre-scaled for its wider latent keys)."""
+    import mla
+    model = mla.set_absorb(tiny_model(**MLA, attn="math"), absorb)
+    x = batch(0, model.config)[0]
+    logits0 = model(x)[0]
+    clip = optim.QKClip(model, tau=1.0)
+    torch.testing.assert_close(model(x)[0], logits0, rtol=0, atol=0)
+    recorded = _max_logits(clip, x)
+    for layer in range(2):
+        want = mla_logits(model, x, layer).amax(dim=(0, 2, 3))
+        torch.testing.assert_close(recorded[layer], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 8], ids=["wq", "wq_b"])
+@pytest.mark.parametrize("gqa", ["group", "query"])
+def test_qk_clip_mla_scales_head_specific_rows_never_the_shared_rope_key(q_lora_rank, gqa):
+    """Fake maxima [1, 2τ, 4τ, -3] (γ = 1, 1/2, 1/4, 1): per head, q_C rows × √γ, q_R rows
+    × γ, k_C rows of wkv_b × √γ; value rows, wkv_a (latent and shared rope key), the
+    query latent and the other heads untouched; the master copies follow."""
+    tau, gamma = 5.0, torch.tensor([1.0, 0.5, 0.25, 1.0])
+    model = tiny_model(**MLA, q_lora_rank=q_lora_rank)
+    attn = model.layers[0].attention
+    n, r, dv = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+    before = {k: v.detach().clone() for k, v in attn.state_dict().items()}
+    qname = "wq_b.weight" if q_lora_rank else "wq.weight"
+    master = {attn.wkv_b.weight: before["wkv_b.weight"].double()}
+    clip = optim.QKClip(model, tau=tau, gqa=gqa)
+    clip.maxima[0] = torch.tensor([1.0, 2 * tau, 4 * tau, -3.0])
+    factors = clip.apply(copies=master)
+    torch.testing.assert_close(factors[0], gamma)
+    q_rows = torch.cat([gamma.sqrt()[:, None].expand(4, n), gamma[:, None].expand(4, r)], 1)
+    kv_rows = torch.cat([gamma.sqrt()[:, None].expand(4, n), torch.ones(4, dv)], 1)
+    after = attn.state_dict()
+    torch.testing.assert_close(after[qname], before[qname] * q_rows.reshape(-1, 1))
+    torch.testing.assert_close(after["wkv_b.weight"], before["wkv_b.weight"] * kv_rows.reshape(-1, 1))
+    torch.testing.assert_close(master[attn.wkv_b.weight], after["wkv_b.weight"].double())
+    for name in before:
+        if name not in (qname, "wkv_b.weight"):     # wkv_a: its rope rows above all
+            assert torch.equal(after[name], before[name]), name
+    assert clip.maxima == [None, None] and len(factors) == 1
+
+
+def test_qk_clip_mla_without_an_update_lands_exactly_on_tau():
+    """One MLA layer with exploding heads (query rows, k_C rows and the rope key boosted):
+    after the clip alone every logit of head h is γ_h times what it was -- the q_C·k_C and
+    the q_R·k_R terms alike -- so offending heads peak exactly at τ, the others unchanged,
+    and the shared rope key's weights are bit-for-bit what they were."""
+    tau = 2.0
+    model = tiny_model(**MLA, n_layer=1)
+    attn = model.layers[0].attention
+    with torch.no_grad():
+        attn.wq.weight.mul_(torch.tensor([1.0, 8, 30, 60]).repeat_interleave(10)[:, None])
+        attn.wkv_b.weight.mul_(10)
+        attn.wkv_a.weight[attn.kv_lora_rank:].mul_(20)
+    rope_key = attn.wkv_a.weight.detach().clone()
+    x = batch(0, model.config)[0]
+    clip = optim.QKClip(model, tau=tau)
+    pre = _max_logits(clip, x)[0]
+    assert pre[0] < tau < pre[1] and pre.max() > 4 * tau    # head 0 healthy, others not
+    logits = mla_logits(model, x)
+    factors = clip.apply()[0]
+    torch.testing.assert_close(mla_logits(model, x), logits * factors[None, :, None, None],
+                               rtol=1e-4, atol=1e-4)
+    post = measure(model, x, clip)[0]
+    torch.testing.assert_close(post, torch.minimum(pre, torch.tensor(tau)), rtol=1e-5, atol=1e-5)
+    assert torch.equal(attn.wkv_a.weight, rope_key)
+
+
 # ---- errors, builder, sharding --------------------------------------------------------------
 
 def test_bad_inputs_raise_one_line_errors():
