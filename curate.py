@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 import data
-from plumbing import UserError, fmt_bytes, fmt_count, run_cli
+from plumbing import ArgumentParser, HelpFormatter, UserError, fmt_bytes, fmt_count, run_cli
 
 OUT_DIR = os.path.join("out", "curate")
 BUILTIN_DOMAINS = ("lib", "pkgs", "tests", "prose", "headers", "arith")
@@ -406,7 +406,7 @@ RULES = (
     Rule("max_line", "max_line", 1000, "Codex: a line longer than 1000 characters"),
     Rule("min_alnum", "alnum", 0.25, "StarCoder: under 25% alphanumeric characters"),
     Rule("max_bad_chars", "bad_chars", 0.0, "non-UTF-8 bytes (U+FFFD) or binary control chars"),
-    Rule("max_curly", "curly", 0, "C4: the page contains '{' (skipped by default)"),
+    Rule("max_curly", "curly", 0, "C4: the page contains '{' (off unless removed from --skip-rules)"),
 )
 RULE_NAMES = tuple(r.name for r in RULES)
 
@@ -711,7 +711,9 @@ def cmd_mix(args) -> None:
 
 
 def add_flags(p: argparse.ArgumentParser, max_bytes: int, lsh=True, rules=False, pipeline=False) -> None:
-    p.add_argument("--data", default=None, help="a folder of text files: one more domain, named after it")
+    p.add_argument("--data", default=None,
+                   help="a folder of text files: one more domain, named after it "
+                        "(not given: the built-in domains only)")
     p.add_argument("--arith-docs", type=int, default=300, help="documents of synthetic arithmetic")
     p.add_argument("--arith-lines", type=int, default=64, help="problems per arithmetic document")
     p.add_argument("--max-bytes-per-domain", type=int, default=max_bytes,
@@ -743,8 +745,8 @@ def add_flags(p: argparse.ArgumentParser, max_bytes: int, lsh=True, rules=False,
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
-    p = argparse.ArgumentParser(description="Curate the corpus: domains, dedup, filters, mixtures.",
+    fmt = HelpFormatter
+    p = ArgumentParser(description="Curate the corpus: domains, dedup, filters, mixtures.",
                                 formatter_class=fmt)
     sub = p.add_subparsers(dest="mode", required=True)
     add_flags(sub.add_parser("stats", help="documents, bytes, tokens; dups; rules", formatter_class=fmt),

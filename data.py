@@ -458,7 +458,7 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("mode", nargs="?", default="corpus", choices=["corpus", "task"],
                    help="corpus: tokenizer + corpus stats; task: sample arithmetic problems")
-    p.add_argument("--data", default=None, help="UTF-8 text file; None = the built-in Python stdlib corpus")
+    p.add_argument("--data", default=None, help="UTF-8 text file; not given: the built-in Python stdlib corpus")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="total vocab incl. <|endoftext|>")
     p.add_argument("--n", type=int, default=8, help="task: problems to show")
     p.add_argument("--seed", type=int, default=0, help="task: problem seed")

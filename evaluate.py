@@ -58,7 +58,8 @@ import torch.nn.functional as F
 import data
 from model import GPT, GPTConfig, KVCache, PRESETS, get_config, load_model
 from plots import svg_bar_chart, terminal_bars
-from plumbing import UserError, print0, run_cli, seed_everything
+from plumbing import (ArgumentParser, HelpFormatter, UserError, print0, run_cli,
+                      seed_everything)
 
 DEFAULT_CKPT = os.path.join("out", "ckpt.pt")
 OUT_DIR = os.path.join("out", "evaluate")
@@ -695,9 +696,9 @@ def parent_parsers():
     """Flags every mode takes, and those of the modes that use the task model."""
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("model and run")
-    g.add_argument("--checkpoint", default=None, help=f"model checkpoint; unset = {DEFAULT_CKPT}, "
+    g.add_argument("--checkpoint", default=None, help=f"model checkpoint; not given: {DEFAULT_CKPT}, "
                    "or a tiny LM trained here in seconds when that is absent; 'none' = random tiny")
-    g.add_argument("--data", default=None, help="corpus text file (None = the built-in corpus)")
+    g.add_argument("--data", default=None, help="corpus text file (not given: the built-in corpus)")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--seed", type=int, default=0, help="problems, splits, sampling, bootstrap")
     g.add_argument("--threads", type=int, default=1, help="torch CPU threads (small matmuls)")
@@ -720,14 +721,14 @@ def parent_parsers():
 
 
 def parse_args(argv=None):
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     common, task = parent_parsers()
-    p = argparse.ArgumentParser(description="Evaluate the shared GPT: perplexity, task scoring, "
+    p = ArgumentParser(description="Evaluate the shared GPT: perplexity, task scoring, "
                                 "calibration, uncertainty, contamination.", formatter_class=fmt)
     sub = p.add_subparsers(dest="mode", required=True)
     s = sub.add_parser("ppl", parents=[common], formatter_class=fmt,
                        help="val loss, perplexity, bits/byte with bootstrap CIs")
-    s.add_argument("--text", default=None, help="score this UTF-8 file instead of the val split")
+    s.add_argument("--text", default=None, help="score this UTF-8 file (not given: the val split)")
     s.add_argument("--seq-len", type=int, default=0, help="window length (0 = block size)")
     s.add_argument("--batch-size", type=int, default=8, help="windows per forward")
     s.add_argument("--max-tokens", type=int, default=65536, help="val tokens scored")

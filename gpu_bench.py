@@ -28,7 +28,6 @@ The target is trained here first (--learn-steps on the built-in corpus) so that 
 have something to learn and decoding produces text, not noise. Sub-benchmarks' own output
 goes to <out-dir>/*.log; the table is printed and written to <out-dir>/table.txt.
 """
-import argparse
 import contextlib
 import copy
 import os
@@ -44,7 +43,7 @@ import serve
 import spec_decode as sd
 import train
 from model import GPT, KVCache, get_config
-from plumbing import (StepTimer, UserError, fmt_bytes, fmt_count, gpu_peak_flops,
+from plumbing import (ArgumentParser, HelpFormatter, StepTimer, UserError, fmt_bytes, fmt_count, gpu_peak_flops,
                       model_state_bytes, pick_device, run_cli, seed_everything)
 
 # Peak HBM/GDDR bandwidth (bytes/s) from the vendors' data sheets; the first key found in
@@ -268,8 +267,9 @@ def bench_spec(target, draft, corpus, device, tiny, methods, train_steps, log):
 # ----------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="The GPU table: train tokens/s and MFU, decode "
-                                "bandwidth, serving, speculative decoding, in one run.")
+    p = ArgumentParser(description="The GPU table: train tokens/s and MFU, decode "
+                                   "bandwidth, serving, speculative decoding, in one run.",
+                       formatter_class=HelpFormatter)
     p.add_argument("--device", default="auto", help="auto, cuda or cpu (default: auto)")
     p.add_argument("--tiny", action="store_true", help="toy sizes (the CPU test of this file)")
     p.add_argument("--data", default=None, help="text file (default: the built-in corpus)")

@@ -44,7 +44,6 @@ weights: ΔW is a difference from ONE W0). `--load` checks all of it and refuses
 `merge_and_unload` folds ΔW into a plain GPT whose checkpoint (train.py's format) every
 script reads -- inference at exactly the base model's cost, the adapter no longer swappable.
 """
-import argparse
 import copy
 import hashlib
 import inspect
@@ -63,7 +62,7 @@ import data
 import evaluate as ev
 from model import GPT, get_config, load_checkpoint, load_model, PRESETS
 from nf4 import NF4_DQ_BITS, NF4Matmul, NF4Weight
-from plumbing import (ActivationMeter, Runtime, StepTimer, UserError, all_reduce_flat,
+from plumbing import (ActivationMeter, ArgumentParser, HelpFormatter, Runtime, StepTimer, UserError, all_reduce_flat,
                       atomic_save, comm, fmt_bytes, warmup_cosine,
                       fmt_count, model_state_bytes, print0, run_cli, seed_everything,
                       setup_runtime, tensor_bytes,
@@ -745,10 +744,10 @@ def main(argv=None):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Fine-tune the base GPT on arithmetic with LoRA, LoRA+, QLoRA, VeRA, "
                     "DoRA or full fine-tuning, and print what each costs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("mode", nargs="?", default="train", choices=["train", "compare", "eval"],
                    help="train: one --method (or continue --load); compare: every method in "
                         "--methods, one table; eval: evaluate (and --export) the --load adapter")

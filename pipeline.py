@@ -29,7 +29,6 @@ the tests check each against one process doing gradient accumulation over the sa
 microbatches. `torchrun --nproc_per_node=P pipeline.py bench` times each against
 torch.distributed.pipelining and draws what every rank did, bubble measured vs theory.
 """
-import argparse
 import time
 from collections import Counter, deque
 from contextlib import nullcontext
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from model import GPT, get_config
-from plumbing import (UserError, comm, fmt_bytes, print0, require_at_least_one, run_cli,
+from plumbing import (ArgumentParser, HelpFormatter, UserError, comm, fmt_bytes, print0, require_at_least_one, run_cli,
                       setup_runtime)
 
 SCHEDULES = ("gpipe", "1f1b", "zb", "dualpipev")
@@ -740,10 +739,10 @@ def bench(args, rt):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Pipeline parallelism by hand: print a schedule, "
+    p = ArgumentParser(description="Pipeline parallelism by hand: print a schedule, "
                                 "or time every schedule against torch.distributed.pipelining "
                                 "(training runs go through parallel.py --pp).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("mode", choices=["show", "bench"],
                    help="show: print the step table of --schedule (no torchrun needed); "
                         "bench: run under torchrun --nproc_per_node=P")

@@ -770,3 +770,9 @@ def gpu_peak_flops(device):
         if key in name:
             return flops
     return None
+
+
+if __name__ == "__main__":
+    print(__doc__.strip())
+    print("\nplumbing.py is a library: every script imports it (process groups, meters, the "
+          "command line's error handling); run train.py --help to start.")

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 import data
 from model import GPT, GPTConfig, MoE, RMSNorm, get_config, load_model
-from plumbing import (UserError, fmt_bytes, print0, require_at_least_one, run_cli,
+from plumbing import (ArgumentParser, HelpFormatter, UserError, fmt_bytes, print0, require_at_least_one, run_cli,
                       seed_everything, tensor_bytes)
 
 SUPPORTED_BITS = (3, 4, 8)
@@ -876,9 +876,9 @@ def _parent(title, *flags):
 def build_parser():
     common = _parent(
         "model, data and ledger",
-        ("--ckpt", dict(default=None, help=f"fp32 checkpoint; None = {DEFAULT_CKPT}, or a "
+        ("--ckpt", dict(default=None, help=f"fp32 checkpoint; not given: {DEFAULT_CKPT}, or a "
                         "fresh tiny model trained here when that file does not exist")),
-        ("--data", dict(default=None, help="UTF-8 text the checkpoint was trained on (None = "
+        ("--data", dict(default=None, help="UTF-8 text the checkpoint was trained on (not given: "
                         "what the checkpoint records, else the built-in corpus)")),
         ("--base-steps", dict(type=int, default=600, help="training steps of a fresh model")),
         ("--calib-batches", dict(type=int, default=4, help="calibration batches (train split)")),
@@ -897,7 +897,7 @@ def build_parser():
     fmt = _parent(
         "format",
         ("--bits", dict(type=int, default=4, help=f"one of {SUPPORTED_BITS}")),
-        ("--group-size", dict(type=int, default=None, help="inputs per scale/zero; None = 0 "
+        ("--group-size", dict(type=int, default=None, help="inputs per scale/zero; not given: 0 "
                               "(one group per output row) for int8, 32 for int3/int4")))
     gptq_flags = _parent(
         "GPTQ",
@@ -912,7 +912,7 @@ def build_parser():
                                                          help="migration strength α")))
     train = _parent("training", ("--lr", dict(type=float, default=3e-4,
                                               help="QAT / fine-tuning learning rate")))
-    p = argparse.ArgumentParser(description="Quantize or prune the GPT; a ledger of what each "
+    p = ArgumentParser(description="Quantize or prune the GPT; a ledger of what each "
                                 "method saves and costs.")
     return _subcommands(p, common, fmt, gptq_flags, awq_flags, sq_flags, train)
 
@@ -921,7 +921,7 @@ def _subcommands(p, common, fmt, gptq_flags, awq_flags, sq_flags, train):
     sub = p.add_subparsers(dest="mode", required=True, metavar="MODE")
     add = lambda name, help, *parents: sub.add_parser(
         name, help=help, description=help, parents=[common, *parents],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     add("rtn", "round-to-nearest", fmt)
     add("gptq", "GPTQ: column-by-column with error compensation", fmt, gptq_flags)
     add("awq", "AWQ: activation-aware scales, then RTN", fmt, awq_flags)
@@ -940,7 +940,7 @@ def _subcommands(p, common, fmt, gptq_flags, awq_flags, sq_flags, train):
     cmp = add("compare", "every method at --bits-list, QAT, pruning: one table",
               gptq_flags, awq_flags, sq_flags, train)
     cmp.add_argument("--bits-list", default="8,4,3", help="weight bits to compare")
-    cmp.add_argument("--group-size", type=int, default=None, help="None = 0 for int8, 32 "
+    cmp.add_argument("--group-size", type=int, default=None, help="not given: 0 for int8, 32 "
                      "for int3/int4")
     cmp.add_argument("--qat-steps", type=int, default=100, help="QAT and fine-tuning steps")
     return p

@@ -42,7 +42,6 @@ Measured (compare, 2 shared CPU cores): a PPO step costs 1.15-1.5x a GRPO step, 
 0.55-0.8x (one epoch, not two); the reference/teacher adds 5.7 MB of weights to the policy's
 22.7 MB state, the critic 14.3 MB. Generation is a small part here (3-token answers).
 """
-import argparse
 import copy
 import importlib
 import math
@@ -60,7 +59,7 @@ import torch.nn.functional as F
 import data
 import evaluate as ev
 from model import GPT, KVCache, get_config, load_checkpoint, load_model, PRESETS
-from plumbing import (ActivationMeter, StepTimer, UserError, all_reduce_flat, atomic_save,
+from plumbing import (ActivationMeter, ArgumentParser, HelpFormatter, StepTimer, UserError, all_reduce_flat, atomic_save,
                       comm, fmt_bytes, fmt_count,
                       model_state_bytes, print0, run_cli, setup_runtime, tensor_bytes,
                       require_at_least_one)
@@ -697,10 +696,10 @@ def main(argv=None):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="RL on the shared GPT (REINFORCE, PPO, GRPO, Dr. GRPO) and on-policy vs "
                     "off-policy distillation, with a ledger of what each costs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("mode", nargs="?", default="train", choices=["train", "compare"],
                    help="train: one --algo; compare: each of --algos, tables")
     p.add_argument("--algo", default="grpo", help=f"one of {', '.join(ALGOS)}")

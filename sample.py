@@ -19,14 +19,13 @@ Each sample runs model.generate: one prefill over the prompt, then one cached de
 per token. A typed "\\n" in a prompt is a newline (code prompts span lines). Same --seed,
 same prompt -> the same completion.
 """
-import argparse
 import sys
 
 import torch
 
 import data
 from model import load_model
-from plumbing import HelpFormatter, UserError, pick_device, run_cli
+from plumbing import ArgumentParser, HelpFormatter, UserError, pick_device, run_cli
 
 
 def complete(model, enc, prompt, args, seed):
@@ -72,7 +71,7 @@ def prompts_from_stdin():
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="sample.py", formatter_class=HelpFormatter,
+    p = ArgumentParser(prog="sample.py", formatter_class=HelpFormatter,
                                 description="Sample completions from a checkpoint: one "
                                             "--prompt, or a prompt loop on standard input.")
     p.add_argument("--checkpoint", default="out/ckpt.pt",
