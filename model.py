@@ -9,7 +9,9 @@ A Llama-style decoder (Touvron et al. 2023), small enough to train on two CPU co
   - SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x);
   - optionally a mixture-of-experts MLP (top-k softmax router + the Switch Transformer
     load-balancing loss, Fedus et al. 2021), with a dense reference computation that
-    expert parallelism (parallel.py) must reproduce exactly;
+    expert parallelism (parallel.py) must reproduce exactly; as options, DeepSeek-V3's
+    fine-grained experts with always-on shared experts, sigmoid affinities and loss-free
+    balancing (a routing-only bias moved by each expert's load, no loss term);
   - optionally extra next-token heads (head k predicts token t+1+k), the seam that Medusa
     and multi-token prediction in spec_decode.py build on;
   - an untied output head by default (the embedding and the head are separate matrices).
@@ -65,6 +67,12 @@ class GPTConfig:
     n_expert: int = 0             # 0 = dense MLP; > 0 = mixture of experts in every block
     expert_top_k: int = 2
     moe_aux_coef: float = 0.01    # weight of the load-balancing loss in the training loss
+    # DeepSeekMoE / DeepSeek-V3 (§2.1.2) options of the same MoE:
+    n_shared_expert: int = 0      # always-on experts, run as ONE SwiGLU n_shared·ffn_dim wide
+    moe_score: str = "softmax"    # router affinities: "softmax" (Switch) or "sigmoid" (V3)
+    moe_routed_scale: float = 1.0  # the routed experts' weights × this (V3: 2.5)
+    moe_balance: str = "aux"      # "aux": Switch loss only; "loss_free": + V3's routing bias
+    moe_bias_rate: float = 0.001  # γ of the loss-free bias update (V3: 0.001)
     n_extra_heads: int = 0        # extra next-token heads: head k predicts token t+1+k
     extra_heads_coef: float = 0.1
     tie_embeddings: bool = False
@@ -122,6 +130,12 @@ class GPTConfig:
         if self.n_expert and not 1 <= self.expert_top_k <= self.n_expert:
             raise UserError(f"expert_top_k={self.expert_top_k} must be in 1..n_expert="
                             f"{self.n_expert}")
+        if self.moe_score not in ("softmax", "sigmoid"):
+            raise UserError(f"moe_score must be softmax or sigmoid, got {self.moe_score!r}")
+        if self.moe_balance not in ("aux", "loss_free"):
+            raise UserError(f"moe_balance must be aux or loss_free, got {self.moe_balance!r}")
+        if self.n_shared_expert and not self.n_expert:
+            raise UserError("n_shared_expert needs a mixture of experts (n_expert > 0)")
         if self.attn not in ATTENTION_FUNCTIONS:
             raise UserError(f"unknown attention {self.attn!r}: use {list(ATTENTION_FUNCTIONS)}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -140,6 +154,16 @@ PRESETS = {
     # small with a mixture of 8 experts (top-2) in every block
     "moe": dict(block_size=256, n_layer=4, n_head=6, n_kv_head=2, n_embd=192, n_expert=8,
                 expert_top_k=2, ffn_hidden=256),
+    # DeepSeek-V3's ideas at moe's size: fine-grained experts (16 routed experts 64 wide,
+    # top-4, where moe has 8 × 256, top-2) + 1 shared expert, sigmoid affinities,
+    # loss-free balancing with V3's tiny complementary aux loss (α = 1e-4), one MTP head. V3's MTP module is sequential: depth k joins the previous depth's state
+    # with the embedding of token t+k and runs a full Transformer block through the shared
+    # output head; our extra head (ExtraHead) sees only the final hidden state and has its
+    # own output matrix -- the same seam (head 1 predicts t+2; spec_decode.py drafts with it).
+    "v3": dict(block_size=256, n_layer=4, n_head=6, n_kv_head=2, n_embd=192, n_expert=16,
+               expert_top_k=4, ffn_hidden=64, n_shared_expert=1, moe_score="sigmoid",
+               moe_balance="loss_free", moe_aux_coef=1e-4, moe_bias_rate=0.001,
+               n_extra_heads=1),
 }
 
 
@@ -272,42 +296,111 @@ def swiglu(gate, up):
     return F.silu(gate) * up
 
 
-class MoE(nn.Module):
-    """Mixture of experts: a router picks top-k of n_expert SwiGLU MLPs per token.
+class Router(nn.Module):
+    """The gate of a mixture of experts: affinities s = score(W x) of each token for each
+    expert, and the choice of its top-k experts with their weights.
 
-    gate probabilities p = softmax(router(x)); the k largest are renormalised to sum to 1
-    (the same as Mixtral's softmax over the top-k logits) and weight the chosen experts'
-    outputs. Compute per token is k MLPs while parameters are n_expert MLPs: that is the
-    trade (parameters for free FLOPs, paid for in memory and, across devices, all-to-all).
+      softmax (Switch, Mixtral): s = softmax(Wx); top-k on s; weights = the chosen s
+        renormalised to sum to 1 (= Mixtral's softmax over the top-k logits);
+      sigmoid (DeepSeek-V3 eq. 13-15): s_i = σ(w_i·x), each expert judged on its own; top-k
+        on s + b (b: the loss-free balancing bias, below); weights = the chosen s (without
+        b) normalised over the top-k; both × routed_scale (V3: 2.5, so the routed sum is not
+        drowned by the shared expert's output).
+
+    Loss-free balancing (Wang et al. 2024; V3 §2.1.2): b is a buffer, never a parameter --
+    it only decides WHICH experts a token goes to (a top-k index has no gradient) and never
+    how much their outputs count, so balance is bought without a loss term pulling the
+    router away from the language-model objective. After every optimizer step the training
+    loop calls update_bias with the tokens each expert received: b_i += γ·sign(mean − load_i)
+    (an overloaded expert becomes a little less attractive, an idle one a little more).
+    The parameter is named `weight` (router.weight), as the nn.Linear it replaces."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.n_expert, cfg.n_embd))
+        self.score = cfg.moe_score
+        self.routed_scale = cfg.moe_routed_scale
+        bias = torch.zeros(cfg.n_expert) if cfg.moe_balance == "loss_free" else None
+        self.register_buffer("expert_bias", bias)     # in the checkpoint: training resumes
+
+    def forward(self, x_flat):
+        """The router logits (N, E); a module call, so hooks (quantize.py) see its input."""
+        return F.linear(x_flat, self.weight)
+
+    def gate(self, x_flat, top_k):
+        """-> (each token's affinities normalised to sum to 1 (N, E) fp32 -- the P_i of the
+        balance loss --, top-k weights (N, k), top-k expert ids (N, k))."""
+        logits = self(x_flat).float()
+        scores = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(-1)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        ids = choice.topk(top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        weights = weights / weights.sum(-1, keepdim=True) * self.routed_scale
+        shares = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return shares, weights, ids
+
+    @torch.no_grad()
+    def update_bias(self, load, rate):
+        """Loss-free balancing, one step: b_i += γ·sign(mean load − load_i). load: (E,)
+        tokens per expert over the whole optimizer step (summed over micro-batches, and over
+        the data-parallel ranks first, so every rank's bias stays identical)."""
+        load = load.to(self.expert_bias.device).float()
+        self.expert_bias += rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
+
+
+class MoE(nn.Module):
+    """Mixture of experts: a router picks top-k of n_expert SwiGLU MLPs per token, plus
+    n_shared always-on experts (DeepSeekMoE, Dai et al. 2024).
+
+    Compute per token is k (+ shared) MLPs while parameters are n_expert (+ shared) MLPs:
+    parameters for free FLOPs, paid for in memory and, across devices, all-to-all.
+    Fine-grained experts (DeepSeekMoE): many narrow experts and a larger k at the same
+    FLOPs -- more combinations to specialise. Shared experts: what every token needs (syntax,
+    common words) is learnt once instead of in every routed expert. n_shared experts each
+    ffn_dim wide are ONE SwiGLU n_shared·ffn_dim wide (concatenate their hidden units: the
+    same function), which is how DeepSeek-V3's code runs its one shared expert.
 
     Load balancing (Switch Transformer, eq. 4): aux = E · Σ_i f_i · P_i, where f_i is the
-    fraction of routed (token, slot) pairs sent to expert i and P_i the mean router
-    probability of expert i. Minimal (= 1) when routing is uniform."""
+    fraction of routed (token, slot) pairs sent to expert i and P_i the mean (normalised)
+    affinity of expert i. Minimal (= 1) when routing is uniform. With moe_balance=
+    "loss_free" it stays as the small complementary loss (V3 computes it per sequence with
+    α = 1e-4; ours is over the micro-batch, the same statistics expert parallelism already
+    all-reduces) next to the router's bias.
+
+    Kept from the last forward (read by the loss and the training loops, documented here):
+    `aux_loss` (the balance loss) and `load` (tokens routed to each expert, (E,))."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.top_k = cfg.expert_top_k
-        self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
+        self.router = Router(cfg)
         self.experts = nn.ModuleList(FeedForward(cfg.n_embd, cfg.ffn_dim)
                                      for _ in range(cfg.n_expert))
+        self.shared_experts = FeedForward(cfg.n_embd, cfg.n_shared_expert * cfg.ffn_dim) \
+            if cfg.n_shared_expert else None
         self.aux_loss = None
+        self.load = None
 
     def gate(self, x_flat):
-        """-> (router probabilities (N, E) in fp32, top-k weights (N, k) renormalised to sum
-        to 1, top-k expert ids (N, k)). Shared by the forwards below and by expert
-        parallelism (parallel.py), so every path routes identically."""
-        probs = torch.softmax(self.router(x_flat).float(), dim=-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        return probs, weights / weights.sum(-1, keepdim=True), ids
+        """-> (normalised affinities (N, E) fp32, top-k weights (N, k), top-k expert ids
+        (N, k)). Shared by the forwards below and by expert parallelism (parallel.py), so
+        every path routes identically (it reads only .router and .top_k)."""
+        return self.router.gate(x_flat, self.top_k)
 
     def route(self, x_flat):
-        """-> (top-k weights (N, k), top-k expert ids (N, k), aux loss over these tokens)."""
+        """-> (top-k weights (N, k), top-k expert ids (N, k), aux loss over these tokens);
+        keeps this forward's tokens per expert in self.load."""
         probs, weights, ids = self.gate(x_flat)
         n_expert = probs.shape[-1]
         counts = torch.zeros(n_expert, device=x_flat.device).index_add_(
             0, ids.flatten(), torch.ones(ids.numel(), device=x_flat.device))
+        self.load = counts
         aux = n_expert * (counts / ids.numel() * probs.mean(0)).sum()
         return weights.type_as(x_flat), ids, aux
+
+    def shared(self, x_flat):
+        """The shared experts' output (0 without them): every token, no routing."""
+        return 0 if self.shared_experts is None else self.shared_experts(x_flat)
 
     def forward(self, x):
         """Sparse computation: each expert runs only on the tokens routed to it."""
@@ -319,19 +412,19 @@ class MoE(nn.Module):
             token, slot = (ids == e).nonzero(as_tuple=True)
             if token.numel():
                 out.index_add_(0, token, expert(x_flat[token]) * weights[token, slot, None])
-        return out.view(B, T, D)
+        return (out + self.shared(x_flat)).view(B, T, D)
 
     def forward_dense(self, x):
         """The reference: every expert on every token, weighted by a gate that is zero for
-        unchosen experts. Slow (n_expert MLPs per token) and obviously right; MoE.forward and
-        expert parallelism are tested against it."""
+        unchosen experts, plus the shared experts. Slow (n_expert MLPs per token) and
+        obviously right; MoE.forward and expert parallelism are tested against it."""
         B, T, D = x.shape
         x_flat = x.reshape(-1, D)
         weights, ids, self.aux_loss = self.route(x_flat)
         gate = torch.zeros(x_flat.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
         gate.scatter_add_(1, ids, weights)
         outs = torch.stack([expert(x_flat) for expert in self.experts], dim=1)  # (N, E, D)
-        return (gate[:, :, None] * outs).sum(1).view(B, T, D)
+        return ((gate[:, :, None] * outs).sum(1) + self.shared(x_flat)).view(B, T, D)
 
 
 def latent_attention(cfg):
@@ -460,10 +553,18 @@ class GPT(nn.Module):
                 ("wo.weight", "w2.weight")) else 1.0
             p.copy_(torch.randn(p.shape, generator=gen) * std * scale)
 
-    def num_params(self, non_embedding=False):
+    def num_params(self, non_embedding=False, active=False):
+        """Parameters in all (the memory), or active=True: those one token's forward
+        touches -- of the routed experts only top_k of n_expert per layer (the shared
+        experts, the router and everything else always). DeepSeek-V3: 671B in all, 37B
+        active; planner.py's moe_params says the same from the shape (tested)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.tok_embeddings.weight.numel()
+        cfg = self.config
+        if active and cfg.n_expert:
+            per_expert = 3 * cfg.n_embd * cfg.ffn_dim
+            n -= cfg.n_layer * (cfg.n_expert - cfg.expert_top_k) * per_expert
         return n
 
     def flops_per_token(self, seq_len):
@@ -471,11 +572,19 @@ class GPT(nn.Module):
         4) plus the attention scores and weighted sum, 12·L·d·T (PaLM appendix B). MoE
         counts only the active experts."""
         cfg = self.config
-        n = self.num_params(non_embedding=True)
-        if cfg.n_expert:
-            per_expert = 3 * cfg.n_embd * cfg.ffn_dim
-            n -= cfg.n_layer * (cfg.n_expert - cfg.expert_top_k) * per_expert
+        n = self.num_params(non_embedding=True, active=True)
         return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq_len
+
+    def expert_loads(self):
+        """(n_layer, n_expert): tokens each layer's experts received in the last forward
+        (MoE.load). A training loop sums them over its micro-batches for update_expert_bias."""
+        return torch.stack([layer.feed_forward.load for layer in self.layers])
+
+    def update_expert_bias(self, loads):
+        """Loss-free balancing after an optimizer step (Router.update_bias per layer), with
+        the step's loads: (n_layer, n_expert), already summed over the data ranks."""
+        for layer, load in zip(self.layers, loads):
+            layer.feed_forward.router.update_bias(load, self.config.moe_bias_rate)
 
     def rope(self, positions):
         return self.rope_cos[positions], self.rope_sin[positions]

@@ -11,7 +11,9 @@ def tiny(**kw):
 
 @pytest.mark.parametrize("kw", [dict(attn="sdpa"), dict(attn="math"), dict(n_kv_head=4),
                                 dict(n_kv_head=1), dict(n_expert=4, expert_top_k=2),
-                                dict(n_extra_heads=2)])
+                                dict(n_extra_heads=2),
+                                dict(n_expert=4, n_shared_expert=1, moe_score="sigmoid",
+                                     moe_balance="loss_free")])
 def test_kv_cache_decode_equals_full_forward(kw):
     """Prefill a chunk, append a chunk, then decode one token at a time: every logit equals
     the one from a single full forward pass over the whole sequence."""
@@ -101,6 +103,94 @@ def test_moe_aux_loss_is_one_when_balanced_and_larger_when_not():
     assert abs(aux.item() - 1.0) < 0.02
     _, _, aux = moe.route(x[[0, 0, 0, 0]].view(4, -1))      # everything to expert 0
     assert aux.item() > 3.5
+
+
+V3_MOE = dict(n_expert=8, expert_top_k=3, ffn_hidden=16, n_shared_expert=2,
+              moe_score="sigmoid", moe_balance="loss_free", moe_routed_scale=2.5)
+
+
+def test_shared_expert_moe_sparse_equals_dense_reference_with_grads():
+    """DeepSeek-V3's MoE (sigmoid affinities, a routing bias, scaled weights, 2 shared
+    experts): the sparse forward equals the dense reference, values and gradients."""
+    cfg = tiny(**V3_MOE)
+    moe = GPT(cfg, seed=1).layers[0].feed_forward
+    with torch.no_grad():     # a bias that changes the choice of some tokens
+        moe.router.expert_bias.copy_(torch.linspace(-0.01, 0.01, 8))
+    x = torch.randn(4, 16, cfg.n_embd, generator=torch.Generator().manual_seed(0))
+    x.requires_grad_(True)
+    a = moe(x)
+    aux_a = moe.aux_loss
+    ga = torch.autograd.grad(a.pow(2).sum() + aux_a, [x, *moe.parameters()])
+    b = moe.forward_dense(x)
+    gb = torch.autograd.grad(b.pow(2).sum() + moe.aux_loss, [x, *moe.parameters()])
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.equal(aux_a, moe.aux_loss)
+    for u, w in zip(ga, gb):
+        torch.testing.assert_close(u, w, rtol=1e-4, atol=1e-6)
+    # the shared experts are in the output: without them it is the routed part only
+    shared = moe.shared_experts(x.reshape(-1, cfg.n_embd)).view_as(a)
+    assert shared.abs().max() > 1e-3
+    moe.shared_experts = None
+    torch.testing.assert_close(moe(x), a - shared, rtol=1e-5, atol=1e-6)
+    assert moe.load.sum() == 4 * 16 * 3        # every token reaches top_k experts
+
+
+def test_sigmoid_gate_chooses_on_bias_and_weighs_without_it():
+    """V3 eq. 13-16 by hand: top-k on s + b, weights = the chosen s (no b) normalised over
+    the top-k, × the routed scale."""
+    cfg = tiny(n_expert=4, expert_top_k=2, moe_score="sigmoid", moe_balance="loss_free",
+               moe_routed_scale=2.5)
+    router = GPT(cfg).layers[0].feed_forward.router
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[:, 0] = torch.tensor([2.0, 1.0, 0.0, -1.0])    # logits = these
+        router.expert_bias.copy_(torch.tensor([0.0, 0.0, 5.0, 0.0]))
+    x = torch.zeros(1, cfg.n_embd)
+    x[0, 0] = 1.0
+    shares, weights, ids = router.gate(x, 2)
+    s = torch.tensor([2.0, 1.0, 0.0, -1.0]).sigmoid()
+    assert ids.tolist() == [[2, 0]]            # the bias pulls expert 2 in, 1 out
+    torch.testing.assert_close(weights, 2.5 * s[[2, 0]][None] / (s[2] + s[0]))
+    torch.testing.assert_close(shares, (s / s.sum())[None])
+
+
+def test_loss_free_bias_follows_its_rule_and_has_no_gradient():
+    cfg = tiny(n_expert=4, expert_top_k=2, moe_balance="loss_free", moe_bias_rate=0.01)
+    model = GPT(cfg)
+    loads = torch.tensor([[5.0, 1.0, 3.0, 3.0],       # mean 3: -γ, +γ, 0, 0
+                          [0.0, 8.0, 2.0, 2.0]])      # mean 3: +γ, -γ, +γ, +γ
+    biases = [layer.feed_forward.router.expert_bias for layer in model.layers]
+    model.update_expert_bias(loads)
+    assert torch.equal(biases[0], torch.tensor([-0.01, 0.01, 0.0, 0.0]))
+    assert torch.equal(biases[1], torch.tensor([0.01, -0.01, 0.01, 0.01]))
+    model.update_expert_bias(loads)
+    assert torch.equal(biases[0], torch.tensor([-0.02, 0.02, 0.0, 0.0]))
+    # a buffer: saved with the checkpoint, never stepped by an optimizer
+    names = {n for n, _ in model.named_parameters()}
+    assert "layers.0.feed_forward.router.expert_bias" in model.state_dict()
+    assert not any("expert_bias" in n for n in names)
+    # no gradient path: b only decides the top-k indices, which carry none
+    bias = biases[0].requires_grad_(True)
+    _, loss = model(torch.randint(0, cfg.vocab_size, (2, 8)), torch.randint(0, 8, (2, 8)))
+    assert torch.autograd.grad(loss, bias, allow_unused=True)[0] is None
+    assert model.expert_loads().shape == (cfg.n_layer, 4)
+    assert model.expert_loads().sum() == cfg.n_layer * 2 * 8 * 2
+
+
+def test_v3_preset_active_and_total_parameters():
+    cfg = get_config("v3")
+    model = GPT(cfg, seed=None)
+    routed = cfg.n_layer * cfg.n_expert * 3 * cfg.n_embd * cfg.ffn_dim
+    idle = routed * (cfg.n_expert - cfg.expert_top_k) // cfg.n_expert
+    assert model.num_params() - model.num_params(active=True) == idle
+    shared = sum(p.numel() for n, p in model.named_parameters() if "shared_experts" in n)
+    assert shared == cfg.n_layer * cfg.n_shared_expert * 3 * cfg.n_embd * cfg.ffn_dim
+    assert model.flops_per_token(256) == 6 * model.num_params(True, active=True) + \
+        12 * cfg.n_layer * cfg.n_embd * 256
+    with pytest.raises(UserError, match="moe_score"):
+        get_config("v3", moe_score="relu")
+    with pytest.raises(UserError, match="n_shared_expert needs"):
+        get_config("tiny", n_shared_expert=1)
 
 
 def test_same_seed_same_weights():
