@@ -1,0 +1,489 @@
+"""
+streaming.py -- long runs beyond the context: a KV cache that never grows past a fixed
+number of tokens, so a conversation (or a token stream) can go on long after block_size.
+
+Run:  python streaming.py measure     # per-position loss of three policies on a long stream
+      python streaming.py generate    # sample far past block_size with a sink + window cache
+
+A plain KV cache (model.KVCache) holds every past token: it grows by 2·L·H_kv·D numbers per
+token and, because RoPE positions must stay below block_size, a stream longer than the
+context is refused. Three ways to go on, and what each costs (C = tokens attended):
+  - Dense with recompute (the reference; StreamingLLM's "sliding window with
+    re-computation"): for every new token, re-run the model on the last C tokens from
+    scratch. Holds no KV at all between tokens; adds a forward of C tokens per token (C×
+    the compute of cached decoding); forgets everything older than C tokens, but every
+    window starts afresh with its own first token -- exactly the situation the model was
+    trained on -- so it is the best a C-token model can do.
+  - Sliding window (sinks = 0): keep the KV of the last W tokens only. Saves: the cache is
+    bounded at W tokens, decoding stays one token of compute. Adds: when the window slides,
+    the kept keys are re-rotated so that positions stay inside the cache (below). Sacrifices:
+    everything older than W -- and, the StreamingLLM finding (Xiao et al. 2023, "Efficient
+    Streaming Language Models with Attention Sinks"), much more than that once the very
+    first tokens leave: trained models park surplus attention on the first tokens ("attention
+    sinks"), and the token now at index 0 of the window was computed as a mid-text token,
+    not as a first one, so the parked attention lands somewhere that does not absorb it.
+  - Attention sinks + window: keep the first k tokens' KV forever (k = 4 in the paper) plus
+    the last W. Same bounded cache (k + W tokens), same re-rotation work, and the first
+    tokens are still there to take the parked attention; sacrifices the middle of the
+    stream (what lies between the sinks and the window is gone for good: no retrieval).
+    The paper reports perplexity close to dense-with-recompute over millions of tokens.
+
+Positions: StreamingLLM assigns positions inside the cache (a key's position is its index
+there), so they never reach past k + W, whatever the stream length. The model rotates keys
+by RoPE (Su et al. 2021) BEFORE handing them to the cache, so when the window slides by δ,
+the kept window keys must move from position p to p − δ. RoPE is a rotation of each pair of
+channels by p·θ_i, and R(p − δ) = R(−δ)·R(p): rotating a stored key by −δ gives exactly the
+key at its new position (up to one float rounding per slide). What we pay: every slide
+rotates the W kept keys of every layer and KV head, L·H_kv·W·D·~3 FLOPs -- per token when
+feeding one token at a time, W/c per token when the window slides c tokens at once. That is
+small next to the ~2Ψ FLOPs of the token's forward; the other choice, caching pre-RoPE keys
+and rotating all k + W of them at attention time, costs the same per step (plus the sinks),
+has no accumulated rounding, but no longer stores ready-to-use keys. Here: re-rotation, the
+choice of Hugging Face's SinkCache; a key lives at most W slides, so its rounding stays
+~√W float epsilons (the tests compare it with keys recomputed at the new positions).
+
+Implements model.py's cache protocol by name (length, update, advance, attention); batch of
+B equal-length streams (they share one length, as model.KVCache). MLA is refused: its cache
+holds latents, and the rope key sits in another slot (see cfg.kv_cache_dims).
+"""
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+import data
+import plots
+from model import GPT, apply_rope, get_config, load_model, rope_table, sample_next, PRESETS
+from plumbing import (ArgumentParser, HelpFormatter, UserError, fmt_bytes, run_cli,
+                      seed_everything, warmup_cosine)
+
+DEFAULT_CKPT = os.path.join("out", "ckpt.pt")
+OUT_DIR = os.path.join("out", "streaming")
+
+
+# ----------------------------------------------------------------------------------------
+# The cache
+
+def check_counts(sinks, window):
+    """The checks that need no model: one clear error each."""
+    if window < 1:
+        raise UserError(f"window must be at least 1 token, got {window}")
+    if sinks < 0:
+        raise UserError(f"sinks must be >= 0, got {sinks}")
+    if sinks >= window:
+        raise UserError(f"sinks ({sinks}) must be fewer than the window ({window}): the sinks "
+                        f"are a few first tokens kept beside a larger recent window")
+
+
+def check_policy(cfg, sinks, window):
+    """One clear error for a policy the cache cannot run on this model."""
+    check_counts(sinks, window)
+    if sinks + window > cfg.block_size:
+        raise UserError(f"sinks + window = {sinks + window} exceeds the model's context "
+                        f"(block_size={cfg.block_size}): positions inside the cache must "
+                        f"stay below it")
+    if cfg.mla:
+        raise UserError("the sink/window cache re-rotates cached RoPE keys; an MLA cache "
+                        "holds latents (and its rope key in another slot): not supported")
+
+
+class SinkWindowCache:
+    """The first `sinks` tokens' K/V plus the last `window` tokens', at most
+    capacity = sinks + window tokens per layer (sinks = 0: a plain sliding window).
+
+    Layout per layer: (B, H_kv, capacity, D) buffers; slots [0, sinks) hold the sinks and
+    never move, slots [sinks, length) the window, oldest first. A token's position is its
+    slot. Before each forward the caller asks for room (make_room(T) evicts the oldest
+    window tokens and re-rotates the rest), then runs the model at the positions it returns;
+    update() only appends."""
+
+    attention = None              # keys are plain (B, H_kv, T, D) tensors: the layer attends
+
+    def __init__(self, cfg, sinks, window, batch_size=1, device="cpu", dtype=torch.float32):
+        check_policy(cfg, sinks, window)
+        self.sinks = sinks
+        self.window = window
+        self.capacity = sinks + window
+        heads, k_dim, v_dim = cfg.kv_cache_dims
+        shape = (cfg.n_layer, batch_size, heads, self.capacity)
+        self.k = torch.zeros(shape + (k_dim,), device=device, dtype=dtype)
+        self.v = torch.zeros(shape + (v_dim,), device=device, dtype=dtype)
+        # cos/sin of δ·θ_i for every slide δ the cache can make (δ < capacity)
+        cos, sin = rope_table(cfg.rope_dim, self.capacity, cfg.rope_theta)
+        self.rope_cos = cos.to(device)
+        self.rope_sin = sin.to(device)
+        self.length = 0           # tokens held now (= the next token's position)
+        self.seen = 0             # tokens of the stream so far, evicted ones included
+        self.evicted = 0          # tokens dropped from the window so far
+        self.rotated = 0          # key vectors re-rotated so far (the work this adds)
+
+    def make_room(self, n):
+        """Evict the oldest window tokens so that n more fit; -> the n new tokens'
+        positions (their slots: length .. length + n - 1)."""
+        drop = self.length + n - self.capacity
+        if drop > 0:
+            if drop > self.length - self.sinks:
+                raise UserError(f"{n} new tokens do not fit beside {self.sinks} sinks in a "
+                                f"cache of {self.capacity}: feed at most window={self.window} "
+                                f"tokens per forward")
+            self.slide(drop)
+        return torch.arange(self.length, self.length + n, device=self.k.device)
+
+    def slide(self, drop):
+        """Forget the `drop` oldest window tokens; the kept ones move `drop` slots down and
+        their keys are rotated by -drop (R(p - δ) = R(-δ)·R(p)); values carry no position."""
+        start = self.sinks + drop
+        kept = self.length - start
+        old_k = self.k[:, :, :, start:self.length]
+        # cos(-a) = cos a, sin(-a) = -sin a: the inverse rotation by drop·θ_i
+        new_k = apply_rope(old_k, self.rope_cos[drop], -self.rope_sin[drop])
+        self.k[:, :, :, self.sinks:self.sinks + kept] = new_k
+        self.v[:, :, :, self.sinks:self.sinks + kept] = self.v[:, :, :, start:self.length].clone()
+        self.length -= drop
+        self.evicted += drop
+        self.rotated += old_k.shape[0] * old_k.shape[1] * old_k.shape[2] * kept
+
+    def update(self, layer, k, v):
+        T = k.shape[2]
+        if self.length + T > self.capacity:
+            raise UserError(f"SinkWindowCache holds {self.length} of {self.capacity} tokens: "
+                            f"call make_room({T}) before the forward")
+        self.k[layer, :, :, self.length:self.length + T] = k
+        self.v[layer, :, :, self.length:self.length + T] = v
+        end = self.length + T
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, n):
+        self.length += n
+        self.seen += n
+
+    @property
+    def nbytes(self):
+        """Bytes allocated: fixed at capacity tokens, however long the stream."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+# ----------------------------------------------------------------------------------------
+# The streaming loops
+
+def feed(model, cache, ids, chunk=1, prefill=True):
+    """Run ids (B, n) through the cache: with `prefill`, the first forward fills it (up to
+    capacity tokens, nothing evicted: an ordinary causal prefill); then `chunk` tokens per
+    forward.
+    Yields (index of the forward's first token, logits (B, T, V)) per forward.
+
+    chunk = 1 is the exact policy: every token sees the sinks and the W tokens before it.
+    A larger chunk slides the window once per chunk (W/chunk re-rotations per token instead
+    of W), and the chunk's earlier tokens see fewer recent ones (W - chunk + 1 at least)."""
+    if not 1 <= chunk <= cache.window:
+        raise UserError(f"chunk must be in 1..window={cache.window}, got {chunk}")
+    n = ids.shape[1]
+    start = 0
+    while start < n:
+        if prefill and start == 0 and cache.length < cache.capacity:
+            size = cache.capacity - cache.length     # fill what is free: nothing evicted
+        else:
+            size = chunk
+        size = min(size, n - start)
+        positions = cache.make_room(size)          # positions inside the cache
+        logits, _ = model(ids[:, start:start + size], positions=positions, cache=cache)
+        yield start, logits
+        start += size
+
+
+@torch.no_grad()
+def stream_losses(model, tokens, sinks, window, chunk=1):
+    """Next-token loss at every position of a 1-D token stream, fed through a
+    SinkWindowCache. -> (losses (n-1,), stats: the largest cache, bytes, re-rotations)."""
+    device = model.output.weight.device
+    cache = SinkWindowCache(model.config, sinks, window, device=device,
+                            dtype=model.output.weight.dtype)
+    tokens = tokens.to(device)
+    losses = []
+    peak = 0
+    t0 = time.perf_counter()
+    for start, logits in feed(model, cache, tokens[None], chunk):
+        peak = max(peak, cache.length)
+        targets = tokens[start + 1:start + 1 + logits.shape[1]]
+        losses.append(F.cross_entropy(logits[0, :len(targets)].float(), targets,
+                                      reduction="none"))
+    stats = {"peak_tokens": peak, "kv_bytes": cache.nbytes, "rotated": cache.rotated,
+             "evicted": cache.evicted, "seconds": time.perf_counter() - t0,
+             "forward_tokens_per_token": 1.0}
+    return torch.cat(losses), stats
+
+
+@torch.no_grad()
+def recompute_losses(model, tokens, context, batch=16):
+    """The reference: position t's next-token loss from a fresh forward over
+    tokens[t-context+1 .. t], no cache kept between positions. The first `context`
+    positions share one causal forward (same numbers); after that, windows are batched."""
+    device = model.output.weight.device
+    tokens = tokens.to(device)
+    n = len(tokens)
+    first = min(context, n)
+    t0 = time.perf_counter()
+    logits, _ = model(tokens[None, :first])
+    targets = tokens[1:first + 1]
+    losses = [F.cross_entropy(logits[0, :len(targets)].float(), targets, reduction="none")]
+    ends = list(range(first, n - 1))               # the window's last token, t
+    for i in range(0, len(ends), batch):
+        group = ends[i:i + batch]
+        rows = torch.stack([tokens[t - context + 1:t + 1] for t in group])
+        logits, _ = model(rows, logits_at=[-1])    # only the last position is scored
+        losses.append(F.cross_entropy(logits[:, -1].float(), tokens[[t + 1 for t in group]],
+                                      reduction="none"))
+    stats = {"peak_tokens": 0, "kv_bytes": 0, "rotated": 0, "evicted": 0,
+             "seconds": time.perf_counter() - t0,
+             "forward_tokens_per_token": (first + len(ends) * context) / max(1, n - 1)}
+    return torch.cat(losses), stats
+
+
+@torch.no_grad()
+def stream_generate(model, prompt_ids, max_new_tokens, sinks, window, temperature=1.0,
+                    top_k=None, seed=0):
+    """Sample max_new_tokens after the prompt, as many as wanted: the cache slides, one token
+    per forward. -> (new token ids, the cache)."""
+    if not prompt_ids:
+        raise UserError("stream_generate needs a prompt of at least one token")
+    device = model.output.weight.device
+    cache = SinkWindowCache(model.config, sinks, window, device=device,
+                            dtype=model.output.weight.dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for _, logits in feed(model, cache, torch.tensor([prompt_ids], device=device)):
+        last = logits[:, -1]
+    new = []
+    for i in range(max_new_tokens):
+        nxt = sample_next(last, temperature, top_k, None, gen)
+        new.append(int(nxt[0]))
+        if i == max_new_tokens - 1:
+            break                          # no forward for a token nobody samples from
+        positions = cache.make_room(1)
+        logits, _ = model(nxt[:, None], positions=positions, cache=cache)
+        last = logits[:, -1]
+    return new, cache
+
+
+# ----------------------------------------------------------------------------------------
+# The model and the stream for the measurement
+
+def train_fresh(cfg, corpus, steps, seed, batch_size=16, lr=3e-3):
+    """A model of `cfg` trained for `steps` AdamW steps on the train split (random crops of
+    block_size tokens, as train.py), for a reader without a checkpoint."""
+    model = GPT(cfg, seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    loss = torch.tensor(float("nan"))
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = warmup_cosine(step, steps, max(1, steps // 20), lr, lr / 10)
+        x, y = data.get_batch(corpus.train, batch_size, cfg.block_size, seed, step)
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return model.eval(), float(loss.detach())
+
+
+def load_or_train(args):
+    """-> (model, corpus, description). --checkpoint, else out/ckpt.pt if present, else (or
+    with --checkpoint none) a fresh --preset model trained for --train-steps steps here
+    (0 = random init)."""
+    path = args.checkpoint or (DEFAULT_CKPT if os.path.exists(DEFAULT_CKPT) else None)
+    if path and path != "none":
+        model, ckpt = load_model(path, args.device)
+        data_path = args.data or (ckpt.get("args") or {}).get("data")
+        corpus = data.load_corpus(data_path, model.config.vocab_size)
+        if "tokenizer" in ckpt and data.encoding_from_state(ckpt["tokenizer"])._mergeable_ranks \
+                != corpus.enc._mergeable_ranks:
+            raise UserError(f"{path}'s tokenizer is not the one of corpus "
+                            f"{data_path or 'stdlib'}: pass the --data it was trained on")
+        return model.float().eval(), corpus, path
+    cfg = get_config(args.preset)
+    corpus = data.load_corpus(args.data, cfg.vocab_size)
+    t0 = time.perf_counter()
+    model, loss = train_fresh(cfg, corpus, args.train_steps, args.seed)
+    what = (f"fresh {args.preset} model, random init (--train-steps 0)" if not args.train_steps
+            else f"fresh {args.preset} model trained {args.train_steps} steps here "
+                 f"({time.perf_counter() - t0:.0f} s, last train loss {loss:.3f})")
+    print(f"no checkpoint: {what}")
+    return model.to(args.device), corpus, what
+
+
+def stream_tokens(corpus, n, offset):
+    """n consecutive tokens of the validation split (text the model never trained on)."""
+    if len(corpus.val) < offset + n:
+        raise UserError(f"the validation split has {len(corpus.val)} tokens: --tokens {n} "
+                        f"from --offset {offset} does not fit")
+    return torch.from_numpy(corpus.val[offset:offset + n].astype("int64"))
+
+
+# ----------------------------------------------------------------------------------------
+# Reporting
+
+def bands(n, first, parts=4):
+    """Position bands [lo, hi): [0, first) -- where no policy has evicted anything, so all
+    three must agree -- then the rest in `parts` equal bands."""
+    edges = [0, min(first, n)]
+    rest = n - edges[-1]
+    for i in range(1, parts + 1):
+        edges.append(edges[1] + rest * i // parts)
+    return [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
+
+
+def band_table(losses, edges):
+    """Markdown rows: mean loss per band for each policy."""
+    names = list(losses)
+    lines = ["| positions | " + " | ".join(names) + " |",
+             "|---|" + "---:|" * len(names)]
+    for lo, hi in edges:
+        cells = [f"{float(losses[k][lo:hi].mean()):.3f}" for k in names]
+        lines.append(f"| {lo}-{hi - 1} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def cost_table(stats, n, per_token_bytes, block_size):
+    """Markdown rows: what each policy holds and computes per scored token."""
+    lines = ["| policy | KV tokens held (max) | KV bytes | forward tokens / token | "
+             "keys re-rotated / token | mean loss | ppl | wall s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines.append(f"| full KV cache (model.KVCache) | {n} (refused past {block_size}) | "
+                 f"{fmt_bytes(n * per_token_bytes)} | 1 | 0 | - | - | - |")
+    for name, s in stats.items():
+        lines.append(f"| {name} | {s['peak_tokens']} | {fmt_bytes(s['kv_bytes'])} | "
+                     f"{s['forward_tokens_per_token']:.1f} | {s['rotated'] / (n - 1):.0f} | "
+                     f"{s['mean_loss']:.3f} | {s['ppl']:.1f} | {s['seconds']:.1f} |")
+    return lines
+
+
+def binned(values, width):
+    """[(centre position, mean)] over consecutive bins of `width` positions."""
+    return [((i + min(width, len(values) - i) / 2), float(values[i:i + width].mean()))
+            for i in range(0, len(values), width)]
+
+
+def plot(losses, args, capacity):
+    width = max(1, len(next(iter(losses.values()))) // 64)
+    series = {name: binned(v, width) for name, v in losses.items()}
+    title = f"next-token loss along a {args.tokens}-token stream, {capacity} KV tokens"
+    path = plots.svg_line_plot("streaming_loss", series, title=title,
+                               xlabel=f"position in the stream (mean of {width})",
+                               ylabel="loss (nats)", directory=args.plots)
+    print(plots.terminal_plot(series))
+    return path
+
+
+# ----------------------------------------------------------------------------------------
+# Modes
+
+def run_measure(args):
+    model, corpus, what = load_or_train(args)
+    cfg = model.config
+    window = args.window if args.window is not None else cfg.block_size - args.sinks
+    check_policy(cfg, args.sinks, window)
+    capacity = args.sinks + window
+    tokens = stream_tokens(corpus, args.tokens, args.offset)
+    print(f"model: {what} (block_size {cfg.block_size}); stream: {args.tokens} val tokens "
+          f"= {args.tokens / cfg.block_size:.1f}x the context; every policy attends to "
+          f"{capacity} tokens")
+    runs = {f"dense recompute ({capacity})": lambda: recompute_losses(model, tokens, capacity,
+                                                                        args.batch_size),
+            f"window ({capacity})": lambda: stream_losses(model, tokens, 0, capacity,
+                                                          args.chunk),
+            f"sinks {args.sinks} + window {window}": lambda: stream_losses(
+                model, tokens, args.sinks, window, args.chunk)}
+    losses, stats = {}, {}
+    for name, run in runs.items():
+        losses[name], stats[name] = run()
+        stats[name]["mean_loss"] = float(losses[name].mean())
+        stats[name]["ppl"] = float(losses[name].mean().exp())
+        print(f"{name}: mean loss {stats[name]['mean_loss']:.3f} | ppl "
+              f"{stats[name]['ppl']:.1f} | {stats[name]['seconds']:.1f} s")
+    heads, k_dim, v_dim = cfg.kv_cache_dims
+    per_token = cfg.n_layer * heads * (k_dim + v_dim) * 4
+    edges = bands(args.tokens - 1, capacity)
+    table = band_table(losses, edges) + [""] + cost_table(stats, args.tokens, per_token,
+                                                            cfg.block_size)
+    print("\n".join(table))
+    svg = plot(losses, args, capacity)
+    os.makedirs(args.out, exist_ok=True)
+    result = os.path.join(args.out, "measure.json")
+    with open(result, "w", encoding="utf-8") as f:
+        json.dump({"model": what, "tokens": args.tokens, "sinks": args.sinks,
+                   "window": window, "chunk": args.chunk, "stats": stats,
+                   "bands": [[lo, hi] for lo, hi in edges],
+                   "losses": {k: v.tolist() for k, v in losses.items()}}, f, indent=1)
+    print(f"wrote {svg} and {result} (timings: wall clock on this possibly shared CPU)")
+    return losses, stats
+
+
+def run_generate(args):
+    model, corpus, what = load_or_train(args)
+    window = args.window if args.window is not None else model.config.block_size - args.sinks
+    prompt = corpus.enc.encode_ordinary(args.prompt)
+    new, cache = stream_generate(model, prompt, args.new_tokens, args.sinks, window,
+                                 args.temperature, args.top_k, args.seed)
+    print(corpus.enc.decode(prompt + new))
+    print(f"\n{len(prompt) + len(new)} tokens ({(len(prompt) + len(new)) / model.config.block_size:.1f}x "
+          f"the context) | cache {cache.length}/{cache.capacity} tokens, "
+          f"{fmt_bytes(cache.nbytes)} | evicted {cache.evicted} | model: {what}")
+
+
+def parse_args(argv=None):
+    fmt = HelpFormatter
+    common = ArgumentParser(add_help=False)
+    common.add_argument("--checkpoint", default=None, help=f"model to run (not given: "
+                        f"{DEFAULT_CKPT} if present, else a fresh --preset model trained here; "
+                        f"'none': the fresh model even if {DEFAULT_CKPT} exists)")
+    common.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                        help="size of the fresh model")
+    common.add_argument("--train-steps", type=int, default=400,
+                        help="training steps of the fresh model (0 = random init)")
+    common.add_argument("--data", default=None, help="corpus text file (not given: built-in)")
+    common.add_argument("--sinks", type=int, default=4, help="first tokens kept (StreamingLLM: 4)")
+    common.add_argument("--window", type=int, default=None,
+                        help="recent tokens kept (not given: block_size - sinks)")
+    common.add_argument("--seed", type=int, default=0, help="training and sampling seed")
+    common.add_argument("--device", default="cpu", help="cpu or cuda")
+    common.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p = ArgumentParser(description="Long runs beyond the context: sliding-window and "
+                       "attention-sink KV caches (StreamingLLM).", formatter_class=fmt)
+    sub = p.add_subparsers(dest="mode", required=True)
+    s = sub.add_parser("measure", parents=[common], formatter_class=fmt,
+                       help="per-position loss: dense recompute, window, sinks + window")
+    s.add_argument("--tokens", type=int, default=2048, help="stream length (val split)")
+    s.add_argument("--offset", type=int, default=0, help="where in the val split it starts")
+    s.add_argument("--chunk", type=int, default=1, help="tokens per forward once the cache is full")
+    s.add_argument("--batch-size", type=int, default=16, help="recomputed windows per forward")
+    s.add_argument("--out", default=OUT_DIR, help="where measure.json goes")
+    s.add_argument("--plots", default=plots.PLOT_DIR, help="where the SVG goes")
+    s = sub.add_parser("generate", parents=[common], formatter_class=fmt,
+                       help="sample far past block_size with a sink + window cache")
+    s.add_argument("--prompt", default="def ", help="text to start from")
+    s.add_argument("--new-tokens", type=int, default=512, help="tokens to sample")
+    s.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    s.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest")
+    args = p.parse_args(argv)
+    for name in ("tokens", "batch_size", "new_tokens", "threads", "top_k"):
+        if getattr(args, name, 1) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got "
+                            f"{getattr(args, name)}")
+    if args.train_steps < 0 or getattr(args, "offset", 0) < 0:
+        raise UserError("--train-steps and --offset must be >= 0")
+    if getattr(args, "temperature", 1.0) <= 0:
+        raise UserError(f"--temperature must be > 0, got {args.temperature}")
+    if args.window is not None:                    # the rest needs the model's block_size
+        check_counts(args.sinks, args.window)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    seed_everything(args.seed)
+    return {"measure": run_measure, "generate": run_generate}[args.mode](args)
+
+
+if __name__ == "__main__":
+    run_cli(main)
