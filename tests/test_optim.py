@@ -433,6 +433,38 @@ def test_qk_clip_mla_without_an_update_lands_exactly_on_tau():
     assert torch.equal(attn.wkv_a.weight, rope_key)
 
 
+def test_qk_clip_mla_bounds_exploding_logits_under_muon():
+    """MLA trained by Muon at a large lr: without QK-clip the max logit passes 3τ; with it,
+    each step's factors are τ/S_max of the offending heads, layer 0's logits scale by
+    exactly them (both terms of every head's logit), and the max stays within one
+    update's growth of τ (< 2τ here)."""
+    tau, peaks = 0.5, {}
+    for mode in ("off", "clip"):
+        model = tiny_model(**MLA)
+        opt = optim.build_optimizer(model.named_parameters(), "muon", lr=0.01, muon_lr=0.05,
+                                    weight_decay=0.0)
+        clip = optim.QKClip(model, tau=tau) if mode == "clip" else None
+        peaks[mode] = []
+        for s in range(40):
+            x, y = batch(s % 2, model.config)
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+            logits = measure(model, x, clip)           # the updated weights, before the clip
+            if clip is not None:
+                S = torch.stack(clip.maxima)
+                factors = torch.stack(clip.apply())
+                torch.testing.assert_close(factors, torch.where(S > tau, tau / S,
+                                                                torch.ones_like(S)))
+                post = measure(model, x, clip)
+                torch.testing.assert_close(post[0], logits[0] * factors[0], rtol=1e-4, atol=1e-5)
+                logits = post
+            peaks[mode].append(logits.max().item())
+    assert max(peaks["off"]) > 3 * tau, "the test did not make the logits explode"
+    assert max(peaks["clip"]) < 2 * tau, peaks["clip"]
+    assert sum(p > tau for p in peaks["clip"]) >= 10, "the clip was never needed"
+
+
 # ---- errors, builder, sharding --------------------------------------------------------------
 
 def test_bad_inputs_raise_one_line_errors():
