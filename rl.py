@@ -59,8 +59,8 @@ import torch.nn.functional as F
 import data
 import evaluate as ev
 from model import GPT, KVCache, get_config, load_checkpoint, load_model, PRESETS
-from plumbing import (ActivationMeter, ArgumentParser, HelpFormatter, StepTimer, UserError, all_reduce_flat, atomic_save,
-                      comm, fmt_bytes, fmt_count,
+from plumbing import (ActivationMeter, ArgumentParser, HelpFormatter, Progress, StepTimer,
+                      UserError, all_reduce_flat, atomic_save, comm, fmt_bytes, fmt_count,
                       model_state_bytes, print0, run_cli, setup_runtime, tensor_bytes,
                       require_at_least_one)
 
@@ -312,18 +312,21 @@ def distill_metrics(student, teacher, enc, problems, max_new=8, seed=0):
 # ----------------------------------------------------------------------------------------
 # The models: an SFT'd policy, its frozen reference, PPO's critic, a teacher and a student.
 
-def sft(model, enc, problems, steps, lr=1e-3, batch=32, seed=0):
+def sft(model, enc, problems, steps, lr=1e-3, batch=32, seed=0, label="sft"):
     """Supervised fine-tuning on "a+b=" -> "c\\n", loss on the answer tokens only."""
     pairs = [(enc.encode_ordinary(p.prompt), enc.encode_ordinary(p.answer + data.TERMINATOR))
              for p in problems]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = np.random.default_rng([seed, 1234])
-    for _ in range(steps):
+    progress = Progress(label, steps)      # a first run builds its caches for minutes
+    for step in range(steps):
+        progress.update(step)
         rows = [pairs[i] for i in rng.integers(0, len(pairs), batch)]
         seq, mask = pack([p for p, _ in rows], [a for _, a in rows], model.output.weight.device)
         opt.zero_grad(set_to_none=True)
         (-aggregate(token_logprobs(model, seq), mask, "bnpo")).backward()
         opt.step()
+    progress.update(steps)
     return model
 
 
@@ -378,11 +381,19 @@ def build_models(args, rt, algos):
                seed=args.sft_seed, lr=args.sft_lr, batch=args.sft_batch)
 
     def fresh(name, preset, steps):
+        """The SFT'd model `name`: from its cache file when one was built with these
+        settings, else trained here (with a progress line) and cached."""
         path = os.path.join(args.cache_dir, f"rl_{name}.pt") if args.cache_dir else ""
-        return cached(path if args.ckpt != "none" else "", {**key, "preset": preset,
-                      "steps": steps}, enc, lambda: sft(GPT(get_config(
-                          preset, vocab_size=enc.n_vocab), seed=args.sft_seed).to(rt.device),
-                          enc, train, steps, args.sft_lr, args.sft_batch, args.sft_seed), rt)
+        if args.ckpt == "none":
+            path = ""                      # byte tokenizer runs (tests) are never cached
+        meta = {**key, "preset": preset, "steps": steps}
+
+        def build():
+            model = GPT(get_config(preset, vocab_size=enc.n_vocab), seed=args.sft_seed)
+            label = f"SFT of the {name} model ({preset}, cached in {path or 'no file'})"
+            return sft(model.to(rt.device), enc, train, steps, args.sft_lr, args.sft_batch,
+                       args.sft_seed, label=label)
+        return cached(path, meta, enc, build, rt)
     out = dict(enc=enc, desc=desc, policy=fresh("sft", args.preset, args.sft_steps))
     if any(a in DISTILL_ALGOS for a in algos):
         if args.teacher == "auto":
@@ -750,7 +761,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("run")
     g.add_argument("--ckpt", default="out/ckpt.pt", help="whose tokenizer; 'none' = 256 bytes")
     g.add_argument("--preset", default="draft", help="the policy (and student)")
-    g.add_argument("--cache-dir", default="out", help="where SFT'd models are cached; '' = off")
+    g.add_argument("--cache-dir", default=os.path.join("out", "rl"),
+                   help="where SFT'd models are cached; '' = off")
     g.add_argument("--seed", type=int, default=0, help="RL prompts and sampling")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--threads", type=int, default=1, help="torch CPU threads")

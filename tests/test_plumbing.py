@@ -59,3 +59,18 @@ def test_a_mistyped_flag_is_named_even_before_a_positional_mode():
         p.parse_args(["--stpes", "10"])
     with pytest.raises(UserError, match="unknown flag --zzz"):
         p.parse_args(["bench", "--zzz=1"])
+
+
+def test_progress_prints_percent_elapsed_and_eta_at_most_every_interval(capsys):
+    from plumbing import Progress
+    now = [0.0]
+    progress = Progress("build", total=10, every=5.0, clock=lambda: now[0])
+    for done in range(10):
+        now[0] = 2.0 * done          # 2 s per item
+        progress.update(done)
+    now[0] = 20.0
+    progress.update(10)
+    lines = capsys.readouterr().out.splitlines()
+    # printed at t = 6 (3 done), 12 (6 done), 18 (9 done), and the end
+    assert lines[0] == "build: 30% (3/10) | 6 s | eta 14 s"
+    assert len(lines) == 4 and lines[-1] == "build: 100% (10/10) | 20 s | eta 0 s"
