@@ -150,6 +150,8 @@ class Router:
         self.next_rr = 0
         self.messages = 0           # received, and hashes carried by them
         self.hashes_moved = 0
+        self.waits = 0              # times the head request found every replica full
+        self.peak_load = 0
 
     def apply(self, event):
         """A replica's message: its cached hashes gained and lost, its finished requests."""
@@ -174,6 +176,7 @@ class Router:
         queue is full (the request then waits here)."""
         open_ = [r for r in range(len(self.load)) if self.load[r] < self.max_queue]
         if not open_:
+            self.waits += 1
             return None
         least = min(open_, key=lambda r: (self.load[r], r))
         if self.policy == "round_robin":        # the next open replica in turn
@@ -198,6 +201,7 @@ class Router:
 
     def dispatched(self, replica):
         self.load[replica] += 1
+        self.peak_load = max(self.peak_load, self.load[replica])
 
 
 # ----------------------------------------------------------------------------------------
@@ -486,6 +490,8 @@ def main(argv=None):
                             f"{getattr(args, name)}")
     if args.think_time < 0 or args.stagger < 0 or args.system_len < 0:
         raise UserError("--think-time, --stagger and --system-len must be >= 0")
+    Router(args.replicas, "cache_aware", args.max_queue, args.balance_abs,    # its checks,
+           args.balance_rel, args.cache_threshold)                        # before any work
     return bench(args)
 
 
