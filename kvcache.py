@@ -39,10 +39,12 @@ import hashlib
 import math
 import os
 import random
+import tempfile
 import time
 from array import array
 from collections import OrderedDict, deque
 
+import numpy
 import torch
 
 from model import ATTENTION_FUNCTIONS, GPT, get_config, load_model
@@ -87,14 +89,20 @@ class BlockAllocator:
                                             valid and a new sequence may reuse them;
       in use   refcount > 0              -- referenced by that many block tables (shared
                                             prefix blocks have refcount > 1).
-    `allocate` takes a free block, else evicts the least-recently-released cached one."""
+    `allocate` takes a free block, else evicts the least-recently-released cached one --
+    into the second tier when there is one (`tier`, a KVTier), from where `match_tier` and
+    `reload` bring it back instead of recomputing it."""
 
-    def __init__(self, num_blocks, block_size, prefix_caching=True):
+    def __init__(self, num_blocks, block_size, prefix_caching=True, tier=None):
         if num_blocks < 1 or block_size < 1:
             raise UserError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
                             f"{block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.prefix_caching = prefix_caching
+        if tier is not None and not prefix_caching:
+            raise UserError("a second KV tier keeps evicted prefix-cache blocks: it needs "
+                            "prefix caching on")
+        self.tier = tier
         self.refcount = [0] * num_blocks
         self.free = deque(range(num_blocks))
         self.evictable = OrderedDict()          # block -> None, oldest release first
@@ -117,6 +125,8 @@ class BlockAllocator:
             block = self.free.popleft()
         elif self.evictable:
             block, _ = self.evictable.popitem(last=False)   # least recently used
+            if self.tier is not None:                       # copy out before reuse
+                self.tier.put(self.hash_of[block], self.tokens_of[block], block)
             del self.block_of[self.hash_of[block]]
             self.hash_of[block] = self.tokens_of[block] = None
             self.evictions += 1
@@ -141,12 +151,14 @@ class BlockAllocator:
             else:
                 self.free.append(block)
 
-    def cached_hashes(self):
+    def cached_hashes(self, tier=False):
         """The router's view of this pool (the seam a cache-aware router reads): the set
-        of chain hashes of every full block whose K/V are here, in use or cached. A chain
+        of chain hashes of every full block whose K/V are here, in use or cached (and,
+        with tier=True, those in the second tier: reloadable, not recomputed). A chain
         hash names its whole prefix, so a prompt's longest cached prefix is its longest
         run of leading block hashes found in this set. A copy, safe to keep."""
-        return set(self.block_of)
+        found = set(self.block_of)
+        return found | self.tier.hashes() if tier and self.tier is not None else found
 
     def lookup(self, h, tokens):
         """The block holding the prefix with chain hash h, or None. No reference taken."""
@@ -163,6 +175,8 @@ class BlockAllocator:
         first one stays the cached copy and this one is freed normally when released."""
         if not self.prefix_caching or h in self.block_of or self.hash_of[block] is not None:
             return
+        if self.tier is not None:
+            self.tier.discard(h)            # recomputed: the tier's copy is now redundant
         self.block_of[h] = block
         self.hash_of[block], self.tokens_of[block] = h, tuple(tokens)
 
@@ -184,6 +198,36 @@ class BlockAllocator:
                 break
             found.append(block)
         return found
+
+    def match_tier(self, tokens, hashes, start):
+        """After match_prefix's `start` pool hits: the following full blocks the second
+        tier holds (same last-token rule). -> [(hash, tokens)] for `reload`. (A block
+        after them still in the pool is recomputed: rare, as the LRU evicts tails first.)"""
+        if self.tier is None:
+            return []
+        bs, found = self.block_size, []
+        n = (len(tokens) - 1) // bs
+        extend_hash_chain(hashes, tokens, n, bs)
+        for i in range(start, n):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            if not self.tier.lookup(hashes[i], chunk):
+                break
+            found.append((hashes[i], chunk))
+        return found
+
+    def reload(self, entries):
+        """Tier hits (match_tier) back into the pool. -> fresh blocks, refcount 1 (the
+        caller's table holds them), registered, holding the K/V the tier kept. Every
+        payload leaves the tier first: the evictions allocate() makes below put blocks
+        into the tier and may push out its oldest entries -- never one of these."""
+        payloads = [self.tier.pop(h) for h, _ in entries]
+        blocks = []
+        for (h, chunk), payload in zip(entries, payloads):
+            block = self.allocate()
+            self.tier.cache.write_blocks([block], payload)
+            self.register(block, h, chunk)
+            blocks.append(block)
+        return blocks
 
     def can_allocate(self, n_new, hits=()):
         """Room for n_new fresh blocks after taking references on `hits` (a hit that sits
@@ -220,12 +264,133 @@ class BlockAllocator:
         for h, b in self.block_of.items():
             assert self.hash_of[b] == h, "hash map out of sync"
         assert sum(h is not None for h in self.hash_of) == len(self.block_of)
+        if self.tier is not None:
+            self.tier.check()
         if tables is not None:
             counts = [0] * self.num_blocks
             for t in tables:
                 for b in t:
                     counts[b] += 1
             assert counts == self.refcount, "refcounts differ from the block tables"
+
+
+# ----------------------------------------------------------------------------------------
+# The second tier: evicted prefix blocks kept in host memory or a file, not dropped.
+
+TIER_KINDS = ("none", "host", "file")
+
+
+class KVTier:
+    """Where the pool's evicted prefix-cache blocks go (Mooncake's KV store over DRAM and
+    SSD, Qin et al. 2024; vLLM's CPU offload; SGLang's HiCache): `put` copies a block
+    the pool is about to reuse into a slot here, named by its chain hash; a later prompt
+    with that prefix `pop`s it back into a fresh pool block -- a copy of 2·L·H_kv·D·bytes
+    per token instead of a forward over the tokens. Exclusive of the pool (a block is
+    here or there: a prefix computed again discards its copy here), LRU when full (the oldest entry is dropped: recomputed if needed).
+
+    kind "host": CPU tensors (on a GPU machine, host DRAM behind PCIe); "file": a
+    numpy.memmap of an unlinked temporary file in `directory` (an SSD tier; the OS page
+    cache sits in front of it). One byte store per pool part, (num_blocks, bytes per
+    block) uint8, so every KV dtype (bf16 too, which numpy lacks) goes through bit exact.
+    Saves: recomputing evicted prefixes. Costs: the copies (counted in bytes_in/out),
+    host memory or disk, and a copy on the eviction path even for a block never reused."""
+
+    def __init__(self, cache, kind, num_blocks, directory=None):
+        if kind not in TIER_KINDS[1:]:
+            raise UserError(f"unknown KV tier {kind!r}: use {', '.join(TIER_KINDS[1:])}")
+        if type(num_blocks) is not int or num_blocks < 1:
+            raise UserError(f"the KV tier needs >= 1 blocks, got {num_blocks!r}")
+        self.cache, self.kind, self.num_blocks = cache, kind, num_blocks
+        self.slot_of = OrderedDict()        # chain hash -> slot, least recently put first
+        self.tokens_of = {}                 # chain hash -> token ids (verifies hits)
+        self.free = deque(range(num_blocks))
+        self.shapes = {}                    # part -> (shape of one block, dtype)
+        for name, t in cache.parts().items():
+            self.shapes[name] = ((t.shape[0], t.shape[1], cache.block_size, t.shape[3]),
+                                 t.dtype)
+        self.file = self._open(directory) if kind == "file" else None
+        self.store = {}
+        for name, (shape, dtype) in self.shapes.items():
+            width = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            self.store[name] = self._bytes(name, num_blocks, width)
+        self.puts = self.reloads = self.drops = self.discards = 0
+        self.bytes_in = self.bytes_out = 0
+        self.queries = self.hits = 0
+
+    @staticmethod
+    def _open(directory):
+        if not directory:
+            raise UserError("a file KV tier needs a directory (--kv-tier-dir)")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            return tempfile.TemporaryFile(dir=directory, prefix="kv_tier-")
+        except OSError as e:
+            raise UserError(f"cannot create the KV tier in {directory!r}: "
+                            f"{e.strerror or e}") from None
+
+    def _bytes(self, name, rows, width):
+        if self.file is None:
+            return torch.zeros(rows, width, dtype=torch.uint8)
+        offset = self.file.seek(0, os.SEEK_END)
+        try:
+            mm = numpy.memmap(self.file, numpy.uint8, "w+", offset, (rows, width))
+        except OSError as e:
+            raise UserError(f"cannot size the KV tier file to {rows * width} bytes: "
+                            f"{e.strerror or e}") from None
+        return torch.from_numpy(mm)          # shares the mapping: writes go to the file
+
+    @property
+    def nbytes(self):
+        return sum(t.numel() for t in self.store.values())
+
+    def hashes(self):
+        return set(self.slot_of)
+
+    def lookup(self, h, tokens):
+        self.queries += 1
+        found = h in self.slot_of and self.tokens_of[h] == tuple(tokens)
+        self.hits += found
+        return found
+
+    def put(self, h, tokens, block):
+        """Copy pool block `block` (chain hash h) in; drop the oldest entry if full."""
+        if not self.free:
+            old, slot = self.slot_of.popitem(last=False)
+            del self.tokens_of[old]
+            self.free.append(slot)
+            self.drops += 1
+        slot = self.free.popleft()
+        for name, x in self.cache.read_blocks([block]).items():
+            self.store[name][slot] = x.cpu().contiguous().view(-1).view(torch.uint8)
+            self.bytes_in += x.numel() * x.element_size()
+        self.slot_of[h], self.tokens_of[h] = slot, tuple(tokens)
+        self.puts += 1
+
+    def pop(self, h):
+        """Take entry h out. -> its payload, as PagedKVCache.read_blocks gave it."""
+        slot = self.slot_of.pop(h)
+        del self.tokens_of[h]
+        out = {}
+        for name, (shape, dtype) in self.shapes.items():
+            out[name] = self.store[name][slot].clone().view(dtype).view(shape)
+            self.bytes_out += self.store[name].shape[1]
+        self.free.append(slot)
+        self.reloads += 1
+        return out
+
+    def discard(self, h):
+        """The pool holds prefix h again (recomputed): forget this copy, free its slot."""
+        if h in self.slot_of:
+            self.free.append(self.slot_of.pop(h))
+            del self.tokens_of[h]
+            self.discards += 1
+
+    def check(self):
+        """Invariants: each slot free or holding exactly one entry; maps in sync."""
+        used, free = list(self.slot_of.values()), list(self.free)
+        assert len(used) == len(set(used)) and len(free) == len(set(free)), "slot twice"
+        assert sorted(used + free) == list(range(self.num_blocks)), "slot lost"
+        assert set(self.tokens_of) == set(self.slot_of), "tier maps out of sync"
 
 
 # ----------------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ from typing import Optional
 import torch
 
 import data
-from kvcache import BlockAllocator, PagedKVCache, blocks_for, extend_hash_chain
+from kvcache import (TIER_KINDS, BlockAllocator, KVTier, PagedKVCache, blocks_for,
+                     extend_hash_chain)
 from model import KVCache, load_model, sample_next
 from plumbing import ArgumentParser, UserError, pick_device, run_cli
 
@@ -194,7 +195,8 @@ class Engine:
     def __init__(self, model, enc=None, block_size=16, num_blocks=1024,
                  max_num_batched_tokens=256, max_num_seqs=64, policy="fcfs",
                  prefix_caching=True, chunked_prefill=True, kv_dtype=None, eos_id=None,
-                 clock=time.perf_counter, fault_hook=None):
+                 clock=time.perf_counter, fault_hook=None, kv_tier="none",
+                 kv_tier_blocks=1024, kv_tier_dir=None):
         cfg = model.config
         if policy not in POLICIES:
             raise UserError(f"unknown policy {policy!r}: use {' or '.join(POLICIES)}")
@@ -219,12 +221,16 @@ class Engine:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.cache = PagedKVCache(cfg, num_blocks, block_size, weight.dtype, weight.device,
                                   kv_dtype)
-        self.alloc = BlockAllocator(num_blocks, block_size, prefix_caching)
+        # the second tier (kvcache.KVTier): evicted prefix blocks kept, not dropped
+        tier = None if kv_tier == "none" else KVTier(self.cache, kv_tier, kv_tier_blocks,
+                                                     kv_tier_dir)
+        self.alloc = BlockAllocator(num_blocks, block_size, prefix_caching, tier)
         self.waiting, self.running, self.live = [], [], {}
         self.held = {}              # sequence id -> the sequences admitted after its prefill
         self.ids = itertools.count()
         self.stats = dict(steps=0, preemptions=0, aborted=0, failed=0, finished=0,
-                          prompt_tokens=0, cached_tokens=0, computed_tokens=0,
+                          prompt_tokens=0, cached_tokens=0, reloaded_tokens=0,
+                          computed_tokens=0,
                           output_tokens=0, max_waste=0, waste_sum=0, waste_samples=0,
                           peak_blocks=0, isolation_retries=0)
         self.step_log = []   # per step: seconds, tokens, decodes, context read, sequences
@@ -410,33 +416,45 @@ class Engine:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            # prompt log-probs need the logits of every prompt position: no cache hits
-            scoring = len(seq.prompt_logprobs) < seq.num_prompt - 1 and \
-                seq.params.prompt_logprobs is not None
-            hits = [] if scoring else self.alloc.match_prefix(seq.tokens, seq.block_hashes)
-            cached = len(hits) * self.block_size
-            n = len(seq.tokens) - cached
-            if n > budget:
-                if not self.chunked_prefill:
-                    break
-                n = budget
-            if not self.alloc.can_allocate(blocks_for(cached + n, self.block_size) - len(hits),
-                                           hits):
+            n = self._admit(seq, budget)
+            if n is None:
                 break
-            self.waiting.pop(0)
-            for block in hits:
-                self.alloc.acquire(block)
-            seq.block_table = list(hits)
-            self.alloc.grow(seq.block_table, cached + n)
-            seq.num_computed, seq.num_registered, seq.status = cached, len(hits), RUNNING
-            if seq.num_cached_tokens is None:    # first admission: prefix-cache statistics
-                seq.num_cached_tokens = cached
-                self.stats["prompt_tokens"] += seq.num_prompt
-                self.stats["cached_tokens"] += cached
-            bisect.insort(self.running, seq, key=self._key)
             batch[seq] = n
             budget -= n
         return list(batch.items())
+
+    def _admit(self, seq, budget):
+        """Admit the first waiting sequence if its first chunk fits: its prefix-cache hits
+        (pool blocks acquired, second-tier blocks reloaded) and fresh blocks for the rest.
+        -> the tokens it computes this step, or None (it stays first in the queue)."""
+        # prompt log-probs need the logits of every prompt position: no cache hits
+        scoring = len(seq.prompt_logprobs) < seq.num_prompt - 1 and \
+            seq.params.prompt_logprobs is not None
+        hits = [] if scoring else self.alloc.match_prefix(seq.tokens, seq.block_hashes)
+        tier = [] if scoring else self.alloc.match_tier(seq.tokens, seq.block_hashes, len(hits))
+        cached = (len(hits) + len(tier)) * self.block_size
+        n = len(seq.tokens) - cached
+        if n > budget:
+            if not self.chunked_prefill:
+                return None
+            n = budget
+        if not self.alloc.can_allocate(blocks_for(cached + n, self.block_size) - len(hits),
+                                       hits):
+            return None
+        self.waiting.pop(0)
+        for block in hits:
+            self.alloc.acquire(block)
+        seq.block_table = list(hits) + self.alloc.reload(tier)
+        self.alloc.grow(seq.block_table, cached + n)
+        seq.num_computed, seq.status = cached, RUNNING
+        seq.num_registered = len(hits) + len(tier)
+        if seq.num_cached_tokens is None:        # first admission: prefix-cache statistics
+            seq.num_cached_tokens = cached
+            self.stats["prompt_tokens"] += seq.num_prompt
+            self.stats["cached_tokens"] += cached
+            self.stats["reloaded_tokens"] += len(tier) * self.block_size
+        bisect.insort(self.running, seq, key=self._key)
+        return n
 
     def _preempt(self, seq):
         """Recompute preemption: give back every block, keep the tokens, requeue."""
@@ -729,6 +747,11 @@ def add_model_args(p, policy_help):
                    help="a prompt must fit one step's budget whole")
     g.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "int8"],
                    help="KV pool dtype; None = the model's")
+    g.add_argument("--kv-tier", choices=TIER_KINDS, default="none",
+                   help="second KV tier for evicted prefix blocks: host memory or a file")
+    g.add_argument("--kv-tier-blocks", type=int, default=1024, help="blocks the tier holds")
+    g.add_argument("--kv-tier-dir", default="out/serve/kv_tier",
+                   help="directory of the file tier (an unlinked temporary file)")
 
 
 def engine_from_args(model, enc, args, policy, clock=time.perf_counter):
@@ -737,7 +760,8 @@ def engine_from_args(model, enc, args, policy, clock=time.perf_counter):
                   max_num_seqs=args.max_num_seqs, policy=policy,
                   prefix_caching=not args.no_prefix_caching,
                   chunked_prefill=not args.no_chunked_prefill, kv_dtype=args.kv_dtype,
-                  clock=clock)
+                  clock=clock, kv_tier=args.kv_tier, kv_tier_blocks=args.kv_tier_blocks,
+                  kv_tier_dir=args.kv_tier_dir)
 
 
 def load_served_model(args):

@@ -29,6 +29,7 @@ this process's CPU only, fair on a loaded box but blind to waiting (arrivals mus
 all at once). Ratios measured in the same run are the result, never absolute timings.
 """
 import argparse
+import bisect
 import math
 import random
 import statistics
@@ -39,6 +40,7 @@ import torch
 
 import serve
 from plumbing import UserError, fmt_bytes, run_cli
+from kvcache import PagedKVCache
 from serve import POLICIES, SamplingParams, engine_from_args, static_batch_generate
 
 
@@ -51,6 +53,9 @@ class BenchRequest:
     out_len: int
     arrival: float          # seconds after the start
     interactive: bool       # SLO class: tight TTFT (priority 0) or batch (priority 1)
+    session: int = 0        # multi-turn workloads: which conversation, which turn
+    turn: int = 0
+    history: int = 0        # leading prompt tokens an earlier turn already computed
 
 
 def _range(text, name):
@@ -84,6 +89,82 @@ def make_workload(args, cfg, eos_id):
             t += rng.expovariate(args.rate)
         reqs.append(BenchRequest(prompt, olen, t, rng.random() < args.interactive_frac))
     return reqs
+
+
+def mixed_workload(num_requests, short_len, long_len, long_frac, output_len, rate, cfg,
+                   eos_id, seed=0):
+    """Mixed long-prompt / short-prompt load (the prefill-decode interference case that
+    chunked prefill and disaggregation address: a long prefill stalls the decodes batched
+    with it). Seeded; lengths are (LO, HI) ranges; a request is long with probability
+    long_frac; arrivals all at t=0 (rate inf) or Poisson. -> [BenchRequest]; the long
+    ones are the batch class (interactive=False)."""
+    rng = random.Random(seed)
+    vocab = [t for t in range(cfg.vocab_size) if t != eos_id]
+    reqs, t = [], 0.0
+    for _ in range(num_requests):
+        long = rng.random() < long_frac
+        plen = rng.randint(*(long_len if long else short_len))
+        olen = min(rng.randint(*output_len), cfg.block_size - plen)
+        if olen < 1:
+            raise UserError(f"a {plen}-token prompt leaves no room for output in the "
+                            f"context of {cfg.block_size}: lower --long-len")
+        if rate != math.inf:
+            t += rng.expovariate(rate)
+        reqs.append(BenchRequest([rng.choice(vocab) for _ in range(plen)], olen, t, not long))
+    return reqs
+
+
+class AgentSessions:
+    """Multi-turn agent sessions, seeded: the workload where prefix reuse decides the
+    cost. Every session starts from one shared system prompt; turn k's prompt is turn
+    k-1's prompt + its answer (the engine's own output) + a new message (a tool result,
+    a user reply), so each turn re-sends the whole conversation. Sessions start at once
+    (rate inf) or Poisson at `rate`; a turn arrives think_time after the previous one
+    finished, so sessions interleave and their cached prefixes compete for the pool.
+
+    Reusable by any driver: `first_turns()` -> the first turn of every session;
+    `next_turn(request, output_ids, finish)` -> the session's next BenchRequest, arriving
+    at finish + think_time (seconds after the start), or None when the session is over
+    (its turns done, or the next turn would not fit the context). A turn's new message
+    depends only on (seed, session, turn), never on the schedule: every system sees
+    the same conversations as long as its outputs are the same."""
+
+    def __init__(self, cfg, eos_id, sessions=16, turns=4, system_len=32, message_len=(8, 24),
+                 answer_len=(8, 24), think_time=0.0, rate=math.inf, seed=0):
+        if min(sessions, turns) < 1 or system_len < 0 or think_time < 0 or rate <= 0:
+            raise UserError("agent sessions need --sessions, --turns >= 1, --system-len, "
+                            "--think-time >= 0 and --rate > 0")
+        self.cfg, self.seed, self.turns = cfg, seed, turns
+        self.message_len, self.answer_len, self.think_time = message_len, answer_len, think_time
+        self.vocab = [t for t in range(cfg.vocab_size) if t != eos_id]
+        rng = random.Random(seed)
+        self.system = [rng.choice(self.vocab) for _ in range(system_len)]
+        self.starts, t = [], 0.0
+        for _ in range(sessions):
+            self.starts.append(t)
+            if rate != math.inf:
+                t += rng.expovariate(rate)
+
+    def _turn(self, session, turn, history, arrival):
+        rng = random.Random(f"{self.seed}:{session}:{turn}")
+        prompt = history + [rng.choice(self.vocab) for _ in range(rng.randint(*self.message_len))]
+        out_len = rng.randint(*self.answer_len)
+        if len(prompt) + out_len > self.cfg.block_size:
+            return None
+        return BenchRequest(prompt, out_len, arrival, True, session, turn, len(history))
+
+    def first_turns(self):
+        turns = [self._turn(s, 0, list(self.system), t) for s, t in enumerate(self.starts)]
+        if None in turns:
+            raise UserError(f"the first turn does not fit the context of "
+                            f"{self.cfg.block_size}: lower --system-len/--message-len")
+        return turns
+
+    def next_turn(self, req, output_ids, finish):
+        if req.turn + 1 >= self.turns:
+            return None
+        return self._turn(req.session, req.turn + 1, req.prompt + list(output_ids),
+                          finish + self.think_time)
 
 
 # ----------------------------------------------------------------------------------------
@@ -159,6 +240,33 @@ def run_engine(model, enc, reqs, args, policy, clock=time.perf_counter):
             _wait_until(t0 + pending[0].arrival, clock)
     recs = [dict(out=s.output_ids, times=s.token_times, finish=s.finish_time) for s in seqs]
     return t0, recs, eng
+
+
+def run_sessions(eng, workload, clock=time.perf_counter):
+    """Drive an engine through a turn-based workload (AgentSessions' interface): arrivals
+    injected as they happen; when a turn finishes, its session's next turn is scheduled.
+    -> (t0, [(request, its finished Sequence)] in finishing order)."""
+    t0, done = clock(), []
+    pending = sorted(workload.first_turns(), key=lambda r: r.arrival)
+    active = {}                                   # sequence id -> its request
+    while pending or eng.has_work():
+        while pending and t0 + pending[0].arrival <= clock():
+            r = pending.pop(0)
+            seq = eng.add_request(r.prompt, SamplingParams(
+                max_tokens=r.out_len, temperature=0, ignore_eos=True), arrival=t0 + r.arrival)
+            active[seq.id] = r
+        if not eng.has_work():
+            _wait_until(t0 + pending[0].arrival, clock)
+            continue
+        for seq in eng.step():
+            if seq.status != serve.FINISHED:
+                continue
+            r = active.pop(seq.id)
+            done.append((r, seq))
+            nxt = workload.next_turn(r, seq.output_ids, seq.finish_time - t0)
+            if nxt is not None:
+                bisect.insort(pending, nxt, key=lambda q: q.arrival)
+    return t0, done
 
 
 # ----------------------------------------------------------------------------------------
@@ -353,7 +461,13 @@ def bench(args, model, enc):
     if args.clock == "cpu" and args.rate != math.inf:
         raise UserError("--clock cpu needs --rate inf (CPU time does not pass while waiting "
                         "for an arrival)")
-    reqs = make_workload(args, model.config, enc.eot_token)
+    if args.workload == "mixed":
+        reqs = mixed_workload(args.num_requests, _range(args.prompt_len, "prompt-len"),
+                              _range(args.long_len, "long-len"), args.long_frac,
+                              _range(args.output_len, "output-len"), args.rate,
+                              model.config, enc.eot_token, args.seed)
+    else:
+        reqs = make_workload(args, model.config, enc.eot_token)
     bw, flops = print_setup(args, model, reqs)
     rows, outs, extra = run_systems(args, model, enc, reqs, CLOCKS[args.clock])
     engines = {p: extra[p] for p in ([args.policy] if args.policy else POLICIES)}
@@ -363,6 +477,81 @@ def bench(args, model, enc):
     roofline_table(model, eng, rows, bw, flops)
     ledger_rows(rows, eng, static, len(engines))
     return rows, outs, engines
+
+
+# ----------------------------------------------------------------------------------------
+# The second KV tier on the multi-turn workload: pool sizes x tiers
+
+def agent_workload(args, cfg, eos_id):
+    return AgentSessions(cfg, eos_id, args.sessions, args.turns, args.system_len,
+                         _range(args.message_len, "message-len"),
+                         _range(args.answer_len, "answer-len"), args.think_time, args.rate,
+                         args.seed)
+
+
+def tier_run(model, enc, args, pool, tier, clock):
+    """One engine (pool blocks, tier kind) through the agent sessions. -> a summary."""
+    run_args = argparse.Namespace(**{**vars(args), "num_blocks": pool, "kv_tier": tier})
+    eng = engine_from_args(model, enc, run_args, args.policy or "fcfs", clock)
+    t0, done = run_sessions(eng, agent_workload(args, model.config, enc.eot_token), clock)
+    st, t = eng.stats, eng.alloc.tier
+    ttft = [seq.token_times[0] - seq.arrival for _, seq in done]
+    return dict(
+        pool=pool, tier=tier, prompt=st["prompt_tokens"], reloaded=st["reloaded_tokens"],
+        pool_hits=st["cached_tokens"] - st["reloaded_tokens"],
+        history=sum(r.history for r, _ in done),
+        # history an earlier turn computed, computed again: the cost a tier can remove
+        recomputed=sum(max(0, r.history - seq.num_cached_tokens) for r, seq in done),
+        computed=st["computed_tokens"], preemptions=st["preemptions"],
+        bytes_in=t.bytes_in if t else 0, bytes_out=t.bytes_out if t else 0,
+        drops=t.drops if t else 0, ttft=ttft, wall=max(seq.finish_time for _, seq in done) - t0,
+        outputs={(r.session, r.turn): seq.output_ids for r, seq in done})
+
+
+def tier_bench(args, model, enc):
+    """Every pool size with every tier on the same sessions: where prompt tokens came
+    from (pool hit, tier reload, computed), the history recomputed, bytes moved, TTFT;
+    the outputs must be the same in every run (a reload is the same K/V as a recompute).
+    -> the summaries."""
+    if args.clock == "cpu" and (args.rate != math.inf or args.think_time > 0):
+        raise UserError("--clock cpu needs --rate inf and --think-time 0 (CPU time does not "
+                        "pass while waiting)")
+    clock, cfg = CLOCKS[args.clock], model.config
+    pools = _int_list(args.pool_sizes, "pool-sizes") if args.pool_sizes else [args.num_blocks]
+    tiers = args.tiers.split(",") if args.tiers else [args.kv_tier]
+    if any(t not in serve.TIER_KINDS for t in tiers):
+        raise UserError(f"--tiers takes a comma list of {', '.join(serve.TIER_KINDS)}, got "
+                        f"{args.tiers!r}")
+    print(f"agent sessions: {args.sessions} sessions x {args.turns} turns, system prompt "
+          f"{args.system_len}, messages {args.message_len}, answers {args.answer_len} tokens, "
+          f"think time {args.think_time} s; block {args.block_size} tokens, "
+          f"{fmt_bytes(PagedKVCache(cfg, 1, args.block_size, kv_dtype=args.kv_dtype).nbytes)}"
+          f" per block; tier {args.kv_tier_blocks} blocks; clock {args.clock}")
+    print(f"\n{'pool':>5} {'tier':<5}{'prompt tok':>11}{'pool hit':>9}{'tier hit':>9}"
+          f"{'history recomp.':>16}{'reloaded':>9}{'computed':>9}{'to tier':>9}{'from tier':>10}"
+          f"{'TTFT p50/p99 ms':>17}{'wall s':>7}  same outputs")
+    runs = []
+    for pool in pools:
+        for tier in tiers:
+            r = tier_run(model, enc, args, pool, tier, clock)
+            same = r["outputs"] == runs[0]["outputs"] if runs else True
+            runs.append(r)
+            print(f"{pool:>5} {tier:<5}{r['prompt']:>11}{r['pool_hits'] / r['prompt']:>9.0%}"
+                  f"{r['reloaded'] / r['prompt']:>9.0%}{r['recomputed']:>8}/{r['history']:<7}"
+                  f"{r['reloaded']:>9}{r['computed']:>9}{fmt_bytes(r['bytes_in']):>9}"
+                  f"{fmt_bytes(r['bytes_out']):>10}{pct(r['ttft'], 50) * 1e3:>9.0f}/"
+                  f"{pct(r['ttft'], 99) * 1e3:<7.0f}{r['wall']:>7.1f}  {same}")
+    return runs
+
+
+def _int_list(text, name):
+    try:
+        xs = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"--{name} takes a comma list of integers, got {text!r}") from None
+    if min(xs) < 1:
+        raise UserError(f"--{name} must be >= 1")
+    return xs
 
 
 # ----------------------------------------------------------------------------------------
@@ -394,6 +583,24 @@ def build_parser():
     g.add_argument("--no-baselines", action="store_true",
                    help="skip sequential and static batching")
     g.add_argument("--seed", type=int, default=0, help="workload seed")
+    g.add_argument("--workload", choices=["uniform", "mixed", "agent"], default="uniform",
+                   help="uniform: the flags above; mixed: short (--prompt-len) and long "
+                        "(--long-len) prompts; agent: multi-turn sessions, pool sizes x "
+                        "second tiers")
+    g.add_argument("--long-len", default="160:224", help="mixed: long prompts' range LO:HI")
+    g.add_argument("--long-frac", type=float, default=0.25, help="mixed: share of long prompts")
+    g = p.add_argument_group("agent sessions (--workload agent)")
+    g.add_argument("--sessions", type=int, default=16, help="conversations")
+    g.add_argument("--turns", type=int, default=6, help="turns per conversation")
+    g.add_argument("--system-len", type=int, default=64, help="shared system prompt tokens")
+    g.add_argument("--message-len", default="16:48", help="new message per turn, LO:HI")
+    g.add_argument("--answer-len", default="16:32", help="answer per turn, LO:HI")
+    g.add_argument("--think-time", type=float, default=0.0,
+                   help="seconds between an answer and the next turn")
+    g.add_argument("--pool-sizes", default=None,
+                   help="comma list of --num-blocks to run; None = --num-blocks")
+    g.add_argument("--tiers", default=None,
+                   help="comma list of second tiers to run (none,host,file); None = --kv-tier")
     g.add_argument("--repeats", type=int, default=1,
                    help="run each system this many times, report the fastest run")
     g.add_argument("--clock", choices=list(CLOCKS), default="wall",
@@ -409,7 +616,11 @@ def main(argv=None):
         raise UserError("--num-requests, --static-batch, --repeats and --rate must be positive")
     if not 0 <= args.interactive_frac <= 1:
         raise UserError("--interactive-frac must be in [0, 1]")
+    if not 0 <= args.long_frac <= 1:
+        raise UserError("--long-frac must be in [0, 1]")
     model, enc = serve.load_served_model(args)
+    if args.workload == "agent":
+        return tier_bench(args, model, enc)
     return bench(args, model, enc)
 
 

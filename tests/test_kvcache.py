@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from harness import run_python
-from kvcache import (BlockAllocator, PagedKVCache, block_hash, blocks_for, dequantize_int8,
+from kvcache import (BlockAllocator, KVTier, PagedKVCache, block_hash, blocks_for, dequantize_int8,
                      extend_hash_chain, paged_attention_blockwise, paged_logits, payload_bytes,
                      quantize_int8)
 from model import GPT, get_config, math_attention, sdpa_attention
+from plumbing import UserError
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
@@ -265,3 +266,80 @@ def test_cached_hashes_name_the_blocks_in_use_or_cached():
     for _ in range(3):
         table.append(alloc.allocate())                   # the free one, then 2 evictions
     assert alloc.cached_hashes() == set()
+
+
+def fill_block(cache, block, h):
+    """Write contents that are a function of the chain hash h into pool block `block`."""
+    gen = torch.Generator().manual_seed(int.from_bytes(h[:8], "little") >> 1)
+    payload = {name: torch.randn(t.shape[0], t.shape[1], cache.block_size, t.shape[3],
+                                 generator=gen).mul(40).to(t.dtype)
+               for name, t in cache.parts().items()}
+    cache.write_blocks([block], payload)
+    return payload
+
+
+@pytest.mark.parametrize("kind,kv_dtype", [("host", "float32"), ("file", "bfloat16"),
+                                           ("host", "int8")])
+def test_tier_random_operations_conserve_blocks_and_reload_bit_exact(kind, kv_dtype, tmp_path):
+    """Random admissions over shared prefixes with a pool too small for them: cached
+    blocks are evicted into the tier, later hits reload them. After every operation the
+    pool's and the tier's invariants hold; every eviction is a put; every entry put is
+    reloaded, dropped (tier full), discarded (recomputed) or still there; no prefix is in both tiers; and every
+    reloaded block holds the bits its prefix was written with."""
+    rng, bs = random.Random(1), 4
+    cfg = get_config("tiny")
+    cache = PagedKVCache(cfg, 12, bs, kv_dtype=kv_dtype)
+    tier = KVTier(cache, kind, 6, str(tmp_path / "tier"))
+    alloc = BlockAllocator(12, bs, tier=tier)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randint(4, 14))] for _ in range(5)]
+    written, live, reloaded = {}, {}, 0          # hash -> payload; id -> (tokens, table)
+    for step in range(1500):
+        if rng.random() < 0.5 or not live:       # admit: pool hits, tier reloads, fresh
+            toks = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 6))]
+            hashes = []
+            hits = alloc.match_prefix(toks, hashes)
+            back = alloc.match_tier(toks, hashes, len(hits))
+            if not alloc.can_allocate(blocks_for(len(toks), bs) - len(hits), hits):
+                continue
+            for b in hits:
+                alloc.acquire(b)
+            table = list(hits) + alloc.reload(back)
+            for (h, _), b in zip(back, table[len(hits):]):
+                got = cache.read_blocks([b])
+                assert all(torch.equal(got[n], written[h][n]) for n in got), "reload differs"
+                reloaded += 1
+            start = len(table)
+            assert alloc.grow(table, len(toks))
+            extend_hash_chain(hashes, toks, len(toks) // bs, bs)
+            for i in range(start, len(toks) // bs):      # "compute" and register full blocks
+                written[hashes[i]] = fill_block(cache, table[i], hashes[i])
+                alloc.register(table[i], hashes[i], toks[i * bs:(i + 1) * bs])
+            live[step] = table
+        else:
+            alloc.release_table(live.pop(rng.choice(list(live))))
+        alloc.check(list(live.values()))
+        assert not alloc.cached_hashes() & tier.hashes(), "a prefix in both tiers"
+        assert tier.puts == alloc.evictions
+        assert tier.puts == tier.reloads + tier.drops + tier.discards + len(tier.slot_of)
+    assert reloaded > 0 and tier.drops > 0 and tier.reloads == reloaded
+    assert alloc.cached_hashes(tier=True) == alloc.cached_hashes() | tier.hashes()
+    assert tier.bytes_in == tier.puts * payload_bytes(written[next(iter(written))])
+    for t in live.values():
+        alloc.release_table(t)
+    alloc.check([])
+    assert alloc.num_free == alloc.num_blocks
+
+
+def test_tier_bad_input_is_one_user_error(tmp_path):
+    cache = PagedKVCache(get_config("tiny"), 4, 4)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match="cannot create the KV tier"):
+        KVTier(cache, "file", 4, str(blocker / "tier"))
+    for n in (0, -3):
+        with pytest.raises(UserError, match=">= 1 blocks"):
+            KVTier(cache, "host", n)
+    with pytest.raises(UserError, match="unknown KV tier"):
+        KVTier(cache, "disk", 4)
+    with pytest.raises(UserError, match="needs prefix caching"):
+        BlockAllocator(4, 4, prefix_caching=False, tier=KVTier(cache, "host", 4))

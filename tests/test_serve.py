@@ -322,6 +322,69 @@ def test_abort_around_export_and_import_frees_blocks_on_both_sides():
         dec.import_kv(ex_a)
 
 
+def agent_outputs(model, sessions, **engine_kw):
+    """Agent sessions (serve_bench's multi-turn workload) through one engine.
+    -> ({(session, turn): (prompt, output)}, engine)."""
+    eng = Engine(model, **engine_kw)
+    _, done = serve_bench.run_sessions(eng, sessions)
+    return {(r.session, r.turn): (r.prompt, s.output_ids) for r, s in done}, eng
+
+
+def test_second_tier_reloads_give_the_same_outputs_as_recomputing(tmp_path):
+    """Multi-turn sessions on a pool too small to keep every conversation: without a tier
+    evicted prefixes are recomputed; with a host or a file tier they are reloaded. The
+    outputs are the same in all three and equal generate() per turn; the reloads really
+    happened; both tiers' accounting holds and the pool ends clean."""
+    model = tiny_model(block_size=160)
+    sessions = serve_bench.AgentSessions(model.config, None, sessions=5, turns=4,
+                                         system_len=12, message_len=(4, 12),
+                                         answer_len=(4, 10), seed=3)
+    kw = dict(block_size=4, num_blocks=44, max_num_batched_tokens=48)
+    ref, eng = agent_outputs(model, sessions, **kw)
+    assert len(ref) == 20 and eng.stats["cached_tokens"] > 0
+    for prompt, out in list(ref.values())[::3]:
+        assert out == model.generate(prompt, len(out), temperature=0)
+    for kind in ("host", "file"):
+        got, eng = agent_outputs(model, sessions, kv_tier=kind, kv_tier_blocks=24,
+                                 kv_tier_dir=str(tmp_path / "tier"), **kw)
+        assert got == ref
+        tier = eng.alloc.tier
+        assert eng.stats["reloaded_tokens"] > 0 and tier.reloads > 0 and tier.puts > 0
+        assert tier.bytes_out == tier.reloads * eng.cache.nbytes // eng.cache.num_blocks
+        assert_pool_clean(eng)
+        tier.check()
+    with pytest.raises(UserError, match=">= 1 blocks"):
+        Engine(model, kv_tier="host", kv_tier_blocks=0)
+    with pytest.raises(UserError, match="needs prefix caching"):
+        Engine(model, kv_tier="host", prefix_caching=False)
+
+
+def test_bench_agent_workload_compares_tiers_in_process(tiny_checkpoint, tmp_path, capsys):
+    runs = serve_bench.main([
+        "--checkpoint", tiny_checkpoint, "--workload", "agent", "--sessions", "4",
+        "--turns", "3", "--system-len", "8", "--message-len", "4:8", "--answer-len", "4:8",
+        "--block-size", "4", "--pool-sizes", "16,24", "--tiers", "none,host,file",
+        "--kv-tier-dir", str(tmp_path / "t"), "--clock", "cpu"])
+    assert [(r["pool"], r["tier"]) for r in runs] == [
+        (p, t) for p in (16, 24) for t in ("none", "host", "file")]
+    assert all(r["outputs"] == runs[0]["outputs"] for r in runs)
+    assert runs[1]["reloaded"] > 0 and runs[1]["recomputed"] < runs[0]["recomputed"]
+    assert "same outputs" in capsys.readouterr().out
+    with pytest.raises(UserError, match="--tiers"):
+        serve_bench.main(["--checkpoint", tiny_checkpoint, "--workload", "agent",
+                          "--tiers", "none,disk"])
+
+
+def test_mixed_workload_is_seeded_and_mixes_lengths():
+    cfg = get_config("tiny", block_size=256)
+    a = serve_bench.mixed_workload(40, (4, 8), (150, 200), 0.25, (4, 8), 5.0, cfg, 0, seed=2)
+    b = serve_bench.mixed_workload(40, (4, 8), (150, 200), 0.25, (4, 8), 5.0, cfg, 0, seed=2)
+    assert a == b
+    long = [r for r in a if len(r.prompt) >= 150]
+    assert 0 < len(long) < 40 and all(not r.interactive for r in long)
+    assert all(x.arrival < y.arrival for x, y in zip(a, a[1:]))
+
+
 def test_static_batching_equals_generate():
     model = tiny_model()
     prompts, ns = workload(model.config, n=7, seed=9)
@@ -757,10 +820,16 @@ def test_cli_start_up_errors_are_one_line(tiny_checkpoint, tmp_path):
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
     port = busy.getsockname()[1]
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
     cases = [(["--checkpoint", str(tmp_path / "missing.pt")], "not found"),
              (["--checkpoint", tiny_checkpoint, "--num-blocks", "3", "--block-size", "4"],
               "pool too small"),
-             (["--checkpoint", tiny_checkpoint, "--port", str(port)], "already in use")]
+             (["--checkpoint", tiny_checkpoint, "--port", str(port)], "already in use"),
+             (["--checkpoint", tiny_checkpoint, "--kv-tier", "file", "--kv-tier-dir",
+               str(blocker / "tier")], "cannot create the KV tier"),
+             (["--checkpoint", tiny_checkpoint, "--kv-tier", "host", "--kv-tier-blocks", "0"],
+              ">= 1 blocks")]
     try:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             results = list(pool.map(lambda c: run_python("serve.py", c[0], timeout=120), cases))
