@@ -1,7 +1,7 @@
 """
 prune.py -- pruning: set weights to zero and keep them there. Split out of quantize.py by
 concept (compression by zeros, not by fewer bits); it runs as `python quantize.py prune`
-and in `compare`, and uses quantize.py's calibration and layer plumbing.
+and in `compare`, and uses calibrated.py's calibration and quantize.py's layer plumbing.
 
   - scores: magnitude |W_ij|, or Wanda (Sun et al. 2023) |W_ij|·‖X_j‖₂ with the input norm
     over calibration tokens, compared within each output row, no weight update;
@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import calibrated
 import quantize as Q
 from plumbing import UserError, fmt_bytes, print0
 
@@ -77,7 +78,7 @@ def prune_model(model, batches, sparsity, pattern, criterion):
     if criterion == "magnitude":
         Q.swap_linears(model, lambda lin: make(lin, None))
         return 0
-    return Q.sequential(model, batches, lambda name, lin, stats: make(lin, stats))
+    return calibrated.sequential(model, batches, lambda name, lin, stats: make(lin, stats))
 
 
 def pack_24(w, mask):

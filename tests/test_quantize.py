@@ -11,9 +11,10 @@ import torch
 import data
 import prune
 import qat
+import calibrated as C
 import quantize as Q
 from model import GPT, get_config, load_model
-from plumbing import run_cli
+from plumbing import UserError, run_cli
 from serve import Engine, SamplingParams
 
 
@@ -132,7 +133,7 @@ def layer_problem(out=12, dim=32, n=256, seed=0, dtype=torch.float32):
                                               (4, 8, True)])
 def test_gptq_equals_slow_reference(bits, g, act_order):
     w, _, h = layer_problem(dtype=torch.float64)
-    stored = Q.gptq(w, h, bits, g, block_size=16, act_order=act_order)   # 2 lazy blocks
+    stored = C.gptq(w, h, bits, g, block_size=16, act_order=act_order)   # 2 lazy blocks
     fast = Q.dequantize(stored, w.shape, bits, g).double()
     slow = gptq_reference(w, h, bits, g, act_order=act_order)
     assert (fast - slow).abs().max() < 1e-5
@@ -144,7 +145,7 @@ def test_gptq_beats_round_to_nearest(bits, g):
     skipping the error compensation (which leaves exactly RTN) fails this test."""
     w, x, h = layer_problem()
     err = lambda stored: (x @ (w - Q.dequantize(stored, w.shape, bits, g)).t()).pow(2).sum()
-    e_gptq = err(Q.gptq(w, h, bits, g))
+    e_gptq = err(C.gptq(w, h, bits, g))
     e_rtn = err(Q.rtn(w, bits, g or w.shape[1]))
     assert e_gptq <= 0.9 * e_rtn
 
@@ -162,11 +163,11 @@ def test_scaling_is_an_identity_before_quantization(method, cfg):
     calib = batches(model)
     scaled = copy.deepcopy(model)
     if method == "awq":
-        choose = lambda st, ws: Q.awq_search(st.sample(), ws, (st.abs_sum / st.n).float(),
+        choose = lambda st, ws: C.awq_search(st.sample(), ws, (st.abs_sum / st.n).float(),
                                              4, 16, n_grid=5)
     else:
-        choose = lambda st, ws: (Q.smooth_scales(st.abs_max, ws, 0.5), 0.5)
-    infos = Q.scale_model(scaled, calib, choose, keep=48)
+        choose = lambda st, ws: (C.smooth_scales(st.abs_max, ws, 0.5), 0.5)
+    infos = C.scale_model(scaled, calib, choose, keep=48)
     x = batches(model, 1, seed=5)[0]
     assert (scaled(x)[0] - model(x)[0]).abs().max() < 1e-5
     changed = [not torch.equal(a, b) for a, b in zip(model.state_dict().values(),
@@ -176,10 +177,10 @@ def test_scaling_is_an_identity_before_quantization(method, cfg):
 
 def test_awq_search_finds_a_better_scale_than_rtn():
     w, x, _ = layer_problem()
-    s, alpha = Q.awq_search(x, [w], x.abs().mean(0), 3, 8)
+    s, alpha = C.awq_search(x, [w], x.abs().mean(0), 3, 8)
     err = lambda wq, xin: (xin @ wq.t() - x @ w.t()).pow(2).sum()
     assert alpha > 0
-    assert err(Q.fake_quant(w * s, 3, 8), x / s) < 0.95 * err(Q.fake_quant(w, 3, 8), x)
+    assert err(C.fake_quant(w * s, 3, 8), x / s) < 0.95 * err(C.fake_quant(w, 3, 8), x)
 
 
 def test_w8a8_smoothing_reduces_error_and_int_mm_matches():
@@ -187,7 +188,7 @@ def test_w8a8_smoothing_reduces_error_and_int_mm_matches():
     x[:, 3] *= 30                                   # one outlier channel, as in LLMs
     ref = x @ w.t()
     plain = Q.QuantLinear(Q.rtn(w, 8, 0), w.shape, 8, 0, act_bits=8)
-    s = Q.smooth_scales(x.abs().amax(0), [w], 0.5)
+    s = C.smooth_scales(x.abs().amax(0), [w], 0.5)
     smooth = Q.QuantLinear(Q.rtn(w * s, 8, 0), w.shape, 8, 0, act_bits=8)
     assert (smooth(x / s) - ref).pow(2).sum() < 0.5 * (plain(x) - ref).pow(2).sum()
     # the integer path: per-token scales, integer accumulate, then both scales
@@ -264,7 +265,7 @@ def test_2_4_masks_and_they_stay_through_finetuning(text_file):
 
 def test_wanda_and_magnitude_scores():
     w, x, _ = layer_problem(out=4, dim=16)
-    st = Q.ActStats(16)
+    st = C.ActStats(16)
     st.add(x)
     want = w.abs() * x.pow(2).sum(0).sqrt()[None, :]
     assert torch.allclose(prune.prune_score(w, "wanda", st), want, rtol=1e-5)
@@ -299,7 +300,7 @@ def test_quantized_checkpoint_serves_what_the_quantized_model_generates(
     else:
         calib = [data.get_batch(corpus.train, 2, 32, 0, i)[0] for i in range(2)]
         qmodel = copy.deepcopy(base)
-        Q.sequential(qmodel, calib, Q.gptq_transform(bits, g))
+        C.sequential(qmodel, calib, C.gptq_transform(bits, g))
     path = str(tmp_path / "q.pt")
     Q.save_checkpoint(path, qmodel, corpus.enc, dict(method=method, bits=bits), None)
     raw = torch.load(path, weights_only=True)
@@ -382,3 +383,18 @@ def test_quantized_target_in_spec_decode(tmp_path, text_file):
                              "--max-new-tokens", "8", "--repeats", "1"])
     want = qmodel.generate(corpus.enc.encode_ordinary("def f"), 8, temperature=0)
     assert rows[0]["outs"] == [want] and rows[1]["same"] == "yes"
+
+
+def test_gptq_quantizes_shared_experts_and_refuses_latent_attention():
+    """DeepSeek-style blocks: the shared experts read the same input as the routed ones,
+    so GPTQ's stages must include them (no fp32 linear left behind); latent attention has
+    other stages, refused in one line."""
+    cfg = get_config("tiny", n_expert=4, expert_top_k=2, n_shared_expert=1, ffn_hidden=32)
+    model = GPT(cfg, seed=0)
+    calib = [torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(i))
+             for i in range(2)]
+    C.sequential(model, calib, C.gptq_transform(4, 16))
+    assert Q.target_linears(model) == []          # every block linear is a QuantLinear now
+    mla = GPT(get_config("tiny", kv_lora_rank=16, qk_rope_head_dim=4), seed=0)
+    with pytest.raises(UserError, match="latent attention"):
+        C.sequential(mla, calib, C.gptq_transform(4, 16))
