@@ -47,6 +47,7 @@ B equal-length streams (they share one length, as model.KVCache). MLA is refused
 holds latents, and the rope key sits in another slot (see cfg.kv_cache_dims).
 """
 import json
+import math
 import os
 import time
 
@@ -55,7 +56,8 @@ import torch.nn.functional as F
 
 import data
 import plots
-from model import GPT, apply_rope, get_config, load_model, rope_table, sample_next, PRESETS
+from model import (GPT, KVCache, PRESETS, apply_rope, get_config, load_model, repeat_kv,
+                   rope_table, sample_next)
 from plumbing import (ArgumentParser, HelpFormatter, UserError, fmt_bytes, run_cli,
                       seed_everything, warmup_cosine)
 
@@ -266,6 +268,41 @@ def stream_generate(model, prompt_ids, max_new_tokens, sinks, window, temperatur
     return new, cache
 
 
+class SinkProbe(KVCache):
+    """A plain KV cache that also measures, per layer, how much attention the queries put on
+    the first `first` keys -- the "attention sink" of Xiao et al. 2023 (their Figure 2: from
+    layer 2 on, most of Llama-2's attention goes to the first token). Uses the protocol's
+    `attention` hook to see q and k; the output is the layer's own attn_fn."""
+
+    def __init__(self, cfg, length, first):
+        super().__init__(cfg, 1, length)
+        self.first = first
+        self.mass = []            # per layer: mean weight on the first keys, queries >= 2·first
+
+    def attention(self, q, k, v, mask, attn_fn):
+        k_all = repeat_kv(k, q.shape[1] // k.shape[1])
+        scores = (q @ k_all.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        self.mass.append(float(probs[:, :, 2 * self.first:, :self.first].sum(-1).mean()))
+        return attn_fn(q, k, v, mask)
+
+
+@torch.no_grad()
+def sink_mass(model, tokens, first, windows=8):
+    """-> (per-layer mean attention on the first `first` tokens of a window, what uniform
+    attention would give), over `windows` consecutive block_size windows of the stream."""
+    size = model.config.block_size
+    per_layer = []
+    for w in range(min(windows, len(tokens) // size)):
+        probe = SinkProbe(model.config, size, first)
+        model(tokens[None, w * size:(w + 1) * size].to(model.output.weight.device), cache=probe)
+        per_layer.append(probe.mass)
+    mass = torch.tensor(per_layer).mean(0).tolist()
+    uniform = sum(first / (t + 1) for t in range(2 * first, size)) / (size - 2 * first)
+    return mass, uniform
+
+
 # ----------------------------------------------------------------------------------------
 # The model and the stream for the measurement
 
@@ -393,6 +430,11 @@ def run_measure(args):
                                                           args.chunk),
             f"sinks {args.sinks} + window {window}": lambda: stream_losses(
                 model, tokens, args.sinks, window, args.chunk)}
+    first = max(1, args.sinks)
+    mass, uniform = sink_mass(model, tokens, first)
+    print(f"attention on the first {first} tokens of a window (queries from position "
+          f"{2 * first} on), per layer: " + ", ".join(f"{m:.1%}" for m in mass)
+          + f" (uniform attention: {uniform:.1%}; a sink is far above it)")
     losses, stats = {}, {}
     for name, run in runs.items():
         losses[name], stats[name] = run()
@@ -412,6 +454,7 @@ def run_measure(args):
     with open(result, "w", encoding="utf-8") as f:
         json.dump({"model": what, "tokens": args.tokens, "sinks": args.sinks,
                    "window": window, "chunk": args.chunk, "stats": stats,
+                   "sink_mass": {"first": first, "per_layer": mass, "uniform": uniform},
                    "bands": [[lo, hi] for lo, hi in edges],
                    "losses": {k: v.tolist() for k, v in losses.items()}}, f, indent=1)
     print(f"wrote {svg} and {result} (timings: wall clock on this possibly shared CPU)")

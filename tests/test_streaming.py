@@ -189,3 +189,19 @@ def test_measure_cli_end_to_end(text_file, tmp_path):
     assert saved["window"] == 30 and len(saved["losses"][names[2]]) == 149
     svg = open(os.path.join(tmp_path, "streaming_loss.svg")).read()
     assert svg.count("<polyline") == 3
+
+
+def test_sink_probe_matches_uniform_attention_of_an_untrained_model():
+    """init_std 0.02: scores ≈ 0, attention ≈ uniform, so the weight on the first 4 keys is
+    what uniform attention gives (≈ 14% here; 1/16 of it if the first keys were not summed,
+    more if the early queries were counted); the probe is still a working cache."""
+    model = GPT(get_config("tiny"), seed=0).eval()
+    tokens = stream_of(128)
+    mass, uniform = streaming.sink_mass(model, tokens, 4, windows=2)
+    assert len(mass) == 2 and all(abs(m - uniform) < 1e-4 for m in mass)
+    sharp = sharp_model()
+    probe = streaming.SinkProbe(sharp.config, 64, 4)
+    with torch.no_grad():
+        got, _ = sharp(tokens[None, :64], cache=probe)
+        want, _ = sharp(tokens[None, :64])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
