@@ -149,6 +149,33 @@ def find_resume(args, restarted=False):
     raise UserError(f"--resume: checkpoint {args.ckpt!r} not found")
 
 
+def check_overwrite(args, config):
+    """A fresh run (no --resume) would write over args.ckpt. Refused in one line when the
+    file holds a checkpoint of another model configuration, an unfinished run (--resume
+    continues it), or something that is not a checkpoint of this repo; --overwrite
+    forces it. A finished run of this very configuration may be trained again."""
+    path = args.ckpt
+    if args.overwrite or not os.path.exists(path):
+        return
+    try:
+        old = load_checkpoint(path, map_location="cpu", what="checkpoint")
+    except UserError:
+        old = None
+    ways_out = "--resume continues it, --ckpt NEW writes elsewhere, --overwrite replaces it"
+    if not isinstance(old, dict) or "config" not in old:
+        raise UserError(f"{path} exists and is not a checkpoint of this repo: {ways_out}")
+    old_args = old.get("args") or {}
+    step, steps = old.get("step"), old_args.get("steps")
+    described = f"{old_args.get('preset') or 'custom'} model, step {step} of {steps}"
+    if old["config"] != config:
+        changed = [k for k in config if old["config"].get(k) != config[k]]
+        raise UserError(f"{path} holds another model ({described}; differs in "
+                        f"{', '.join(changed)}): {ways_out}")
+    if step is not None and steps is not None and step < steps:
+        raise UserError(f"{path} holds an unfinished run of this model ({described}): "
+                        f"{ways_out}")
+
+
 MODEL_FLAGS = ("n_layer", "n_embd", "n_head", "n_kv_head", "n_expert", "block_size")
 
 

@@ -371,3 +371,28 @@ def test_sigint_two_ranks_saves_and_resumes(text_file, tmp_path, zero1_reference
     r = torchrun("train.py", args + ["--resume"], nproc=2)
     assert r.returncode == 0, r.output
     same_losses(losses(ckpt), zero1_reference)
+
+
+def test_a_fresh_run_refuses_to_write_over_another_run(tmp_path):
+    """resume.check_overwrite: another configuration, an unfinished run, or a file that is
+    not a checkpoint are refused in one line naming the way out; a finished run of the
+    same configuration, a missing file and --overwrite are not."""
+    import argparse
+    from plumbing import UserError
+    path = str(tmp_path / "ckpt.pt")
+    tiny = asdict(get_config("tiny"))
+    args = argparse.Namespace(ckpt=path, overwrite=False)
+    saved.check_overwrite(args, tiny)                        # nothing there yet
+    finished = dict(config=tiny, step=100, args=dict(preset="tiny", steps=100))
+    torch.save(finished, path)
+    saved.check_overwrite(args, tiny)                        # same model, finished
+    with pytest.raises(UserError, match=r"another model .*n_layer.*--resume continues it"):
+        saved.check_overwrite(args, {**tiny, "n_layer": 3})
+    torch.save({**finished, "step": 40}, path)
+    with pytest.raises(UserError, match="unfinished run .*step 40 of 100"):
+        saved.check_overwrite(args, tiny)
+    with open(path, "wb") as f:
+        f.write(b"not a checkpoint")
+    with pytest.raises(UserError, match="not a checkpoint of this repo"):
+        saved.check_overwrite(args, tiny)
+    saved.check_overwrite(argparse.Namespace(ckpt=path, overwrite=True), tiny)
