@@ -47,17 +47,17 @@ import argparse
 import heapq
 import math
 import random
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from kvcache import blocks_for, extend_hash_chain
+from kvcache import extend_hash_chain
 from model import GPT, get_config, load_model
 from plumbing import ArgumentParser, UserError, run_cli
 from serve import FINISHED, Engine, SamplingParams
+from serve_bench import AgentSessions, BenchRequest, _range
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
@@ -205,109 +205,75 @@ class Router:
 
 
 # ----------------------------------------------------------------------------------------
-# Workloads: sessions of turns. A turn's prompt = the whole conversation so far (every
-# earlier message and answer) + its new message; its answer is what the engine generates.
+# Workloads: serve_bench.AgentSessions (multi-turn agent sessions: each turn re-sends the
+# whole conversation), or the constructed case below; both speak AgentSessions'
+# interface: first_turns() -> [BenchRequest], next_turn(request, output ids, finish).
 
-@dataclass
-class Session:
-    start: float                    # arrival of the first turn (seconds)
-    turns: list                     # [(new message token ids, answer length)]
-
-
-def agent_sessions(n_sessions, turns, system_len, msg_len, out_len, context, vocab, seed,
-                   stagger=0.05):
-    """Multi-turn agent sessions (seeded): each has its own system/tool prompt of
-    system_len tokens in its first message, then `turns` turns of msg_len new tokens
-    (a tool result, a user message) and out_len answer tokens; sessions start staggered
-    and interleave. Turns that would overflow the context are dropped."""
-    rng = random.Random(seed)
-    sessions = []
-    for s in range(n_sessions):
-        total, ts = 0, []
-        for k in range(turns):
-            n = msg_len + (system_len if k == 0 else 0)
-            if total + n + out_len > context:
-                break
-            ts.append(([rng.randrange(vocab) for _ in range(n)], out_len))
-            total += n + out_len
-        if not ts:
-            raise UserError(f"a first turn of {system_len + msg_len} + {out_len} tokens does "
-                            f"not fit the context of {context}")
-        sessions.append(Session(s * stagger, ts))
-    return sessions
-
-
-def prefix_groups(n_groups, per_group, prefix_len, suffix_len, out_len, vocab, seed, gap):
+class PrefixGroups:
     """The constructed case: n_groups distinct shared prefixes, each followed by
-    per_group different suffixes; one-turn requests arriving `gap` seconds apart, the
-    groups interleaved (a, b, c, a, b, c, ...), so round-robin spreads every group over
-    the replicas while a cache-aware router keeps each group on one."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(vocab) for _ in range(prefix_len)] for _ in range(n_groups)]
-    sessions = []
-    for i in range(n_groups * per_group):
-        prompt = prefixes[i % n_groups] + [rng.randrange(vocab) for _ in range(suffix_len)]
-        sessions.append(Session(i * gap, [(prompt, out_len)]))
-    return sessions
+    per_group different suffixes; one-turn requests `gap` seconds apart, the groups
+    interleaved (a, b, c, a, b, c, ...), so round-robin spreads every group over the
+    replicas while a cache-aware router keeps each group on one."""
+
+    def __init__(self, n_groups, per_group, prefix_len, suffix_len, out_len, vocab, seed,
+                 gap):
+        rng = random.Random(seed)
+        prefixes = [[rng.randrange(vocab) for _ in range(prefix_len)]
+                    for _ in range(n_groups)]
+        self.requests = []
+        for i in range(n_groups * per_group):
+            prompt = prefixes[i % n_groups] + [rng.randrange(vocab) for _ in range(suffix_len)]
+            self.requests.append(BenchRequest(prompt, out_len, i * gap, True, session=i))
+
+    def first_turns(self):
+        return list(self.requests)
+
+    def next_turn(self, req, output_ids, finish):
+        return None
 
 
 # ----------------------------------------------------------------------------------------
 # The simulation: arrivals, messages and replica steps, in time order
 
 @dataclass
-class Request:
+class Routed:
     id: int
-    session: int
-    turn: int
-    prompt: list
-    out_len: int
-    arrival: float
+    req: BenchRequest
     chain: list
     replica: int = -1
     ideal_hit: int = 0              # tokens whose KV was in some replica's cache when routed
     seq: object = None              # the engine's Sequence
 
 
-def simulate(replicas, router, sessions, think_time=0.0):
-    """Run every session to the end through the router. Events (time, order, kind,
+def simulate(replicas, router, workload):
+    """Run the workload to the end through the router. Events (time, kind, order,
     payload): kind 0 = a replica's message, 1 = an arrival (at equal times the message
-    first). A turn's follow-up arrives think_time after the replica's message reporting
-    its answer (the client has the answer when the step that finished it ends).
-    -> the requests in arrival order, each with its engine Sequence."""
+    first). A turn's follow-up is asked for when the message reporting its answer
+    arrives (the client has the answer when the step that finished it ends), and comes
+    the workload's think time later. -> [Routed] in arrival order."""
     bs = replicas[0].engine.block_size
     events, order, queue, done, seen = [], 0, deque(), [], set()
-    history = [[] for _ in sessions]            # each session's conversation so far
 
     def push(t, kind, payload):
         nonlocal order
         heapq.heappush(events, (t, kind, order, payload))
         order += 1
 
-    def arrive(s, k, t):
-        sess = sessions[s]
-        msg, out_len = sess.turns[k]
-        prompt = history[s] + list(msg)
-        chain = prompt_chain(prompt, bs)
-        req = Request(len(done), s, k, prompt, out_len, t, chain)
-        req.ideal_hit = bs * sum(1 for _ in _leading(chain, seen))
-        done.append(req)
-        queue.append(req)
-
     def dispatch(t):
         while queue:
             r = router.choose(queue[0].chain)
             if r is None:                   # every replica full: wait for a finish
                 return
-            req = queue.popleft()
-            req.replica = r
+            item = queue.popleft()
+            item.replica = r
             router.dispatched(r)
             replicas[r].wake(t)
-            req.seq = replicas[r].engine.add_request(
-                req.prompt, SamplingParams(max_tokens=req.out_len, temperature=0,
-                                           ignore_eos=True), arrival=t, seq_id=req.id)
+            item.seq = replicas[r].engine.add_request(
+                item.req.prompt, SamplingParams(max_tokens=item.req.out_len, temperature=0,
+                                                ignore_eos=True), arrival=t, seq_id=item.id)
 
-    for s, sess in enumerate(sessions):
-        push(sess.start, 1, (s, 0))
+    for req in workload.first_turns():
+        push(req.arrival, 1, req)
     while events or queue or any(r.engine.has_work() for r in replicas):
         busy = [r for r in replicas if r.engine.has_work()]
         t_step = min((r.vtime for r in busy), default=math.inf)
@@ -316,12 +282,16 @@ def simulate(replicas, router, sessions, think_time=0.0):
             if kind == 0:
                 router.apply(payload)
                 for rid in payload.finished:        # the client's next turn
-                    req = done[rid]
-                    history[req.session] = list(req.seq.tokens)    # prompt + its answer
-                    if req.turn + 1 < len(sessions[req.session].turns):
-                        push(t + think_time, 1, (req.session, req.turn + 1))
+                    item = done[rid]
+                    nxt = workload.next_turn(item.req, item.seq.output_ids, t)
+                    if nxt is not None:
+                        push(nxt.arrival, 1, nxt)
             else:
-                arrive(*payload, t)
+                chain = prompt_chain(payload.prompt, bs)
+                item = Routed(len(done), payload, chain)
+                item.ideal_hit = bs * sum(1 for _ in _leading(chain, seen))
+                done.append(item)
+                queue.append(item)
             dispatch(t)
         elif busy:
             rep = min(busy, key=lambda r: (r.vtime, r.id))
@@ -353,10 +323,10 @@ def summarize(reqs, replicas, router):
     hit rate one shared cache would have had, tokens recomputed although their KV was
     cached on some replica when the request was routed, TTFT percentiles (from each
     request's arrival, on its replica's clock), preemptions, requests per replica."""
-    prompt = sum(len(r.prompt) for r in reqs)
+    prompt = sum(len(r.req.prompt) for r in reqs)
     hit = sum(r.seq.num_cached_tokens for r in reqs)
     ideal = sum(r.ideal_hit for r in reqs)
-    ttft = [r.seq.token_times[0] - r.arrival for r in reqs]
+    ttft = [r.seq.token_times[0] - r.seq.arrival for r in reqs]
     per_replica = [sum(r.replica == i for r in reqs) for i in range(len(replicas))]
     return dict(requests=len(reqs), prompt=prompt, hit=hit, hit_rate=hit / prompt,
                 ideal_rate=ideal / prompt,
@@ -368,7 +338,7 @@ def summarize(reqs, replicas, router):
                 hashes=router.hashes_moved)
 
 
-def run_policy(model, sessions, policy, args):
+def run_policy(model, workload, policy, args):
     """Fresh replicas (empty caches) and a fresh router; the whole workload through them.
     -> (summary row, {(session, turn): output ids})."""
     def make_engine(clock):
@@ -378,10 +348,10 @@ def run_policy(model, sessions, policy, args):
     replicas = [Replica(i, make_engine) for i in range(args.replicas)]
     router = Router(args.replicas, policy, args.max_queue, args.balance_abs,
                     args.balance_rel, args.cache_threshold)
-    reqs = simulate(replicas, router, sessions, args.think_time)
+    reqs = simulate(replicas, router, workload)
     for rep in replicas:            # every block back: free or cached, refcount 0
         rep.engine.alloc.check(tables=[])
-    return summarize(reqs, replicas, router), {(r.session, r.turn): r.seq.output_ids
+    return summarize(reqs, replicas, router), {(r.req.session, r.req.turn): r.seq.output_ids
                                                for r in reqs}
 
 
@@ -404,20 +374,21 @@ def bench(args):
         model = GPT(get_config(args.preset, block_size=args.context), seed=args.seed)
     model.eval()
     cfg = model.config
-    sessions = agent_sessions(args.sessions, args.turns, args.system_len, args.msg_len,
-                              args.out_len, cfg.block_size, cfg.vocab_size, args.seed,
-                              args.stagger)
-    n_turns = sum(len(s.turns) for s in sessions)
+    workload = AgentSessions(cfg, None, args.sessions, args.turns, args.system_len,
+                             _range(args.message_len, "message-len"),
+                             _range(args.answer_len, "answer-len"), args.think_time,
+                             args.rate, args.seed)
     print(f"model: {args.checkpoint or 'random-init ' + args.preset} ({cfg.n_layer} layers, "
           f"context {cfg.block_size}); {args.replicas} replicas x {args.num_blocks} blocks of "
-          f"{args.block_size} tokens; {args.sessions} agent sessions, {n_turns} turns "
-          f"(system {args.system_len} + {args.msg_len} per message, {args.out_len} out), "
-          f"think time {args.think_time} s; max queue {args.max_queue} per replica")
+          f"{args.block_size} tokens; {args.sessions} agent sessions of up to {args.turns} "
+          f"turns (a shared {args.system_len}-token system prompt, messages "
+          f"{args.message_len}, answers {args.answer_len} tokens), think time "
+          f"{args.think_time} s; max queue {args.max_queue} per replica")
     print("clock: each replica's own, advanced by the CPU time of its steps (the replicas "
           "as N devices in parallel; a loaded 2-core CPU)")
     rows, outs = [], {}
     for policy in POLICIES:
-        row, outs[policy] = run_policy(model, sessions, policy, args)
+        row, outs[policy] = run_policy(model, workload, policy, args)
         rows.append((policy, row))
     print_table(rows)
     # arrival order differs between policies (timing): compare turn by turn
@@ -467,16 +438,17 @@ def build_parser():
     r.add_argument("--balance-rel", type=float, default=1.5, help="... and max > this x min")
     r.add_argument("--cache-threshold", type=float, default=0.1,
                    help="least fraction of the prompt's blocks the best match must cover")
-    w = b.add_argument_group("workload (multi-turn agent sessions)")
+    w = b.add_argument_group("workload (serve_bench.AgentSessions)")
     w.add_argument("--sessions", type=int, default=16, help="agent sessions")
-    w.add_argument("--turns", type=int, default=4, help="turns per session at most")
-    w.add_argument("--system-len", type=int, default=64,
-                   help="tokens of each session's own system/tool prompt")
-    w.add_argument("--msg-len", type=int, default=24, help="new tokens per turn")
-    w.add_argument("--out-len", type=int, default=16, help="answer tokens per turn")
+    w.add_argument("--turns", type=int, default=6, help="turns per session at most")
+    w.add_argument("--system-len", type=int, default=32,
+                   help="tokens of the system prompt every session starts with")
+    w.add_argument("--message-len", default="8:24", help="new tokens per turn, LO:HI")
+    w.add_argument("--answer-len", default="8:24", help="answer tokens per turn, LO:HI")
     w.add_argument("--think-time", type=float, default=0.05,
                    help="seconds between an answer and the next turn")
-    w.add_argument("--stagger", type=float, default=0.02, help="seconds between session starts")
+    w.add_argument("--rate", type=float, default=math.inf,
+                   help="sessions starting per second, Poisson (inf = all at once)")
     w.add_argument("--seed", type=int, default=0, help="workload and model seed")
     return p
 
@@ -484,12 +456,10 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     for name in ("replicas", "block_size", "num_blocks", "max_num_batched_tokens",
-                 "max_num_seqs", "sessions", "turns", "msg_len", "out_len", "threads"):
+                 "max_num_seqs", "threads"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got "
                             f"{getattr(args, name)}")
-    if args.think_time < 0 or args.stagger < 0 or args.system_len < 0:
-        raise UserError("--think-time, --stagger and --system-len must be >= 0")
     Router(args.replicas, "cache_aware", args.max_queue, args.balance_abs,    # its checks,
            args.balance_rel, args.cache_threshold)                        # before any work
     return bench(args)

@@ -7,10 +7,11 @@ import torch
 
 import kv_router
 from harness import run_python
-from kv_router import Replica, Router, prefix_groups, simulate, summarize
+from kv_router import PrefixGroups, Replica, Router, simulate, summarize
 from model import GPT, get_config
 from plumbing import UserError
 from serve import Engine
+from serve_bench import AgentSessions
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
 
@@ -22,12 +23,12 @@ def model():
     return GPT(get_config("tiny"), seed=3).eval()
 
 
-def run(model, sessions, policy, n=2, num_blocks=64, max_queue=16, think=0.0, **engine):
+def run(model, workload, policy, n=2, num_blocks=64, max_queue=16, **engine):
     def make_engine(clock):
         return Engine(model, block_size=BS, num_blocks=num_blocks, clock=clock, **engine)
     replicas = [Replica(i, make_engine) for i in range(n)]
     router = Router(n, policy, max_queue=max_queue)
-    reqs = simulate(replicas, router, sessions, think)
+    reqs = simulate(replicas, router, workload)
     return reqs, replicas, router
 
 
@@ -36,7 +37,7 @@ def assert_exact_and_clean(model, reqs, replicas):
     cached, no reference left."""
     for r in reqs:
         assert r.seq.finish_reason == "length"
-        assert r.seq.output_ids == model.generate(r.prompt, r.out_len, temperature=0)
+        assert r.seq.output_ids == model.generate(r.req.prompt, r.req.out_len, temperature=0)
     for rep in replicas:
         assert not rep.engine.has_work() and not rep.engine.live
         rep.engine.alloc.check(tables=[])
@@ -47,7 +48,7 @@ def test_cache_aware_beats_round_robin_on_shared_prefixes(model):
     # replicas. A prompt of 20 tokens can hit (20-1)//4 = 4 blocks = its whole prefix.
     # Cache-aware keeps each group on one replica: the first request misses, 3 hit.
     # Round-robin alternates replicas within a group (3 groups, 2 replicas): 2 miss, 2 hit.
-    sessions = prefix_groups(3, 4, prefix_len=16, suffix_len=4, out_len=2,
+    sessions = PrefixGroups(3, 4, prefix_len=16, suffix_len=4, out_len=2,
                              vocab=model.config.vocab_size, seed=0, gap=100.0)
     hits = {}
     for policy in ("cache_aware", "round_robin", "least_loaded"):
@@ -62,7 +63,7 @@ def test_cache_aware_beats_round_robin_on_shared_prefixes(model):
 def test_index_equals_the_replicas_caches_through_evictions(model):
     # small pools: blocks are evicted (LRU) while prefixes move; once every message is
     # delivered the router's index is exactly each replica's set of cached hashes
-    sessions = prefix_groups(4, 3, prefix_len=16, suffix_len=8, out_len=4,
+    sessions = PrefixGroups(4, 3, prefix_len=16, suffix_len=8, out_len=4,
                              vocab=model.config.vocab_size, seed=1, gap=0.01)
     reqs, replicas, router = run(model, sessions, "cache_aware", num_blocks=20)
     assert_exact_and_clean(model, reqs, replicas)
@@ -76,7 +77,7 @@ def test_index_equals_the_replicas_caches_through_evictions(model):
 def test_no_request_lost_when_replicas_are_full(model, policy):
     # 8 requests at once, each replica holds 1 at a time and its pool one max-length
     # sequence (64 tokens / 4 = 16 blocks): requests wait at the router, none is lost
-    sessions = prefix_groups(2, 4, prefix_len=12, suffix_len=10, out_len=6,
+    sessions = PrefixGroups(2, 4, prefix_len=12, suffix_len=10, out_len=6,
                              vocab=model.config.vocab_size, seed=2, gap=0.0)
     reqs, replicas, router = run(model, sessions, policy, num_blocks=16, max_queue=1)
     assert len(reqs) == 8
@@ -87,13 +88,12 @@ def test_no_request_lost_when_replicas_are_full(model, policy):
 def test_multi_turn_sessions_hit_their_history(model):
     # turn k+1's prompt = turn k's prompt + answer + a new message: cache-aware routing
     # finds the whole history (up to the last partial block) on the replica that served k
-    sessions = kv_router.agent_sessions(4, 3, system_len=8, msg_len=6, out_len=5,
-                                        context=64, vocab=model.config.vocab_size, seed=0,
-                                        stagger=0.0)
-    reqs, replicas, router = run(model, sessions, "cache_aware", n=3, think=0.01)
+    sessions = AgentSessions(model.config, None, sessions=4, turns=3, system_len=8,
+                             message_len=(4, 8), answer_len=(3, 6), think_time=0.01)
+    reqs, replicas, router = run(model, sessions, "cache_aware", n=3)
     assert_exact_and_clean(model, reqs, replicas)
     for r in reqs:
-        if r.turn > 0:
+        if r.req.turn > 0:
             assert r.seq.num_cached_tokens == r.ideal_hit > 0
 
 
