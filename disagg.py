@@ -1,0 +1,535 @@
+"""
+disagg.py -- prefill/decode disaggregation: one rank runs the prompts' prefills, the other
+decodes; after a prefill the sequence's KV blocks travel between them over
+torch.distributed point-to-point (gloo on the CPU, NCCL on GPUs).
+
+    torchrun --standalone --nproc_per_node=2 disagg.py run      # serve a workload, check it
+    torchrun --standalone --nproc_per_node=2 disagg.py bench    # vs colocated engines
+    python disagg.py run --help
+
+What it teaches (DistServe, Zhong et al. OSDI 2024; Splitwise, Patel et al. ISCA 2024;
+Mooncake, Qin et al. 2024):
+  - The two phases of a request want different things. A prefill is one big
+    compute-bound forward over the prompt (it sets the time to first token, TTFT); a
+    decode is many small memory-bound steps (they set the inter-token latency, ITL). In
+    one engine they share every step: a long prompt's prefill chunk rides in the same
+    forward as every running decode, so the decodes' ITL jumps whenever a long prompt
+    arrives (prefill-decode interference; chunked prefill, serve.py, bounds it but does
+    not remove it), and one parallel layout must serve both phases.
+  - Disaggregation puts them on different devices: rank 0 runs the prefills (and samples
+    the first token: Splitwise's "prompt machine"), rank 1 runs the decodes. After the
+    prefill the sequence's KV cache -- block contents, in the pool's dtype (int8 codes
+    with their scales, bf16, fp32) -- goes to the decode rank: a header tensor with the
+    sizes first, then the token ids, the request's parameters (JSON bytes, never a
+    pickle), the sampler's state, and the payload tensors; the decode rank allocates
+    blocks of its own (its block table is its own: only the contents travel), writes the
+    KV in (serve.Engine.import_kv) and continues decoding as if it had prefilled itself.
+  - Only the computed slots are sent: a prompt of n tokens sends exactly
+    n · L · (key width + value width) · heads · bytes = 2·L·H_kv·D·bytes per prompt token
+    for GQA, (d_c + d_R)·L·bytes for MLA (model.GPTConfig.kv_cache_dims), plus 2·L·H·4
+    bytes of scales per token for int8 -- printed next to the bytes measured.
+  - Results (each request's tokens and times) come back to rank 0 for the client.
+
+What it saves / adds / sacrifices: saves the interference (decode steps never carry a
+prefill, so ITL stays flat under long prompts) and lets each phase be provisioned on its
+own; adds the KV transfer (bytes above, on the critical path between the first and the
+second token) and a second copy of the weights; sacrifices utilisation when the load is
+unbalanced between the phases (here one prefill rank and one decode rank, fixed) and the
+prefix cache of the decode side (each request's whole prompt KV is sent).
+
+The benchmark compares, on the same mixed long/short workload and the same two
+processes (the same total compute): two colocated engines, each serving half of the
+requests (prefill and decode together), against one prefill rank + one decode rank.
+"""
+import argparse
+import json
+import math
+import queue
+import random
+import statistics
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from kvcache import blocks_for, payload_bytes
+from model import GPT, get_config, load_model
+from plumbing import ArgumentParser, UserError, comm, run_cli, setup_runtime
+from serve import FINISHED, PREFILLED, Engine, PoolFull, SamplingParams
+
+PREFILL, DECODE = 0, 1                  # the ranks' roles
+KV, ABORT, DONE, RESULTS = 1, 2, 3, 4   # message kinds (the header's first field)
+HEADER = 8                              # int64 fields: kind, request id, then per kind
+
+
+# ----------------------------------------------------------------------------------------
+# The wire: a request's KV as a header + tensors. The receiver knows the shapes of the
+# payload from its own pool (same model, block size and KV dtype) and the header's sizes.
+
+def kv_formula(cfg, kv_dtype, n_tokens):
+    """Bytes of n tokens' KV: n · L · heads · (key width + value width) · bytes, + n · L ·
+    heads · 2 · 4 bytes of float32 scales when int8. GQA: heads = H_kv, both widths D
+    (2·L·H_kv·D·bytes per token); MLA: one "head" holding d_c + d_R."""
+    heads, k_dim, v_dim = cfg.kv_cache_dims
+    if kv_dtype == "int8":
+        per_token = cfg.n_layer * heads * (k_dim + v_dim + 2 * 4)
+    else:
+        per_token = cfg.n_layer * heads * (k_dim + v_dim) * getattr(torch, kv_dtype).itemsize
+    return n_tokens * per_token
+
+
+def encode(exported, rid):
+    """export_kv's dict -> the tensors to send, in order: header, token ids, JSON
+    metadata, the sampler state (if seeded), the payload parts trimmed to the computed
+    slots (a block's unfilled tail is not sent). -> (tensors, KV payload bytes)."""
+    n = exported["num_computed"]
+    meta = json.dumps(dict(params=exported["params"], logprobs=exported["logprobs"],
+                           prompt_logprobs=exported["prompt_logprobs"],
+                           block_size=exported["block_size"],
+                           kv_dtype=exported["kv_dtype"])).encode()
+    gen = exported["generator"]
+    parts = [t[:, :, :n].contiguous() for t in exported["kv"].values()]
+    header = torch.tensor([KV, rid, len(exported["tokens"]), exported["num_prompt"], n,
+                           len(meta), 0 if gen is None else gen.numel(), len(parts)])
+    tensors = [header, torch.tensor(exported["tokens"]),
+               torch.frombuffer(bytearray(meta), dtype=torch.uint8)]
+    tensors += ([] if gen is None else [gen]) + parts
+    return tensors, sum(t.numel() * t.element_size() for t in parts)
+
+
+def send(tensors, dst):
+    """Blocking point-to-point sends, in order (gloo pairs them with the receives in
+    order), counted by the communication meter."""
+    for t in tensors:
+        comm.isend(t.cpu(), dst).wait()
+
+
+def recv(shape, dtype, src):
+    t = torch.empty(shape, dtype=dtype)
+    comm.irecv(t, src).wait()
+    return t
+
+
+def receive(engine, src):
+    """The receiving side of `encode`: -> (kind, request id, export_kv-style dict or None).
+    The payload is padded back to whole blocks (the tail slots are never read: they lie
+    past the sequence's length until the decode overwrites them)."""
+    header = recv((HEADER,), torch.int64, src).tolist()
+    kind, rid = header[0], header[1]
+    if kind != KV:
+        return kind, rid, None
+    n_tokens, num_prompt, n, meta_len, gen_len, n_parts = header[2:]
+    tokens = recv((n_tokens,), torch.int64, src).tolist()
+    meta = json.loads(bytes(recv((meta_len,), torch.uint8, src).tolist()).decode())
+    gen = recv((gen_len,), torch.uint8, src) if gen_len else None
+    parts = engine.cache.parts()
+    if n_parts != len(parts):
+        raise UserError(f"the prefill rank sends {n_parts} KV parts, this pool has "
+                        f"{len(parts)}: both ranks need the same --kv-dtype")
+    slots = blocks_for(n, engine.block_size) * engine.block_size
+    kv = {}
+    for name, pool in parts.items():
+        n_layer, heads, _, width = pool.shape
+        x = recv((n_layer, heads, n, width), pool.dtype, src)
+        kv[name] = torch.cat([x, x.new_zeros(n_layer, heads, slots - n, width)], 2)
+    exported = dict(tokens=tokens, num_prompt=num_prompt, num_computed=n, kv=kv,
+                    generator=gen, **meta)
+    return kind, rid, exported
+
+
+def control(kind, rid, dst):
+    send([torch.tensor([kind, rid] + [0] * (HEADER - 2))], dst)
+
+
+# ----------------------------------------------------------------------------------------
+# The prefill rank
+
+def add(engine, req, t0, prefill_only):
+    return engine.add_request(req["prompt"], SamplingParams(
+        max_tokens=req["out_len"], temperature=0, ignore_eos=True),
+        arrival=t0 + req["arrival"], seq_id=req["id"], prefill_only=prefill_only)
+
+
+def prefill_loop(engine, reqs, t0, abort_prefilled=(), abort_sent=()):
+    """Rank 0: admit requests as they arrive (prefill_only), step, and ship each
+    prefilled sequence's KV to the decode rank. abort_prefilled: request ids the client
+    cancels once prefilled, before the transfer (freed here, never sent); abort_sent:
+    cancelled right after the transfer, before any decode (the decode rank frees them).
+    -> per request: first token, its time, KV bytes sent, metadata bytes sent."""
+    pending, out = sorted(reqs, key=lambda r: r["arrival"]), {}
+    while pending or engine.has_work():
+        while pending and t0 + pending[0]["arrival"] <= time.perf_counter():
+            add(engine, pending.pop(0), t0, prefill_only=True)
+        if not engine.has_work():
+            time.sleep(max(0.0, t0 + pending[0]["arrival"] - time.perf_counter()))
+            continue
+        for seq in engine.step():
+            rec = out[seq.id] = dict(first=seq.tokens[seq.num_prompt],
+                                     t_first=seq.token_times[0], kv_bytes=0, meta_bytes=0,
+                                     arrival=seq.arrival, finished=seq.status == FINISHED)
+            if seq.status != PREFILLED:     # max_tokens=1: done here, nothing to send
+                continue
+            if seq.id in abort_prefilled:
+                engine.abort(seq.id)
+                continue
+            tensors, rec["kv_bytes"] = encode(engine.export_kv(seq.id), seq.id)
+            rec["meta_bytes"] = sum(t.numel() * t.element_size() for t in tensors) - \
+                rec["kv_bytes"]
+            send(tensors, DECODE)
+            if seq.id in abort_sent:
+                control(ABORT, seq.id, DECODE)
+    control(DONE, -1, DECODE)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# The decode rank: a receiver thread (as a real KV-transfer engine runs off the decode
+# loop) fills an inbox; the loop imports, aborts and decodes.
+
+def receiver(engine, inbox):
+    while True:
+        msg = receive(engine, PREFILL)
+        inbox.put(msg)
+        if msg[0] == DONE:
+            return
+
+
+def decode_loop(engine, inbox):
+    """Rank 1: import what arrived (PoolFull: it waits in line until a step frees
+    blocks), apply aborts, step. -> ({id: (output tokens, token times)}, stats)."""
+    waiting, done, results = [], False, {}
+    stats = dict(imported=0, aborted_imported=0, aborted_waiting=0, import_waits=0)
+    while True:
+        block = not (engine.has_work() or waiting or done)
+        while True:
+            try:
+                kind, rid, exported = inbox.get(block=block)
+            except queue.Empty:
+                break
+            block = False
+            if kind == KV:
+                waiting.append((rid, exported))
+            elif kind == DONE:
+                done = True
+            elif kind == ABORT:
+                _abort(engine, waiting, rid, stats)
+            _import(engine, waiting, stats)
+        _import(engine, waiting, stats)
+        if engine.has_work():
+            for seq in engine.step():
+                if seq.status == FINISHED:     # the tokens made here (not the first)
+                    made = seq.output_ids[len(seq.output_ids) - len(seq.token_times):]
+                    results[seq.id] = (made, seq.token_times, math.nan)
+        elif done and not waiting:
+            return results, stats
+
+
+def _import(engine, waiting, stats):
+    while waiting:
+        rid, exported = waiting[0]
+        try:
+            engine.import_kv(exported, seq_id=rid)
+        except PoolFull:
+            stats["import_waits"] += 1
+            return
+        waiting.pop(0)
+        stats["imported"] += 1
+
+
+def _abort(engine, waiting, rid, stats):
+    if rid in engine.live:
+        engine.abort(rid)               # its imported blocks go back to the pool
+        stats["aborted_imported"] += 1
+    elif any(r == rid for r, _ in waiting):
+        waiting[:] = [(r, e) for r, e in waiting if r != rid]
+        stats["aborted_waiting"] += 1
+
+
+# ----------------------------------------------------------------------------------------
+# Results back to rank 0. Per request: (tokens, their times, its arrival or nan) as
+# [id, n, tokens...] in int64 and [arrival, times...] in float64; the header carries the
+# sender's pool state (the tests check that the decode rank ends with every block free).
+
+def send_results(engine, results, dst, stats=None):
+    flat, times = [], []
+    for rid, (toks, ts, arrival) in sorted(results.items()):
+        flat += [rid, len(toks)] + list(toks)
+        times += [arrival] + list(ts)
+    stats = stats or {}
+    header = [RESULTS, len(flat), len(times), engine.alloc.num_free, len(engine.live),
+              sum(engine.alloc.refcount), stats.get("aborted_imported", 0),
+              stats.get("imported", 0)]
+    send([torch.tensor(header), torch.tensor(flat, dtype=torch.int64),
+          torch.tensor(times, dtype=torch.float64)], dst)
+
+
+def recv_results(src):
+    """-> ({id: (tokens, times, arrival)}, the sender's pool state)."""
+    header = recv((HEADER,), torch.int64, src).tolist()
+    flat = recv((header[1],), torch.int64, src).tolist()
+    times = recv((header[2],), torch.float64, src).tolist()
+    out, i, j = {}, 0, 0
+    while i < len(flat):
+        rid, n = flat[i], flat[i + 1]
+        out[rid] = (flat[i + 2:i + 2 + n], times[j + 1:j + 1 + n], times[j])
+        i, j = i + 2 + n, j + 1 + n
+    pool = dict(num_free=header[3], live=header[4], refs=header[5],
+                aborted_imported=header[6], imported=header[7])
+    return out, pool
+
+
+def serve_disaggregated(rt, engine, reqs, abort_prefilled=(), abort_sent=()):
+    """Both ranks call this. -> on rank 0: ({id: dict(out, times, arrival, kv_bytes,
+    meta_bytes)} for every request not aborted -- the first token from the prefill
+    rank, the rest from the decode rank --, the decode rank's pool state); on rank 1:
+    (None, the decode loop's stats)."""
+    check_roles(rt)
+    comm.barrier()
+    t0 = time.perf_counter()
+    if rt.rank == PREFILL:
+        pre = prefill_loop(engine, reqs, t0, abort_prefilled, abort_sent)
+        decoded, pool = recv_results(DECODE)
+        out = {}
+        for rid, rec in pre.items():
+            if rec["finished"] or rid in decoded:
+                toks, ts, _ = decoded.get(rid, ([], [], None))
+                out[rid] = dict(out=[rec["first"]] + toks, times=[rec["t_first"]] + ts,
+                                arrival=rec["arrival"], kv_bytes=rec["kv_bytes"],
+                                meta_bytes=rec["meta_bytes"])
+        return out, pool
+    inbox = queue.Queue()
+    thread = threading.Thread(target=receiver, args=(engine, inbox), daemon=True)
+    thread.start()
+    results, stats = decode_loop(engine, inbox)
+    thread.join()                       # DONE received: the channel is ours again
+    send_results(engine, results, PREFILL, stats)
+    return None, stats
+
+
+def serve_colocated(rt, engine, reqs, replicas):
+    """The baseline: `replicas` ordinary engines (prefill and decode in the same steps),
+    rank r serving requests r, r + replicas, ...; replicas=1 leaves rank 1 idle.
+    -> on rank 0 {id: dict(out, times, arrival)} for all requests; on rank 1 None."""
+    comm.barrier()
+    t0 = time.perf_counter()
+    mine = reqs[rt.rank::replicas] if rt.rank < replicas else []
+    done = {}
+    if mine:
+        pending, seqs = sorted(mine, key=lambda r: r["arrival"]), []
+        while pending or engine.has_work():
+            while pending and t0 + pending[0]["arrival"] <= time.perf_counter():
+                seqs.append(add(engine, pending.pop(0), t0, prefill_only=False))
+            if engine.has_work():
+                engine.step()
+            else:
+                time.sleep(max(0.0, t0 + pending[0]["arrival"] - time.perf_counter()))
+        done = {s.id: (s.output_ids, s.token_times, s.arrival) for s in seqs}
+    if replicas == 2 and rt.rank == DECODE:
+        send_results(engine, done, PREFILL)
+        return None
+    if replicas == 2:
+        done.update(recv_results(DECODE)[0])
+    return {rid: dict(out=t, times=ts, arrival=a) for rid, (t, ts, a) in done.items()}
+
+
+def check_roles(rt):
+    if rt.world_size != 2:
+        raise UserError(f"disaggregation needs exactly 2 ranks (rank 0 prefills, rank 1 "
+                        f"decodes): run `torchrun --standalone --nproc_per_node=2 "
+                        f"disagg.py ...`, got world size {rt.world_size}")
+
+
+# ----------------------------------------------------------------------------------------
+# Measuring
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(p / 100 * len(xs)) - 1))] if xs else math.nan
+
+
+def latency(results, reqs):
+    """TTFT (from arrival), inter-token latencies, and the gap between the first and
+    second token (for disaggregation: the transfer, the import and the wait for a decode
+    step), split by short and long prompts."""
+    row = dict(ttft_short=[], ttft_long=[], itl_short=[], itl_long=[], gap2=[], tokens=0)
+    end = 0.0
+    for r in reqs:
+        rec = results[r["id"]]
+        t, kind = rec["times"], "long" if r["long"] else "short"
+        row[f"ttft_{kind}"].append(t[0] - rec["arrival"])
+        row[f"itl_{kind}"] += [b - a for a, b in zip(t, t[1:])]
+        row["gap2"] += [t[1] - t[0]] if len(t) > 1 else []
+        row["tokens"] += len(t)
+        end = max(end, t[-1])
+    start = min(results[r["id"]]["arrival"] for r in reqs)
+    row["tok_s"] = row["tokens"] / (end - start)
+    return row
+
+
+def make_engine(model, args):
+    return Engine(model, block_size=args.block_size, num_blocks=args.num_blocks,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype)
+
+
+def build_model(args):
+    if args.checkpoint:
+        model, _ = load_model(args.checkpoint)
+    else:
+        model = GPT(get_config(args.preset, block_size=args.context), seed=args.seed)
+    return model.eval()
+
+
+def workload(args, cfg):
+    """serve_bench.mixed_workload: short and long prompts mixed, Poisson arrivals. ->
+    plain dicts (id, prompt, out_len, arrival, long)."""
+    from serve_bench import _range, mixed_workload      # (serve_bench imports serve)
+    reqs = mixed_workload(args.num_requests, _range(args.short_len, "short-len"),
+                          _range(args.long_len, "long-len"), args.long_frac,
+                          _range(args.output_len, "output-len"), args.rate, cfg, None,
+                          args.seed)
+    return [dict(id=i, prompt=r.prompt, out_len=r.out_len, arrival=r.arrival,
+                 long=not r.interactive) for i, r in enumerate(reqs)]
+
+
+# ----------------------------------------------------------------------------------------
+# The modes
+
+def run(rt, args):
+    """Serve the workload disaggregated; on rank 0 print the bytes moved per request
+    next to the formula, check the outputs against one engine, show the decode rank's
+    pool at the end."""
+    model = build_model(args)
+    cfg = model.config
+    reqs = workload(args, cfg)
+    engine = make_engine(model, args)
+    out, pool = serve_disaggregated(rt, engine, reqs)
+    if rt.rank != PREFILL:
+        return
+    kv_dtype = engine.cache.kv_dtype
+    print(f"{len(reqs)} requests, disaggregated: rank 0 prefilled, rank 1 decoded; KV "
+          f"{kv_dtype}, {kv_formula(cfg, kv_dtype, 1)} B per prompt token by the formula")
+    print(f"{'request':>8}{'prompt':>8}{'KV sent B':>11}{'formula B':>11}{'metadata B':>12}")
+    for r in reqs[:args.show]:
+        rec = out[r["id"]]
+        print(f"{r['id']:>8}{len(r['prompt']):>8}{rec['kv_bytes']:>11}"
+              f"{kv_formula(cfg, kv_dtype, len(r['prompt'])):>11}{rec['meta_bytes']:>12}")
+    kv = sum(out[r["id"]]["kv_bytes"] for r in reqs)
+    want = sum(kv_formula(cfg, kv_dtype, len(r["prompt"])) for r in reqs)
+    meta = sum(out[r["id"]]["meta_bytes"] for r in reqs)
+    print(f"total: KV {kv} B sent, formula {want} B ({'equal' if kv == want else 'DIFFERENT'})"
+          f"; metadata {meta} B ({meta / max(kv, 1):.2%} of it)")
+    print(comm.report("rank 0 point-to-point (the meter)"))
+    ref = make_engine(model, args).generate(
+        [r["prompt"] for r in reqs],
+        [SamplingParams(max_tokens=r["out_len"], temperature=0, ignore_eos=True) for r in reqs])
+    same = sum(out[r["id"]]["out"] == s.output_ids for r, s in zip(reqs, ref))
+    print(f"greedy outputs == one engine's, token for token: {same}/{len(reqs)}")
+    print(f"decode rank at the end: {pool['num_free']}/{args.num_blocks} blocks free or "
+          f"cached, {pool['live']} live sequences, {pool['refs']} references held")
+
+
+def bench(rt, args):
+    """The same workload through one colocated engine (rank 0 alone), two colocated
+    engines (one per rank: the same total compute as disaggregation) and one prefill +
+    one decode rank. Rank 0 prints the table."""
+    model = build_model(args)
+    cfg = model.config
+    reqs = workload(args, cfg)
+    rows = []
+    for name, fn in (("colocated x1 (rank 0 alone)", lambda e: serve_colocated(rt, e, reqs, 1)),
+                     ("colocated x2 (half each)", lambda e: serve_colocated(rt, e, reqs, 2)),
+                     ("disaggregated 1P + 1D", lambda e: serve_disaggregated(rt, e, reqs)[0])):
+        results = fn(make_engine(model, args))
+        if rt.rank == PREFILL:
+            rows.append((name, latency(results, reqs), results))
+    if rt.rank != PREFILL:
+        return
+    n_long = sum(r["long"] for r in reqs)
+    print(f"workload: {len(reqs)} requests ({n_long} long prompts {args.long_len}, the rest "
+          f"{args.short_len}), outputs {args.output_len}, Poisson {args.rate}/s; "
+          f"{cfg.n_layer}-layer model, KV {args.kv_dtype or 'float32'}; wall clock, 2 "
+          f"processes with 1 thread each (on a loaded 2-core CPU they contend with each "
+          f"other and with other jobs)")
+    print(f"\n{'system':<28}{'tok/s':>7}{'TTFT p50/p99 ms short':>23}{'long':>15}"
+          f"{'ITL p50/p99 ms short':>22}{'long':>15}{'1st->2nd p50 ms':>17}")
+    for name, s, _ in rows:
+        def two(xs):
+            return f"{pct(xs, 50) * 1e3:.1f}/{pct(xs, 99) * 1e3:.1f}"
+        print(f"{name:<28}{s['tok_s']:>7.0f}{two(s['ttft_short']):>23}{two(s['ttft_long']):>15}"
+              f"{two(s['itl_short']):>22}{two(s['itl_long']):>15}"
+              f"{pct(s['gap2'], 50) * 1e3:>17.1f}")
+    outs = [{rid: rec["out"] for rid, rec in res.items()} for _, _, res in rows]
+    print(f"greedy outputs identical in the three systems: "
+          f"{sum(outs[0][k] == outs[1][k] == outs[2][k] for k in outs[0])}/{len(reqs)}")
+    kv = sum(rec["kv_bytes"] for rec in rows[2][2].values())
+    print(f"KV moved by disaggregation: {kv} B = formula "
+          f"{sum(kv_formula(cfg, args.kv_dtype or 'float32', len(r['prompt'])) for r in reqs)} B")
+    co, dis = rows[1][1], rows[2][1]
+    print("\nledger row:")
+    print(f"  prefill/decode disaggregation | short-prompt ITL p99 {pct(dis['itl_short'], 99) * 1e3:.1f}"
+          f" vs {pct(co['itl_short'], 99) * 1e3:.1f} ms colocated x2 | {kv} B of KV over P2P, "
+          f"1st->2nd token {pct(dis['gap2'], 50) * 1e3:.1f} vs {pct(co['gap2'], 50) * 1e3:.1f} ms"
+          f" | fixed 1:1 prefill:decode split; tok/s {dis['tok_s']:.0f} vs {co['tok_s']:.0f}")
+
+
+# ----------------------------------------------------------------------------------------
+# The command line
+
+def build_parser():
+    p = ArgumentParser(description="Prefill/decode disaggregation over torch.distributed "
+                       "point-to-point: torchrun --standalone --nproc_per_node=2 disagg.py "
+                       "{run,bench}.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="mode", required=True)
+    for mode, text in (("run", "serve a workload disaggregated; bytes vs the formula, outputs "
+                                "vs one engine"),
+                       ("bench", "colocated x1, colocated x2 and disaggregated on one "
+                                 "workload: TTFT, ITL")):
+        m = sub.add_parser(mode, help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        m.add_argument("--checkpoint", default=None,
+                       help="a model from train.py; None = a random-init --preset model")
+        m.add_argument("--preset", default="small", help="model preset without --checkpoint")
+        m.add_argument("--context", type=int, default=None,
+                       help="the --preset model's context (None = the preset's)")
+        m.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
+        e = m.add_argument_group("engines (both ranks)")
+        e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+        e.add_argument("--num-blocks", type=int, default=256, help="KV blocks per rank")
+        e.add_argument("--max-num-batched-tokens", type=int, default=128,
+                       help="token budget of one step")
+        e.add_argument("--max-num-seqs", type=int, default=32, help="running sequences at most")
+        e.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "int8"],
+                       help="KV pool dtype; None = the model's")
+        w = m.add_argument_group("workload (serve_bench.mixed_workload)")
+        w.add_argument("--num-requests", type=int, default=48 if mode == "bench" else 12,
+                       help="requests")
+        w.add_argument("--short-len", default="8:32", help="short prompts, LO:HI tokens")
+        w.add_argument("--long-len", default="160:224", help="long prompts, LO:HI tokens")
+        w.add_argument("--long-frac", type=float, default=0.25, help="share of long prompts")
+        w.add_argument("--output-len", default="16:32", help="output tokens, LO:HI")
+        w.add_argument("--rate", type=float, default=16.0 if mode == "bench" else math.inf,
+                       help="Poisson arrivals per second (inf = all at once)")
+        w.add_argument("--seed", type=int, default=0, help="workload and model seed")
+        if mode == "run":
+            m.add_argument("--show", type=int, default=6, help="requests listed in the table")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
+                 "num_requests", "threads"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got "
+                            f"{getattr(args, name)}")
+    if not 0 <= args.long_frac <= 1 or args.rate <= 0:
+        raise UserError("--long-frac must be in [0, 1] and --rate > 0")
+    rt = setup_runtime("cpu")
+    check_roles(rt)
+    torch.set_num_threads(args.threads)
+    (run if args.mode == "run" else bench)(rt, args)
+
+
+if __name__ == "__main__":
+    run_cli(main)
