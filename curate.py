@@ -30,14 +30,14 @@ What it teaches, and what each step saves / adds / sacrifices
 - Mixture: exact token shares per domain by taking each domain's documents in seeded
   epochs until its quota is filled; a small domain with a large weight is *repeated*
   (epochs > 1, Muennighoff et al. 2023: up to ~4 epochs is nearly as good as new data).
-  What one domain gains, another loses: `sweep` measures it per domain.
+  What one domain gains, another loses: `sweep` measures it per domain. The mixture lives
+  in curate_mix.py, the sweep in curate_sweep.py; this file builds the corpus they read.
 """
 import argparse
 import ast
 import glob
 import hashlib
 import io
-import json
 import math
 import os
 import re
@@ -45,7 +45,6 @@ import sysconfig
 import time
 import tokenize
 import unicodedata
-import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -86,7 +85,8 @@ def _stdlib_sources() -> dict[str, list[str]]:
         if rel.startswith("site-packages"):
             continue
         parts = rel.split(os.sep)
-        is_test = parts[0] == "test" or any(p in ("test", "tests", "idle_test") for p in parts[1:-1])
+        in_test_folder = any(p in ("test", "tests", "idle_test") for p in parts[1:-1])
+        is_test = parts[0] == "test" or in_test_folder
         out["tests" if is_test else "pkgs"].append(f)
     return out
 
@@ -97,7 +97,8 @@ def extract_prose(source: str) -> str:
     paragraphs = []
     try:
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+            if isinstance(node, documented):
                 doc = ast.get_docstring(node)
                 if doc:
                     paragraphs.append(doc)
@@ -120,9 +121,12 @@ def extract_prose(source: str) -> str:
 def arithmetic_documents(n_docs: int, lines: int, seed: int) -> list[Document]:
     """data.py's synthetic task as a domain: documents of `lines` solved problems."""
     problems = data.make_problems(n_docs * lines, seed) if n_docs else []
-    return [Document("arith", f"arith/{i:05d}", "".join(data.format_example(p) for p in
-                                                         problems[i * lines:(i + 1) * lines]))
-            for i in range(n_docs)]
+    docs = []
+    for i in range(n_docs):
+        chunk = problems[i * lines:(i + 1) * lines]
+        text = "".join(data.format_example(p) for p in chunk)
+        docs.append(Document("arith", f"arith/{i:05d}", text))
+    return docs
 
 
 def folder_documents(folder: str) -> list[Document]:
@@ -130,7 +134,8 @@ def folder_documents(folder: str) -> list[Document]:
     if not os.path.isdir(folder):
         raise UserError(f"--data {folder}: not a folder")
     name = os.path.basename(os.path.normpath(folder))
-    files = sorted(f for f in glob.glob(os.path.join(folder, "**", "*"), recursive=True) if os.path.isfile(f))
+    found = glob.glob(os.path.join(folder, "**", "*"), recursive=True)
+    files = sorted(f for f in found if os.path.isfile(f))
     docs = [Document(name, os.path.relpath(f, folder), _read(f)) for f in files]
     if not any(d.text.strip() for d in docs):
         raise UserError(f"domain {name!r} from --data {folder} is empty (no text in its files)")
@@ -156,22 +161,26 @@ def subset(docs: list[Document], max_bytes: int, seed: int) -> list[Document]:
     return sorted(kept, key=lambda d: d.path)
 
 
-def load_domains(data_dir=None, arith_docs=300, arith_lines=64, max_bytes=0, seed=0) -> dict[str, list[Document]]:
-    """All domains; max_bytes > 0 keeps a seeded subset of each (the prose is extracted
-    from the kept sources). Blank files (empty __init__.py) carry no tokens: dropped."""
+def load_domains(data_dir=None, arith_docs=300, arith_lines=64, max_bytes=0, seed=0):
+    """All domains, {name: [Document]}; max_bytes > 0 keeps a seeded subset of each (the
+    prose is extracted from the kept sources). Blank files (empty __init__.py) carry no
+    tokens: dropped."""
     extra = folder_documents(data_dir) if data_dir else []  # its errors first: no waiting
     if extra and extra[0].domain in BUILTIN_DOMAINS:
         raise UserError(f"--data folder name {extra[0].domain!r} collides with a built-in domain")
     root = sysconfig.get_paths()["stdlib"]
-    domains = {name: subset([Document(name, os.path.relpath(f, root), _read(f)) for f in files], max_bytes, seed)
-               for name, files in _stdlib_sources().items()}
-    domains["prose"] = subset([Document("prose", d.path, p) for d in domains["lib"] + domains["pkgs"]
-                               if (p := extract_prose(d.text))], max_bytes, seed)
+    domains = {}
+    for name, files in _stdlib_sources().items():
+        docs = [Document(name, os.path.relpath(f, root), _read(f)) for f in files]
+        domains[name] = subset(docs, max_bytes, seed)
+    prose = [Document("prose", d.path, p) for d in domains["lib"] + domains["pkgs"]
+             if (p := extract_prose(d.text))]
+    domains["prose"] = subset(prose, max_bytes, seed)
     include = sysconfig.get_paths()["include"]
     headers = sorted(glob.glob(os.path.join(include, "**", "*.h"), recursive=True))
     if headers:  # present when the Python development headers are installed
-        domains["headers"] = subset([Document("headers", os.path.relpath(f, include), _read(f))
-                                     for f in headers], max_bytes, seed)
+        docs = [Document("headers", os.path.relpath(f, include), _read(f)) for f in headers]
+        domains["headers"] = subset(docs, max_bytes, seed)
     domains["arith"] = arithmetic_documents(arith_docs, arith_lines, seed)
     if extra:
         domains[extra[0].domain] = subset(extra, max_bytes, seed)
@@ -210,7 +219,7 @@ def exact_clusters(docs: list[Document]) -> list[list[int]]:
     return [g for g in groups.values() if len(g) > 1]
 
 
-def drop_all_but_one(docs: list[Document], clusters: list[list[int]]) -> tuple[list[Document], list[Document]]:
+def drop_all_but_one(docs: list[Document], clusters: list[list[int]]):
     """(kept, removed): each cluster keeps its canonical member; input order is kept."""
     removed = set()
     for g in clusters:
@@ -220,7 +229,7 @@ def drop_all_but_one(docs: list[Document], clusters: list[list[int]]) -> tuple[l
             [d for i, d in enumerate(docs) if i in removed])
 
 
-def dedup_spans(docs: list[Document], unit: str = "paragraph", min_chars: int = 200) -> tuple[list[Document], int, int]:
+def dedup_spans(docs: list[Document], unit: str = "paragraph", min_chars: int = 200):
     """Remove every repeat of a line or paragraph (>= min_chars normalized characters)
     after its first occurrence, documents visited in canonical order. Short spans are
     kept: `return None` or `}` repeats everywhere and means nothing. Returns
@@ -228,12 +237,16 @@ def dedup_spans(docs: list[Document], unit: str = "paragraph", min_chars: int = 
     if unit not in ("paragraph", "line"):
         raise UserError(f"span unit must be paragraph or line, got {unit!r}")
     split = re.compile(r"(\n[ \t]*\n)") if unit == "paragraph" else re.compile(r"(\n)")
-    seen, n_spans, n_bytes, out = set(), 0, 0, {}
+    seen = set()
+    n_spans = 0
+    n_bytes = 0
+    out = {}
     for i in sorted(range(len(docs)), key=lambda i: canonical(docs[i])):
         pieces = split.split(docs[i].text)  # text, separator, text, separator, ...
         kept = []
         for j in range(0, len(pieces), 2):
-            span, sep = pieces[j], pieces[j + 1] if j + 1 < len(pieces) else ""
+            span = pieces[j]
+            sep = pieces[j + 1] if j + 1 < len(pieces) else ""
             norm = normalize(span)
             if len(norm) >= min_chars:
                 key = hashlib.sha256(norm.encode()).digest()
@@ -255,7 +268,10 @@ def word_ids(text: str) -> np.ndarray:
     """64-bit ids of the lower-cased words (\\w+; punctuation dropped, as FineWeb's
     normalization does), from BLAKE2b: deterministic across processes and machines."""
     words = re.findall(r"\w+", text.lower())
-    ids = {w: int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little") for w in set(words)}
+    ids = {}
+    for w in set(words):
+        digest = hashlib.blake2b(w.encode(), digest_size=8).digest()
+        ids[w] = int.from_bytes(digest, "little")
     return np.fromiter((ids[w] for w in words), dtype=np.uint64, count=len(words))
 
 
@@ -343,7 +359,7 @@ def union_find(n: int, groups: list[list[int]]) -> list[list[int]]:
     return [c for c in comps.values() if len(c) > 1]
 
 
-def duplicate_clusters(docs: list[Document], args) -> tuple[list[list[int]], list[list[int]], dict]:
+def duplicate_clusters(docs: list[Document], args):
     """(exact clusters, near-dup clusters incl. the exact ones, details for printing).
     Like FineWeb, an LSH bucket is taken as a duplicate group without a check of the
     exact similarity (cheap; a chain of similar pairs can merge two distant documents)."""
@@ -351,14 +367,17 @@ def duplicate_clusters(docs: list[Document], args) -> tuple[list[list[int]], lis
     exact = exact_clusters(docs)
     hasher = MinHasher(args.permutations, args.seed)
     sets = [shingle_set(word_ids(d.text), args.shingle) for d in docs]
-    sigs = np.stack([hasher.signature(s) for s in sets]) if sets else np.zeros((0, args.permutations), np.uint64)
+    if sets:
+        sigs = np.stack([hasher.signature(s) for s in sets])
+    else:
+        sigs = np.zeros((0, args.permutations), np.uint64)
     buckets = lsh_buckets(sigs, args.bands, args.rows)
     near = union_find(len(docs), exact + buckets)
     pairs = {(a, b) for g in buckets for i, a in enumerate(g) for b in g[i + 1:]}
     return exact, near, {"sets": sets, "sigs": sigs, "pairs": pairs}
 
 
-def planted_detection(docs: list[Document], args, n_pairs: int = 1000) -> list[tuple[float, float, bool]]:
+def planted_detection(docs: list[Document], args, n_pairs: int = 1000):
     """Measure the S-curve on real text: take a document, replace a random fraction of
     its words with new ones, and ask LSH whether the pair collides. Returns
     (exact Jaccard, estimated Jaccard, candidate?) per pair."""
@@ -375,8 +394,10 @@ def planted_detection(docs: list[Document], args, n_pairs: int = 1000) -> list[t
         mutated = ids.copy()
         where = rng.random(len(ids)) < p
         mutated[where] = rng.integers(0, 2 ** 63, size=int(where.sum()), dtype=np.uint64)
-        a, b = shingle_set(ids, args.shingle), shingle_set(mutated, args.shingle)
-        sa, sb = hasher.signature(a), hasher.signature(b)
+        a = shingle_set(ids, args.shingle)
+        b = shingle_set(mutated, args.shingle)
+        sa = hasher.signature(a)
+        sb = hasher.signature(b)
         hit = any(np.array_equal(sa[i:i + args.rows], sb[i:i + args.rows])
                   for i in range(0, args.permutations, args.rows))
         out.append((exact_jaccard(a, b), estimated_jaccard(sa, sb), hit))
@@ -399,14 +420,20 @@ RULES = (
     Rule("max_words", "words", 100_000, "Gopher: more than 100,000 words"),
     Rule("min_word_len", "mean_word_len", 3, "Gopher: mean word length below 3"),
     Rule("max_word_len", "mean_word_len", 10, "Gopher: mean word length above 10"),
-    Rule("max_symbol_ratio", "symbol_ratio", 0.1, "Gopher: ('#' + '...') per word above 0.1"),
-    Rule("min_alpha_words", "alpha_words", 0.8, "Gopher: under 80% of words contain a letter"),
-    Rule("max_dup_lines", "dup_lines", 0.3, "Gopher: over 30% of non-blank lines repeat one"),
-    Rule("max_mean_line", "mean_line", 100, "Codex: mean line longer than 100 characters"),
+    Rule("max_symbol_ratio", "symbol_ratio", 0.1,
+         "Gopher: ('#' + '...') per word above 0.1"),
+    Rule("min_alpha_words", "alpha_words", 0.8,
+         "Gopher: under 80% of words contain a letter"),
+    Rule("max_dup_lines", "dup_lines", 0.3,
+         "Gopher: over 30% of non-blank lines repeat one"),
+    Rule("max_mean_line", "mean_line", 100,
+         "Codex: mean line longer than 100 characters"),
     Rule("max_line", "max_line", 1000, "Codex: a line longer than 1000 characters"),
     Rule("min_alnum", "alnum", 0.25, "StarCoder: under 25% alphanumeric characters"),
-    Rule("max_bad_chars", "bad_chars", 0.0, "non-UTF-8 bytes (U+FFFD) or binary control chars"),
-    Rule("max_curly", "curly", 0, "C4: the page contains '{' (off unless removed from --skip-rules)"),
+    Rule("max_bad_chars", "bad_chars", 0.0,
+         "non-UTF-8 bytes (U+FFFD) or binary control chars"),
+    Rule("max_curly", "curly", 0,
+         "C4: the page contains '{' (off unless removed from --skip-rules)"),
 )
 RULE_NAMES = tuple(r.name for r in RULES)
 
@@ -421,11 +448,13 @@ def doc_features(text: str) -> dict:
     lines = text.splitlines() or [""]
     nonblank = [line.strip() for line in lines if line.strip()]
     n = max(len(text), 1)
+    n_words = max(len(words), 1)
+    symbols = text.count("#") + text.count("...") + text.count("\u2026")
     return {
         "words": len(words),
-        "mean_word_len": sum(map(len, words)) / max(len(words), 1),
-        "symbol_ratio": (text.count("#") + text.count("...") + text.count("\u2026")) / max(len(words), 1),
-        "alpha_words": sum(1 for w in words if re.search(r"[^\W\d_]", w)) / max(len(words), 1),
+        "mean_word_len": sum(map(len, words)) / n_words,
+        "symbol_ratio": symbols / n_words,
+        "alpha_words": sum(1 for w in words if re.search(r"[^\W\d_]", w)) / n_words,
         "dup_lines": 1 - len(set(nonblank)) / len(nonblank) if nonblank else 0.0,
         "mean_line": len(text) / len(lines),
         "max_line": max(map(len, lines)),
@@ -440,16 +469,19 @@ def failed_rules(text: str, thresholds: dict, skip=()) -> list[str]:
     return [r.name for r in RULES if r.name not in skip and removes(r, f, thresholds[r.name])]
 
 
-def quality_filter(docs: list[Document], args) -> tuple[list[Document], dict]:
+def quality_filter(docs: list[Document], args):
     """(kept, {rule: [removed documents]}); a document fails every rule it breaks, and is
     removed once. Exempt domains (default: the synthetic arithmetic, which the prose rules
     would remove entirely: '37+45=82' has no letter) pass untouched."""
     thresholds = {r.name: getattr(args, r.name) for r in RULES}
-    skip, exempt = set(_names(args.skip_rules)), set(_names(args.exempt))
+    skip = set(_names(args.skip_rules))
+    exempt = set(_names(args.exempt))
     unknown = skip - set(RULE_NAMES)
     if unknown:
-        raise UserError(f"--skip-rules: unknown rule(s) {', '.join(sorted(unknown))}; rules: {', '.join(RULE_NAMES)}")
-    kept, removed = [], {r.name: [] for r in RULES}
+        raise UserError(f"--skip-rules: unknown rule(s) {', '.join(sorted(unknown))}; "
+                        f"rules: {', '.join(RULE_NAMES)}")
+    kept = []
+    removed = {r.name: [] for r in RULES}
     for d in docs:
         failed = [] if d.domain in exempt else failed_rules(d.text, thresholds, skip)
         for name in failed:
@@ -464,102 +496,13 @@ def _names(spec: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------
-# Tokens and the mixture sampler
+# The mixture (token counts, weights, the sampler, mix.txt) lives in curate_mix.py, split
+# out by concept: what proportions the model sees, not which documents exist. Imported at
+# the mode's call because it imports this file.
 # ---------------------------------------------------------------------------------------
-def union_tokenizer(domains: dict[str, list[Document]], vocab_size: int, bytes_per_domain: int = 150_000):
-    """One BPE (data.train_bpe) for every mixture, trained on an equal-bytes sample of each
-    domain: losses of different mixtures are then comparable token for token."""
-    texts = []
-    for docs in domains.values():
-        n = 0
-        for d in sorted(docs, key=lambda d: stable_unit("tok", d.domain, d.path)):
-            if n >= bytes_per_domain:
-                break
-            texts.append(d.text[: bytes_per_domain - n])
-            n += len(texts[-1].encode())
-    return data.make_encoding(data.train_bpe(texts, vocab_size))
-
-
-def parse_weights(spec: str, domains: dict) -> dict[str, float]:
-    """'lib=0.5,tests=0.2' -> normalized weights; every mistake is one UserError."""
-    weights = {}
-    for item in _names(spec):
-        name, eq, value = item.partition("=")
-        if not eq:
-            raise UserError(f"--weights: {item!r} is not domain=weight")
-        if name not in domains:
-            raise UserError(f"--weights: unknown domain {name!r}; domains: {', '.join(domains)}")
-        try:
-            weights[name] = float(value)
-        except ValueError:
-            raise UserError(f"--weights: {value!r} for {name} is not a number") from None
-        if not weights[name] >= 0 or math.isinf(weights[name]):
-            raise UserError(f"--weights: {name}={value} must be a finite number >= 0")
-    total = sum(weights.values())
-    if not total > 0:
-        raise UserError(f"--weights {spec!r} must sum to a positive number (got {total})")
-    return {name: w / total for name, w in weights.items() if w > 0}
-
-
-def temperature_weights(tokens: dict[str, int], temperature: float) -> dict[str, float]:
-    """p_d ∝ n_d^(1/T) (XLM, Conneau & Lample 2019; mT5's α = 1/T = 0.3): T = 1 keeps the
-    natural shares, T → ∞ makes them uniform, upsampling the small domains."""
-    if not temperature > 0:
-        raise UserError(f"--temperature must be > 0, got {temperature}")
-    raw = {d: n ** (1.0 / temperature) for d, n in tokens.items() if n > 0}
-    if not raw:
-        raise UserError("every domain is empty (no tokens left after curation)")
-    return {d: v / sum(raw.values()) for d, v in raw.items()}
-
-
-def sample_mixture(doc_tokens: dict[str, list[int]], weights: dict[str, float], total: int, seed: int) -> dict:
-    """Pick documents so that domain d holds weights[d]·total tokens: whole documents, in
-    a fresh seeded permutation per epoch, until the quota is reached (so each domain is
-    off by less than one of its documents). Returns {domain: {docs, tokens, epochs}}."""
-    out = {}
-    for name, w in weights.items():
-        sizes = doc_tokens.get(name, [])
-        available = sum(sizes)
-        if available == 0:
-            raise UserError(f"domain {name!r} is empty (no tokens left after curation); drop its weight")
-        quota = w * total
-        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])  # crc32: not salted
-        picked, taken, passes = [], 0, 0
-        while taken < quota:
-            passes += 1
-            for i in rng.permutation(len(sizes)):
-                if taken >= quota:
-                    break
-                picked.append(int(i))
-                taken += sizes[i]
-        out[name] = {"docs": picked, "tokens": taken, "available": available,
-                     "epochs": taken / available, "passes": passes, "largest_doc": max(sizes)}
-    return out
-
-
-def largest_unrepeated(tokens: dict[str, int], weights: dict[str, float]) -> int:
-    """The biggest mixture in which no domain repeats: min over d of n_d / w_d."""
-    return int(min(tokens.get(d, 0) / w for d, w in weights.items()))
-
-
-def encode_docs(enc, docs: list[Document]) -> list[list[int]]:
-    # EOT is the separator, so a literal "<|endoftext|>" inside a text would split it:
-    # encode_ordinary reads it as plain characters, and mix.txt drops it (write_mixture).
-    return enc.encode_ordinary_batch([d.text for d in docs])
-
-
-def write_mixture(docs: list[Document], manifest: dict, out_dir: str, seed: int) -> str:
-    """One UTF-8 file, documents in a seeded shuffle separated by data.EOT (what
-    `train.py --data` reads; its val split is the last 5% of the stream, so shuffling
-    puts every domain in it), plus a JSON manifest next to it."""
-    os.makedirs(out_dir, exist_ok=True)
-    order = np.random.default_rng([seed, 7]).permutation(len(docs))
-    path = os.path.join(out_dir, "mix.txt")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(data.EOT.join(docs[i].text.replace(data.EOT, "") for i in order))
-    with open(os.path.join(out_dir, "mix.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
-    return path
+def cmd_mix(args) -> None:
+    import curate_mix
+    curate_mix.cmd_mix(args)
 
 
 # ---------------------------------------------------------------------------------------
@@ -575,7 +518,8 @@ def sweep(args) -> dict:
 # Commands
 # ---------------------------------------------------------------------------------------
 def _load(args) -> dict[str, list[Document]]:
-    return load_domains(args.data, args.arith_docs, args.arith_lines, args.max_bytes_per_domain, args.seed)
+    return load_domains(args.data, args.arith_docs, args.arith_lines,
+                        args.max_bytes_per_domain, args.seed)
 
 
 def nbytes(docs: list[Document]) -> int:
@@ -591,9 +535,11 @@ def print_rules(docs: list[Document], args, show: int) -> list[Document]:
         print(f"{rule.name:<17}{len(gone):>6} docs {fmt_bytes(nbytes(gone)):>10}  {rule.source}; "
               f"threshold {getattr(args, rule.name):g}{off}")
         if gone:
-            print(f"{'':<19}by domain: " + ", ".join(f"{k} {v}" for k, v in Counter(d.domain for d in gone).most_common()))
+            counts = Counter(d.domain for d in gone).most_common()
+            print(f"{'':<19}by domain: " + ", ".join(f"{k} {v}" for k, v in counts))
         for d in gone[:show]:
-            print(f"{'':<19}{d.domain}/{d.path} [{rule.feature} = {doc_features(d.text)[rule.feature]:.3g}] "
+            value = doc_features(d.text)[rule.feature]
+            print(f"{'':<19}{d.domain}/{d.path} [{rule.feature} = {value:.3g}] "
                   f"{' '.join(d.text[:60].split())!r}")
     print(f"all rules: remove {len(docs) - len(kept)} of {len(docs)} documents, "
           f"{fmt_bytes(nbytes(docs) - nbytes(kept))} of {fmt_bytes(nbytes(docs))}")
@@ -609,12 +555,15 @@ def cmd_stats(args) -> None:
     gone_exact = {id(d) for d in drop_all_but_one(docs, exact)[1]}
     gone_near = {id(d) for d in drop_all_but_one(docs, near)[1]}
     kept = {id(d) for d in print_rules(docs, args, show=1)}
-    print(f"\n{'domain':<10}{'docs':>7}{'bytes':>11}{'tokens':>10}{'exact dup':>11}{'near dup':>10}{'rules':>8}")
+    print(f"\n{'domain':<10}{'docs':>7}{'bytes':>11}{'tokens':>10}"
+          f"{'exact dup':>11}{'near dup':>10}{'rules':>8}")
     for name, ds in domains.items():
         n_tok = sum(map(len, enc.encode_ordinary_batch([d.text for d in ds])))
+        n_exact = sum(id(d) in gone_exact for d in ds)
+        n_near = sum(id(d) in gone_near for d in ds)
+        n_ruled_out = sum(id(d) not in kept for d in ds)
         print(f"{name:<10}{len(ds):>7}{fmt_bytes(nbytes(ds)):>11}{fmt_count(n_tok):>10}"
-              f"{sum(id(d) in gone_exact for d in ds):>11}{sum(id(d) in gone_near for d in ds):>10}"
-              f"{sum(id(d) not in kept for d in ds):>8}")
+              f"{n_exact:>11}{n_near:>10}{n_ruled_out:>8}")
     print(f"stats in {time.perf_counter() - t0:.1f} s")
 
 
@@ -623,23 +572,26 @@ def cmd_dedup(args) -> None:
     docs = flatten(_load(args))
     exact, near, info = duplicate_clusters(docs, args)
     gone = drop_all_but_one(docs, exact)[1]
-    print(f"exact: {len(exact)} clusters, {len(gone)} copies removed ({fmt_bytes(nbytes(gone))} "
-          f"of {fmt_bytes(nbytes(docs))})")
+    print(f"exact: {len(exact)} clusters, {len(gone)} copies removed "
+          f"({fmt_bytes(nbytes(gone))} of {fmt_bytes(nbytes(docs))})")
     gone = drop_all_but_one(docs, near)[1]
-    print(f"near (shingle {args.shingle}, {args.bands} bands × {args.rows} rows): {len(near)} clusters, "
-          f"{len(gone)} documents removed ({fmt_bytes(nbytes(gone))}); largest clusters:")
+    print(f"near (shingle {args.shingle}, {args.bands} bands × {args.rows} rows): "
+          f"{len(near)} clusters, {len(gone)} documents removed ({fmt_bytes(nbytes(gone))}); "
+          f"largest clusters:")
     for c in sorted(near, key=len, reverse=True)[:args.show]:
         names = ", ".join(f"{docs[i].domain}/{docs[i].path}" for i in sorted(c)[:3])
         print(f"  {len(c):>4} docs  {names}{', ...' if len(c) > 3 else ''}")
     for unit in ("paragraph", "line"):
         _, n, b = dedup_spans(docs, unit, args.min_span_chars)
-        print(f"repeated {unit}s (>= {args.min_span_chars} chars) across documents: {n}, {fmt_bytes(b)}")
+        print(f"repeated {unit}s (>= {args.min_span_chars} chars) across documents: "
+              f"{n}, {fmt_bytes(b)}")
     pairs = sorted(info["pairs"])
     print(f"\n{len(pairs)} candidate pairs; a sample, estimated vs exact Jaccard:")
     for k in np.random.default_rng(args.seed).permutation(len(pairs))[:args.show]:
         a, b = pairs[k]
-        print(f"  est {estimated_jaccard(info['sigs'][a], info['sigs'][b]):.3f}  exact "
-              f"{exact_jaccard(info['sets'][a], info['sets'][b]):.3f}  {docs[a].path} ~ {docs[b].path}")
+        estimate = estimated_jaccard(info["sigs"][a], info["sigs"][b])
+        exact_value = exact_jaccard(info["sets"][a], info["sets"][b])
+        print(f"  est {estimate:.3f}  exact {exact_value:.3f}  {docs[a].path} ~ {docs[b].path}")
     print_s_curve(planted_detection(docs, args), args)
     print(f"dedup in {time.perf_counter() - t0:.1f} s")
 
@@ -647,17 +599,20 @@ def cmd_dedup(args) -> None:
 def print_s_curve(planted: list, args) -> None:
     """Measured detection per Jaccard bin next to the S-curve, and the estimate's mean
     error next to E|N(0, J(1-J)/k)| = sqrt(2/π)·sqrt(J(1-J)/k)."""
-    print(f"\nS-curve on planted edits of real documents ({len(planted)} pairs, {args.permutations} "
-          f"hashes): detected vs 1 - (1 - s^{args.rows})^{args.bands}")
-    print(f"  {'Jaccard':<12}{'pairs':>6}{'detected':>10}{'theory':>8}{'|est-exact|':>13}{'expected':>10}")
+    print(f"\nS-curve on planted edits of real documents ({len(planted)} pairs, "
+          f"{args.permutations} hashes): detected vs 1 - (1 - s^{args.rows})^{args.bands}")
+    print(f"  {'Jaccard':<12}{'pairs':>6}{'detected':>10}{'theory':>8}"
+          f"{'|est-exact|':>13}{'expected':>10}")
     for lo in np.arange(0.0, 1.0, 0.1):
         rows = [p for p in planted if lo <= p[0] < lo + 0.1 or (lo >= 0.9 and p[0] == 1.0)]
         if rows:
+            detected = np.mean([h for _, _, h in rows])
             theory = np.mean([s_curve(j, args.bands, args.rows) for j, _, _ in rows])
             err = np.mean([abs(e - j) for j, e, _ in rows])
             std = np.mean([math.sqrt(j * (1 - j) / args.permutations) for j, _, _ in rows])
-            print(f"  {lo:.1f}-{lo + 0.1:.1f}{len(rows):>10}{np.mean([h for _, _, h in rows]):10.3f}"
-                  f"{theory:8.3f}{err:13.3f}{std * math.sqrt(2 / math.pi):10.3f}")
+            expected = std * math.sqrt(2 / math.pi)
+            print(f"  {lo:.1f}-{lo + 0.1:.1f}{len(rows):>10}{detected:10.3f}"
+                  f"{theory:8.3f}{err:13.3f}{expected:10.3f}")
 
 
 def cmd_filter(args) -> None:
@@ -665,52 +620,13 @@ def cmd_filter(args) -> None:
     domains = _load(args)
     kept = print_rules(flatten(domains), args, args.show)
     for name, ds in domains.items():
-        print(f"  {name:<10} keeps {sum(d.domain == name for d in kept):>5} / {len(ds):<5} documents")
+        n_kept = sum(d.domain == name for d in kept)
+        print(f"  {name:<10} keeps {n_kept:>5} / {len(ds):<5} documents")
     print(f"filter in {time.perf_counter() - t0:.1f} s")
 
 
-def cmd_mix(args) -> None:
-    """filter (opt-in) -> exact/near dedup -> repeated spans -> token counts -> sample."""
-    t0 = time.perf_counter()
-    loaded = _load(args)
-    docs = quality_filter(flatten(loaded), args)[0] if args.filter else flatten(loaded)
-    if args.dedup != "none":
-        exact, near, _ = duplicate_clusters(docs, args)
-        docs = drop_all_but_one(docs, near if args.dedup == "near" else exact)[0]
-    if args.spans != "none":
-        docs = dedup_spans(docs, args.spans, args.min_span_chars)[0]
-    by_domain = {name: [d for d in docs if d.domain == name] for name in loaded}
-    enc = union_tokenizer(by_domain, args.vocab_size)
-    doc_tokens = {name: list(map(len, encode_docs(enc, ds))) for name, ds in by_domain.items()}
-    tokens = {name: sum(v) for name, v in doc_tokens.items()}
-    # --weights wins; without it, temperature sampling over the domains' token counts
-    # (a built-in domain that loaded nothing, e.g. --arith-docs 0, is empty, not unknown)
-    names = set(loaded) | set(BUILTIN_DOMAINS)
-    weights = parse_weights(args.weights, names) if args.weights else temperature_weights(tokens, args.temperature)
-    total = args.tokens or largest_unrepeated(tokens, weights)
-    mix = sample_mixture(doc_tokens, weights, total, args.seed)
-    taken = sum(m["tokens"] for m in mix.values())
-    print(f"{'domain':<10}{'weight':>8}{'available':>11}{'taken':>10}{'share':>8}{'epochs':>8}")
-    for name, m in mix.items():
-        print(f"{name:<10}{weights[name]:8.3f}{m['available']:>11,}{m['tokens']:>10,}"
-              f"{m['tokens'] / taken:8.3f}{m['epochs']:8.2f}")
-        if m["tokens"] - weights[name] * total > 0.05 * taken:  # whole documents overshoot
-            print(f"  note: {name}'s documents (up to {m['largest_doc']:,} tokens) are big next to "
-                  f"its quota; a larger --tokens brings every share closer to its weight")
-        if m["epochs"] > 4:  # Muennighoff et al. 2023: repeated data loses value past ~4 epochs
-            print(f"  note: {name} is repeated {m['epochs']:.1f} times; past ~4 epochs repeats are worth little")
-    chosen = [by_domain[name][i] for name, m in mix.items() for i in m["docs"]]
-    manifest = {"weights": weights, "tokens": taken, "documents": len(chosen), "seed": args.seed,
-                "tokenizer": f"curate.union_tokenizer, vocab {args.vocab_size}", "filter": args.filter,
-                "dedup": args.dedup, "spans": args.spans,
-                "domains": {n: {**{k: v for k, v in m.items() if k != "docs"}, "documents": len(m["docs"])}
-                            for n, m in mix.items()}}
-    path = write_mixture(chosen, manifest, args.out_dir, args.seed)
-    print(f"wrote {path} ({len(chosen)} documents, {taken:,} tokens) and mix.json in "
-          f"{time.perf_counter() - t0:.1f} s\ntrain on it: python train.py --data {path}")
-
-
-def add_flags(p: argparse.ArgumentParser, max_bytes: int, lsh=True, rules=False, pipeline=False) -> None:
+def add_flags(p: argparse.ArgumentParser, max_bytes: int, lsh=True, rules=False,
+              pipeline=False) -> None:
     p.add_argument("--data", default=None,
                    help="a folder of text files: one more domain, named after it "
                         "(not given: the built-in domains only)")
@@ -725,53 +641,74 @@ def add_flags(p: argparse.ArgumentParser, max_bytes: int, lsh=True, rules=False,
     p.add_argument("--out-dir", default=OUT_DIR, help="where mix.txt, mix.json, sweep.json go")
     if lsh:
         p.add_argument("--shingle", type=int, default=5, help="words per shingle (FineWeb: 5)")
-        p.add_argument("--permutations", type=int, default=112, help="MinHash hashes (FineWeb: 112)")
+        p.add_argument("--permutations", type=int, default=112,
+                       help="MinHash hashes (FineWeb: 112)")
         p.add_argument("--bands", type=int, default=14, help="LSH bands (FineWeb: 14)")
         p.add_argument("--rows", type=int, default=8, help="hashes per band (FineWeb: 8)")
-        p.add_argument("--min-span-chars", type=int, default=200, help="shortest repeated line/paragraph removed")
+        p.add_argument("--min-span-chars", type=int, default=200,
+                       help="shortest repeated line/paragraph removed")
     if rules:
         for r in RULES:
             p.add_argument(f"--{r.name.replace('_', '-')}", type=float, default=r.default,
                            help=r.source.replace("%", "%%"))  # argparse formats help with %
-        p.add_argument("--skip-rules", default="max_curly", help="rules to turn off, comma-separated")
+        p.add_argument("--skip-rules", default="max_curly",
+                       help="rules to turn off, comma-separated")
         p.add_argument("--exempt", default="arith", help="domains the rules do not touch")
     if pipeline:
-        p.add_argument("--filter", action="store_true", help="apply the quality rules (written for web "
-                       "prose they remove about half of the code: see `filter`)")
+        p.add_argument("--filter", action="store_true",
+                       help="apply the quality rules (written for web "
+                            "prose they remove about half of the code: see `filter`)")
         p.add_argument("--dedup", default="near", choices=["none", "exact", "near"],
                        help="drop copies: none, exact (normalized hash) or near (+ MinHash/LSH)")
         p.add_argument("--spans", default="none", choices=["none", "paragraph", "line"],
                        help="also drop repeated paragraphs/lines")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    fmt = HelpFormatter
-    p = ArgumentParser(description="Curate the corpus: domains, dedup, filters, mixtures.",
-                                formatter_class=fmt)
-    sub = p.add_subparsers(dest="mode", required=True)
-    add_flags(sub.add_parser("stats", help="documents, bytes, tokens; dups; rules", formatter_class=fmt),
-              0, rules=True)
-    q = sub.add_parser("dedup", help="exact + MinHash/LSH near-duplicates, S-curve", formatter_class=fmt)
-    add_flags(q, 0)
-    add_flags(sub.add_parser("filter", help="quality rules: removals and examples", formatter_class=fmt),
-              0, lsh=False, rules=True)
-    q = sub.add_parser("mix", help="write a mixture train.py --data can read", formatter_class=fmt)
-    add_flags(q, 0, rules=True, pipeline=True)
-    q.add_argument("--weights", default="", help="domain=weight,... (empty = --temperature over sizes)")
-    q.add_argument("--temperature", type=float, default=1.0, help="p_d ∝ tokens_d^(1/T) without --weights")
-    q.add_argument("--tokens", type=int, default=0, help="mixture size (0 = largest with no domain repeated)")
-    q.add_argument("--vocab-size", type=int, default=data.DEFAULT_VOCAB_SIZE, help="BPE used to count tokens")
-    q = sub.add_parser("sweep", help="train on several mixtures; val loss per domain", formatter_class=fmt)
-    add_flags(q, 0, rules=True)
-    q.add_argument("--subset", type=float, default=0.1, help="share of each domain's clusters used")
+def add_mix_flags(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--weights", default="",
+                   help="domain=weight,... (empty = --temperature over sizes)")
+    q.add_argument("--temperature", type=float, default=1.0,
+                   help="p_d ∝ tokens_d^(1/T) without --weights")
+    q.add_argument("--tokens", type=int, default=0,
+                   help="mixture size (0 = largest with no domain repeated)")
+    q.add_argument("--vocab-size", type=int, default=data.DEFAULT_VOCAB_SIZE,
+                   help="BPE used to count tokens")
+
+
+def add_sweep_flags(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--subset", type=float, default=0.1,
+                   help="share of each domain's clusters used")
     q.add_argument("--mixtures", default="natural;uniform;lib=0.5,tests=0.2,prose=0.2,arith=0.1",
                    help="';'-separated: natural, uniform, T=<temperature> or domain=weight,...")
-    q.add_argument("--preset", default="tiny", help="model.py preset (its vocab sizes the tokenizer)")
+    q.add_argument("--preset", default="tiny",
+                   help="model.py preset (its vocab sizes the tokenizer)")
     q.add_argument("--steps", type=int, default=1500, help="optimizer steps per run")
-    q.add_argument("--batch-size", type=int, default=16, help="sequences of block_size tokens per step")
+    q.add_argument("--batch-size", type=int, default=16,
+                   help="sequences of block_size tokens per step")
     q.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
     q.add_argument("--val-fraction", type=float, default=0.1, help="share of clusters held out")
     q.add_argument("--eval-tokens", type=int, default=16384, help="tokens scored per domain")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    fmt = HelpFormatter
+    p = ArgumentParser(description="Curate the corpus: domains, dedup, filters, mixtures.",
+                       formatter_class=fmt)
+    sub = p.add_subparsers(dest="mode", required=True)
+    q = sub.add_parser("stats", help="documents, bytes, tokens; dups; rules", formatter_class=fmt)
+    add_flags(q, 0, rules=True)
+    q = sub.add_parser("dedup", help="exact + MinHash/LSH near-duplicates, S-curve",
+                       formatter_class=fmt)
+    add_flags(q, 0)
+    q = sub.add_parser("filter", help="quality rules: removals and examples", formatter_class=fmt)
+    add_flags(q, 0, lsh=False, rules=True)
+    q = sub.add_parser("mix", help="write a mixture train.py --data can read", formatter_class=fmt)
+    add_flags(q, 0, rules=True, pipeline=True)
+    add_mix_flags(q)
+    q = sub.add_parser("sweep", help="train on several mixtures; val loss per domain",
+                       formatter_class=fmt)
+    add_flags(q, 0, rules=True)
+    add_sweep_flags(q)
     return p.parse_args(argv)
 
 
@@ -787,18 +724,23 @@ def check_args(args) -> None:
         if hasattr(args, name) and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if getattr(args, "tokens", 0) < 0:
-        raise UserError(f"--tokens must be >= 0 (0 = the largest mixture with no repeats), got {args.tokens}")
+        raise UserError(f"--tokens must be >= 0 (0 = the largest mixture with no repeats), "
+                        f"got {args.tokens}")
     for name in ("subset", "val_fraction"):
         if hasattr(args, name) and not 0 < getattr(args, name) <= 1:
-            raise UserError(f"--{name.replace('_', '-')} must be in (0, 1], got {getattr(args, name)}")
+            raise UserError(f"--{name.replace('_', '-')} must be in (0, 1], "
+                            f"got {getattr(args, name)}")
 
 
 def check_weights(args) -> None:
     """Names and numbers of --weights before minutes of loading: unknown names are those
     that are neither built in nor the --data folder's."""
     if getattr(args, "weights", ""):
-        names = set(BUILTIN_DOMAINS) | ({os.path.basename(os.path.normpath(args.data))} if args.data else set())
-        parse_weights(args.weights, names)
+        names = set(BUILTIN_DOMAINS)
+        if args.data:
+            names.add(os.path.basename(os.path.normpath(args.data)))
+        import curate_mix  # see cmd_mix: the mixture's file imports this one
+        curate_mix.parse_weights(args.weights, names)
 
 
 def main(argv=None) -> None:
@@ -806,7 +748,9 @@ def main(argv=None) -> None:
     check_args(args)
     check_weights(args)
     torch.set_num_threads(args.threads)
-    {"stats": cmd_stats, "dedup": cmd_dedup, "filter": cmd_filter, "mix": cmd_mix, "sweep": sweep}[args.mode](args)
+    modes = {"stats": cmd_stats, "dedup": cmd_dedup, "filter": cmd_filter, "mix": cmd_mix,
+             "sweep": sweep}
+    modes[args.mode](args)
 
 
 if __name__ == "__main__":

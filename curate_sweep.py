@@ -2,12 +2,13 @@
 curate_sweep.py -- what curation does to what the model learns: `python curate.py sweep`.
 
 Split out of curate.py by concept: curate.py decides what goes into the corpus (domains,
-dedup, quality rules, the mixture sampler); this file trains the tiny model briefly on
-several mixtures, and on deduplicated vs raw data, at the same token budget, and reports
-the validation loss PER DOMAIN (nats/token and bits/byte, one tokenizer for every run) --
-the table that shows mixing is a trade-off (what one domain gains, another loses) and what
-duplicates cost (the loss of repeated documents falls: memorised, not learnt). A second
-seed of the same run is the noise floor every difference is read against.
+dedup, quality rules) and curate_mix.py in what proportions; this file trains the tiny
+model briefly on several mixtures, and on deduplicated vs raw data, at the same token
+budget, and reports the validation loss PER DOMAIN (nats/token and bits/byte, one
+tokenizer for every run) -- the table that shows mixing is a trade-off (what one domain
+gains, another loses) and what duplicates cost (the loss of repeated documents falls:
+memorised, not learnt). A second seed of the same run is the noise floor every
+difference is read against.
 
 The training loop here is ~30 lines of plain AdamW on purpose: train.py reads one corpus
 file and carries data parallelism and checkpoints that a sweep of short runs does not need.
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import curate
+import curate_mix
 import data
 from model import GPT, get_config
 from plumbing import UserError, seed_everything
@@ -104,18 +106,23 @@ def eval_loss(model: GPT, token_lists: list[list[int]], byte_len: np.ndarray, eo
     Σ nats / ln 2 / Σ bytes: comparable across tokenizers."""
     seq = model.config.block_size
     per_doc = max(seq + 1, max_tokens // max(len(token_lists), 1))
-    stream = token_stream([t[:per_doc] for t in token_lists], eot)[: max_tokens + 1].astype(np.int64)
+    stream = token_stream([t[:per_doc] for t in token_lists], eot)
+    stream = stream[: max_tokens + 1].astype(np.int64)
     n = (len(stream) - 1) // seq
     if n == 0:  # e.g. no repeated documents in this subset
         return float("nan"), float("nan")
     x = torch.from_numpy(stream[: n * seq].reshape(n, seq))
     y = torch.from_numpy(stream[1: n * seq + 1].reshape(n, seq))
     y = torch.where(y == eot, -1, y)
-    nats, tokens, nbytes = 0.0, 0, 0
+    nats = 0.0
+    tokens = 0
+    nbytes = 0
     for start in range(0, n, 64):
         logits, _ = model(x[start:start + 64])
         yy = y[start:start + 64]
-        nats += F.cross_entropy(logits.flatten(0, 1), yy.flatten(), ignore_index=-1, reduction="sum").item()
+        loss = F.cross_entropy(logits.flatten(0, 1), yy.flatten(), ignore_index=-1,
+                               reduction="sum")
+        nats += loss.item()
         valid = yy[yy >= 0].numpy()
         tokens += len(valid)
         nbytes += int(byte_len[valid].sum())
@@ -127,7 +134,7 @@ def sweep_runs(tokens: dict, args) -> list[tuple[str, str, dict]]:
     counts; the raw and filtered runs use those same weights, so only the documents
     inside each domain differ. The last run repeats 'natural' with another seed (init,
     sampling, order): differences smaller than its distance to 'natural' are noise."""
-    natural = curate.temperature_weights(tokens["dedup"], 1.0)
+    natural = curate_mix.temperature_weights(tokens["dedup"], 1.0)
     runs = []
     for spec in [s.strip() for s in args.mixtures.split(";") if s.strip()]:
         if spec == "natural":
@@ -139,9 +146,10 @@ def sweep_runs(tokens: dict, args) -> list[tuple[str, str, dict]]:
                 temperature = float(spec[2:])
             except ValueError:
                 raise UserError(f"--mixtures: {spec!r} is not T=<number>") from None
-            runs.append((spec, "dedup", curate.temperature_weights(tokens["dedup"], temperature)))
+            weights = curate_mix.temperature_weights(tokens["dedup"], temperature)
+            runs.append((spec, "dedup", weights))
         else:
-            runs.append((spec, "dedup", curate.parse_weights(spec, tokens["dedup"])))
+            runs.append((spec, "dedup", curate_mix.parse_weights(spec, tokens["dedup"])))
     runs.append(("natural, raw (not dedup'd)", "raw", natural))
     runs.append(("natural, dedup'd + quality rules", "filtered", natural))
     runs.append(("natural, seed + 1 (the noise)", "dedup", natural))
@@ -158,28 +166,36 @@ def prepare_sweep(args, cfg) -> dict:
     by_domain = defaultdict(list)
     for d in split["dedup"]:
         by_domain[d.domain].append(d)
-    enc = curate.union_tokenizer(by_domain, cfg.vocab_size)
-    ids = {name: curate.encode_docs(enc, split[name]) for name in split}
+    enc = curate_mix.union_tokenizer(by_domain, cfg.vocab_size)
+    ids = {name: curate_mix.encode_docs(enc, split[name]) for name in split}
     per_domain = {}
     for name in ("raw", "dedup", "filtered"):
         per_domain[name] = defaultdict(list)
         for d, t in zip(split[name], ids[name]):
             per_domain[name][d.domain].append(t)
+    tokens = {}
+    for n in per_domain:
+        tokens[n] = {d: sum(map(len, v)) for d, v in per_domain[n].items()}
     return {"enc": enc, "split": split, "ids": ids, "per_domain": per_domain,
-            "tokens": {n: {d: sum(map(len, v)) for d, v in per_domain[n].items()} for n in per_domain},
-            "domains": sorted(by_domain)}
+            "tokens": tokens, "domains": sorted(by_domain)}
 
 
 def sweep(args) -> dict:
     t0 = time.perf_counter()
     cfg = get_config(args.preset)
     prep = prepare_sweep(args, cfg)
-    enc, split, ids, domains = prep["enc"], prep["split"], prep["ids"], prep["domains"]
+    enc = prep["enc"]
+    split = prep["split"]
+    ids = prep["ids"]
+    domains = prep["domains"]
     eot = enc.encode_single_token(data.EOT)
-    byte_len = np.array([0 if t == eot else len(enc.decode_single_token_bytes(t)) for t in range(enc.n_vocab)])
+    # bytes per token id, for bits/byte; the separator is not text
+    byte_len = np.array([0 if t == eot else len(enc.decode_single_token_bytes(t))
+                         for t in range(enc.n_vocab)])
     tokens = prep["tokens"]
     print(f"sweep: {len(domains)} domains, train tokens {sum(tokens['raw'].values()):,} raw / "
-          f"{sum(tokens['dedup'].values()):,} dedup'd / {sum(tokens['filtered'].values()):,} filtered, "
+          f"{sum(tokens['dedup'].values()):,} dedup'd / "
+          f"{sum(tokens['filtered'].values()):,} filtered, "
           f"{len(split['val'])} val and {len(split['repeated'])} repeated train documents; "
           f"prepared in {time.perf_counter() - t0:.0f} s", flush=True)
     budget = args.steps * args.batch_size * cfg.block_size
@@ -188,7 +204,8 @@ def sweep(args) -> dict:
         t1 = time.perf_counter()
         pool = prep["per_domain"][which]
         seed = args.seed + 1 if "seed + 1" in label else args.seed
-        mix = curate.sample_mixture({d: list(map(len, v)) for d, v in pool.items()}, weights, budget, seed)
+        doc_tokens = {d: list(map(len, v)) for d, v in pool.items()}
+        mix = curate_mix.sample_mixture(doc_tokens, weights, budget, seed)
         picked = [pool[d][i] for d, m in mix.items() for i in m["docs"]]
         order = np.random.default_rng([seed, 7]).permutation(len(picked))
         model = train_on(token_stream([picked[i] for i in order], eot), cfg, args, seed).eval()
@@ -225,7 +242,8 @@ def print_sweep(report: dict) -> None:
     print("training share (epochs) per domain")
     print(f"{'run':<38}" + "".join(f"{d:>13}" for d in domains))
     for r in report["runs"]:
-        cells = "".join(f"{r['weights'].get(d, 0):7.2f} ({r['epochs'].get(d, 0):3.1f})" for d in domains)
+        cells = "".join(f"{r['weights'].get(d, 0):7.2f} ({r['epochs'].get(d, 0):3.1f})"
+                        for d in domains)
         print(f"{r['run'][:38]:<38}{cells}")
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import curate
+import curate_mix
 import curate_sweep
 import data
 from harness import run_python
@@ -264,8 +265,8 @@ def test_mixture_hits_token_shares_within_one_document():
     rng = np.random.default_rng(6)
     doc_tokens = {"big": list(rng.integers(50, 400, size=500)), "mid": list(rng.integers(20, 300, size=100)),
                   "tiny": list(rng.integers(10, 60, size=8))}
-    weights = curate.parse_weights("big=5,mid=3,tiny=2", doc_tokens)
-    mix = curate.sample_mixture(doc_tokens, weights, 60_000, seed=1)
+    weights = curate_mix.parse_weights("big=5,mid=3,tiny=2", doc_tokens)
+    mix = curate_mix.sample_mixture(doc_tokens, weights, 60_000, seed=1)
     total = sum(m["tokens"] for m in mix.values())
     longest = max(max(v) for v in doc_tokens.values())
     for name, m in mix.items():
@@ -275,16 +276,16 @@ def test_mixture_hits_token_shares_within_one_document():
         counts = np.bincount(m["docs"], minlength=len(doc_tokens[name]))
         assert counts.max() - counts.min() <= 1  # epochs: every document once per pass
     assert mix["tiny"]["epochs"] > 10 and mix["big"]["epochs"] < 1  # upsampled vs subsampled
-    assert curate.sample_mixture(doc_tokens, weights, 60_000, seed=1) == mix
-    assert curate.sample_mixture(doc_tokens, weights, 60_000, seed=2)["big"]["docs"] != mix["big"]["docs"]
+    assert curate_mix.sample_mixture(doc_tokens, weights, 60_000, seed=1) == mix
+    assert curate_mix.sample_mixture(doc_tokens, weights, 60_000, seed=2)["big"]["docs"] != mix["big"]["docs"]
 
 
 def test_temperature_weights():
     tokens = {"a": 900, "b": 100}
-    assert curate.temperature_weights(tokens, 1.0) == pytest.approx({"a": 0.9, "b": 0.1})
-    assert curate.temperature_weights(tokens, 2.0) == pytest.approx({"a": 0.75, "b": 0.25})  # √900 : √100
-    assert curate.temperature_weights(tokens, 1e9)["b"] == pytest.approx(0.5)
-    assert curate.largest_unrepeated(tokens, {"a": 0.5, "b": 0.5}) == 200
+    assert curate_mix.temperature_weights(tokens, 1.0) == pytest.approx({"a": 0.9, "b": 0.1})
+    assert curate_mix.temperature_weights(tokens, 2.0) == pytest.approx({"a": 0.75, "b": 0.25})  # √900 : √100
+    assert curate_mix.temperature_weights(tokens, 1e9)["b"] == pytest.approx(0.5)
+    assert curate_mix.largest_unrepeated(tokens, {"a": 0.5, "b": 0.5}) == 200
 
 
 @pytest.mark.parametrize("spec, message", [("lib=0,tests=0", "positive"), ("lib=-1,tests=1", ">= 0"),
@@ -292,12 +293,12 @@ def test_temperature_weights():
                                            ("lib=x", "not a number")])
 def test_bad_weights(spec, message):
     with pytest.raises(UserError, match=message):
-        curate.parse_weights(spec, {"lib": 1, "tests": 1})
+        curate_mix.parse_weights(spec, {"lib": 1, "tests": 1})
 
 
 def test_empty_domain_is_an_error():
     with pytest.raises(UserError, match="empty"):
-        curate.sample_mixture({"lib": [10], "tests": []}, {"lib": 0.5, "tests": 0.5}, 100, seed=0)
+        curate_mix.sample_mixture({"lib": [10], "tests": []}, {"lib": 0.5, "tests": 0.5}, 100, seed=0)
 
 
 @pytest.mark.parametrize("argv, message", [
