@@ -24,7 +24,7 @@ What it teaches:
 What it saves and what it costs (L layers, d_h head size, n_kv GQA key/value heads):
   - KV bytes per token: (d_c + d_R)·L·bytes, against 2·n_kv·d_h·L·bytes for GQA/MHA.
     DeepSeek-V2's choice d_c = 4·d_h, d_R = d_h/2 caches 4.5·d_h per layer: GQA with 2.25
-    groups, while every head keeps its own key and value (`python mla.py` measures it).
+    KV heads, while every head keeps its own key and value (`python mla.py` measures it).
   - Unabsorbed decode with a latent cache pays the up-projection of EVERY cached token at
     EVERY step: T·d_c·H·(d_nope + d_v) multiply-adds per layer, growing with the context.
     Absorbed decode pays per query H·d_nope·d_c (fold W_UK) + H·d_c·d_v (W_UV after), and
@@ -32,6 +32,11 @@ What it saves and what it costs (L layers, d_h head size, n_kv GQA key/value hea
     cached token traded for FLOPs per query. Prefill and training are the other way
     round (many queries, each attending at width d_c + d_R instead of d_nope + d_R), so
     training runs unabsorbed.
+  - Even absorbed, a cached token costs H·(2·d_c + d_R) multiply-adds against GQA's
+    H·2·d_h: 4.25x more at DeepSeek's proportions, for about the same bytes read. MLA
+    raises decode's arithmetic intensity; it pays off where decode is bound by memory
+    bandwidth and capacity (GPUs, long contexts, big batches), not on a compute-bound
+    CPU at nano width, where `python mla.py` measures it slower than GQA.
   - Sacrificed: keys and values are rank-d_c; one rotary key for all heads; two more
     matrices (down- and up-projection) per layer; the absorbed attention is wider per
     head than d_h, and int8 KV quantization now rounds the latent, not the keys.
@@ -86,7 +91,8 @@ def mla_dims(cfg):
 
 class LatentAttention(nn.Module):
     """MLA with DeepSeek-V3's names. Weights (H heads):
-      wq (n_embd → H·(d_nope+d_R)), or wq_a (n_embd → q_lora_rank), q_norm, wq_b (→ H·(d_nope+d_R));
+      wq (n_embd → H·(d_nope+d_R)), or wq_a (n_embd → q_lora_rank), q_norm and
+        wq_b (→ H·(d_nope+d_R));
         per head the rows are [q_C (d_nope) | q_R (d_R)];
       wkv_a (n_embd → d_c + d_R): [the latent before kv_norm | the shared rotary key];
       kv_norm (RMSNorm of the latent);
@@ -122,7 +128,9 @@ class LatentAttention(nn.Module):
         self.wo = nn.Linear(self.n_head * d["d_v"], cfg.n_embd, bias=False)
         # DeepSeek's softmax scale: 1/√(d_nope + d_R), the width of the unabsorbed q·k
         self.scale = 1.0 / math.sqrt(qk_dim)
-        self.attn_fn = ATTENTION_FUNCTIONS[cfg.attn]    # the replaceable part (as Attention)
+        # the replaceable part (as Attention); one_kv_head_as_rows only changes how the
+        # absorbed path's single KV head is computed, not what
+        self.attn_fn = one_kv_head_as_rows(ATTENTION_FUNCTIONS[cfg.attn])
         self.absorb = None                              # the path seam: see the header
 
     @property
@@ -198,6 +206,27 @@ class LatentAttention(nn.Module):
         return self.attn_fn(q, torch.cat([c, k_rope], dim=-1), c, mask)
 
 
+def one_kv_head_as_rows(attn_fn):
+    """attn_fn, but with a single KV head (the absorbed path) the H query heads become
+    H·Tq query rows of one head: they all attend to the same keys and values, so this is
+    the same attention, and the kernel reads each cached latent once instead of once per
+    head (FlashMLA lays MLA decode out the same way; torch's sdpa with enable_gqa copies
+    the keys H times on the CPU instead). Other shapes pass through unchanged."""
+    def attention(q, k, v, mask=None):
+        B, H, Tq, D = q.shape
+        Tk = k.shape[2]
+        if k.shape[1] != 1 or H == 1:
+            return attn_fn(q, k, v, mask)
+        if mask is None:                   # causal: query i sees keys 0 .. i + Tk - Tq
+            mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+        while mask.dim() < 4:              # broadcastable to (B, H, Tq, Tk) -> 4-D
+            mask = mask[None]
+        rows = mask.expand(mask.shape[0], H, Tq, Tk).reshape(mask.shape[0], 1, H * Tq, Tk)
+        out = attn_fn(q.reshape(B, 1, H * Tq, D), k, v, rows)
+        return out.view(B, H, Tq, -1)
+    return attention
+
+
 def set_absorb(model, absorb):
     """Choose the path on every MLA layer: True, False, or None (absorbed with a cache)."""
     for layer in model.layers:
@@ -233,12 +262,15 @@ def bench_configs(args):
     d_c = 4·d_h, d_R = d_h/2."""
     base = get_config(args.preset)
     d_h = base.head_dim
+    # a longer context than the preset's only lengthens the RoPE table (random weights)
+    block = max(base.block_size, args.context + args.new_tokens)
     return {
-        "MHA": get_config(args.preset, n_kv_head=base.n_head),
-        f"GQA {args.gqa_kv_heads} kv heads": get_config(args.preset, n_kv_head=args.gqa_kv_heads),
+        "MHA": get_config(args.preset, n_kv_head=base.n_head, block_size=block),
+        f"GQA {args.gqa_kv_heads} kv heads": get_config(args.preset, block_size=block,
+                                                        n_kv_head=args.gqa_kv_heads),
         "MLA": get_config(args.preset, kv_lora_rank=args.kv_lora_rank or 4 * d_h,
                           qk_rope_head_dim=args.rope_dim or d_h // 2,
-                          q_lora_rank=args.q_lora_rank),
+                          q_lora_rank=args.q_lora_rank, block_size=block),
     }
 
 
@@ -275,14 +307,32 @@ def decode_seconds(model, prompt, new_tokens):
     return timer.seconds / new_tokens, torch.cat(tokens, dim=1)
 
 
+def macs_per_cached_token(cfg, absorb=None):
+    """Multiply-adds one decoded query spends per cached token per layer: scores plus
+    weighted sum, H·(d_k + d_v) -- GQA/MHA H·2·d_h; absorbed MLA H·(d_c + d_R + d_c);
+    unabsorbed MLA also up-projects the token's latent, d_c·H·(d_nope + d_v)."""
+    H = cfg.n_head
+    if not cfg.mla:
+        return H * 2 * cfg.head_dim
+    d = mla_dims(cfg)
+    if absorb:
+        return H * (2 * d["d_c"] + d["d_rope"])
+    return d["d_c"] * H * (d["d_nope"] + d["d_v"]) + H * (d["d_nope"] + d["d_rope"] + d["d_v"])
+
+
 def print_decode_table(configs, args, device):
-    """Decode time per token, best of `repeats` runs, the runs of all rows alternated."""
-    runs = {}
+    """Decode time per step, best of `repeats` runs, the runs of all rows alternated; next
+    to it what one step does per cached token and layer: multiply-adds and KV bytes read
+    (their ratio: the arithmetic intensity that decides CPU vs bandwidth-bound GPU)."""
+    runs, costs = {}, {}
     for name, cfg in configs.items():
         paths = (("absorbed", True), ("unabsorbed", False)) if cfg.mla else (("", None),)
         for path, absorb in paths:           # the same weights (seed 0) on both MLA rows
             model = GPT(cfg, seed=0).to(device).eval()
-            runs[f"{name} {path}".strip()] = set_absorb(model, absorb) if cfg.mla else model
+            label = f"{name} {path}".strip()
+            runs[label] = set_absorb(model, absorb) if cfg.mla else model
+            costs[label] = (macs_per_cached_token(cfg, absorb),
+                            formula_bytes_per_token(cfg, 4) // cfg.n_layer)
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(configs["MHA"].vocab_size, (args.batch_size, args.context),
                            generator=gen).to(device)
@@ -294,13 +344,16 @@ def print_decode_table(configs, args, device):
                 best[label] = min(best[label], seconds)
     same = torch.equal(outs["MLA absorbed"], outs["MLA unabsorbed"])
     ref = next(k for k in runs if k.startswith("GQA"))
-    print(f"\ndecode time per token on {device} ({args.threads} thread(s)), batch "
-          f"{args.batch_size}, {args.context} tokens of context, {args.new_tokens} new, "
-          f"best of {args.repeats}; MLA absorbed and unabsorbed decode the same tokens: "
-          f"{'yes' if same else 'NO'}")
-    print(f"{'path':<22}{'ms/token':>10}{'vs ' + ref:>22}")
+    print(f"\ndecode time per step (one token for each of {args.batch_size} sequence(s)) on "
+          f"{device}, {args.threads} thread(s), {args.context} tokens of context, "
+          f"{args.new_tokens} steps, best of {args.repeats}; MLA absorbed and unabsorbed "
+          f"decode the same tokens: {'yes' if same else 'NO'}")
+    print(f"{'path':<18}{'ms/step':>9}{'vs ' + ref:>20}{'MAC/cached tok/layer':>22}"
+          f"{'KV B read':>11}{'MAC/B':>7}")
     for label in runs:
-        print(f"{label:<22}{best[label] * 1e3:>10.2f}{best[label] / best[ref]:>21.2f}x")
+        macs, nbytes = costs[label]
+        print(f"{label:<18}{best[label] * 1e3:>9.2f}{best[label] / best[ref]:>19.2f}x"
+              f"{macs:>22,}{nbytes:>11,}{macs / nbytes:>7.1f}")
     return best, same
 
 
@@ -332,7 +385,9 @@ def parse_args(argv=None):
     p.add_argument("--q-lora-rank", type=int, default=0, help="0 = queries straight from x")
     p.add_argument("--gqa-kv-heads", type=int, default=2, help="the GQA row's kv heads")
     p.add_argument("--batch-size", type=int, default=1, help="sequences decoded together")
-    p.add_argument("--context", type=int, default=192, help="prompt tokens before decoding")
+    p.add_argument("--context", type=int, default=192,
+                   help="prompt tokens before decoding (past the preset's block size: the "
+                        "RoPE table grows)")
     p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (best kept)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -344,10 +399,6 @@ def parse_args(argv=None):
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
     if min(args.kv_lora_rank, args.rope_dim, args.q_lora_rank) < 0:
         raise UserError("--kv-lora-rank, --rope-dim and --q-lora-rank must be >= 0")
-    block = get_config(args.preset).block_size
-    if args.context + args.new_tokens > block:
-        raise UserError(f"--context + --new-tokens = {args.context + args.new_tokens} exceeds "
-                        f"the preset's context ({block})")
     return args
 
 

@@ -87,6 +87,24 @@ def test_absorbed_equals_unabsorbed_in_prefill_and_decode(kw):
     assert cache.v.shape[-1] == model.config.qk_rope_head_dim        # else, is cached
 
 
+@pytest.mark.parametrize("case", ["causal", "prefix_2d", "paged_4d"])
+def test_one_kv_head_as_rows_is_the_same_attention(case):
+    """The absorbed path's layout (H query heads as rows of one KV head) against the
+    model's explicit softmax with the KV head repeated per query head."""
+    from model import math_attention
+    g = torch.Generator().manual_seed(0)
+    Tq, Tk = (7, 7) if case == "causal" else (3, 10)
+    q, k, v = (torch.randn(2, 4, Tq, 6, generator=g), torch.randn(2, 1, Tk, 6, generator=g),
+               torch.randn(2, 1, Tk, 5, generator=g))
+    mask = {"causal": None,
+            "prefix_2d": torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq),
+            "paged_4d": torch.rand(2, 1, Tq, Tk, generator=g) < 0.7}[case]
+    if mask is not None:
+        mask[..., 0] = True                              # every query sees some key
+    fn = mla.one_kv_head_as_rows(math_attention)
+    torch.testing.assert_close(fn(q, k, v, mask), math_attention(q, k, v, mask))
+
+
 def test_generate_uses_the_latent_cache_and_matches_the_full_forward():
     model = mla_model()
     prompt = tokens(model.config, 1, 7)[0].tolist()
@@ -145,7 +163,8 @@ def test_cache_bytes_per_token_equal_the_formula(kw):
     assert PagedKVCache(cfg, 5, 4, kv_dtype="int8").bytes_per_token == (d_c + d_r + 8) * L
     assert mla.formula_bytes_per_token(cfg, 4) == (d_c + d_r) * L * 4
     gqa = get_config("tiny")
-    assert mla.formula_bytes_per_token(gqa, 4) == 2 * gqa.n_kv_head * gqa.head_dim * gqa.n_layer * 4
+    gqa_bytes = 2 * gqa.n_kv_head * gqa.head_dim * gqa.n_layer * 4
+    assert mla.formula_bytes_per_token(gqa, 4) == gqa_bytes
 
 
 def test_trains_gradients_reach_every_weight_and_the_loss_falls():
@@ -191,5 +210,5 @@ def test_cli_ledger_measures_what_the_formula_says(capsys):
     assert out["same_tokens"]
     assert set(out["decode"]) == {"MHA", "GQA 2 kv heads", "MLA absorbed", "MLA unabsorbed"}
     assert "GQA with 2.25 kv heads" in capsys.readouterr().out
-    with pytest.raises(UserError, match="--context"):
-        mla.main(["--preset", "tiny", "--context", "60", "--new-tokens", "10"])
+    with pytest.raises(UserError, match="--new-tokens"):
+        mla.main(["--preset", "tiny", "--new-tokens", "0"])

@@ -399,7 +399,8 @@ def test_qk_clip_mla_scales_head_specific_rows_never_the_shared_rope_key(q_lora_
     kv_rows = torch.cat([gamma.sqrt()[:, None].expand(4, n), torch.ones(4, dv)], 1)
     after = attn.state_dict()
     torch.testing.assert_close(after[qname], before[qname] * q_rows.reshape(-1, 1))
-    torch.testing.assert_close(after["wkv_b.weight"], before["wkv_b.weight"] * kv_rows.reshape(-1, 1))
+    torch.testing.assert_close(after["wkv_b.weight"],
+                               before["wkv_b.weight"] * kv_rows.reshape(-1, 1))
     torch.testing.assert_close(master[attn.wkv_b.weight], after["wkv_b.weight"].double())
     for name in before:
         if name not in (qname, "wkv_b.weight"):     # wkv_a: its rope rows above all
