@@ -16,11 +16,12 @@ What it teaches
   tokenized in aligned groups of at most three digits.
 - What it costs. Training: counting pairs once, then updating only the chunks a merge
   touches: seconds (printed by `python data.py`); recounting every pair before every
-  merge, like the reference in the tests, would take minutes (~0.07 s x 3839 merges). Vocab size V trades parameters for sequence length: embedding and
-  LM head hold V x d_model weights each and the softmax costs V per token, while a bigger
-  V packs more bytes into each token (bytes/token, printed), so the same context window
-  and the same attention FLOPs cover more text. Rare tokens, in exchange, are seen less
-  often in training.
+  merge, like the reference in the tests, would take minutes (~0.07 s x 3839 merges).
+  Vocab size V trades parameters for sequence length: embedding and LM head hold
+  V x d_model weights each and the softmax costs V per token, while a bigger V packs more
+  bytes into each token (bytes/token, printed), so the same context window and the same
+  attention FLOPs cover more text. Rare tokens, in exchange, are seen less often in
+  training.
 - Encoding is not ours: the learned ranks are handed to tiktoken (Rust, multithreaded),
   which runs the same pre-split and merges. Checkpoints carry the ranks
   (`encoding_to_state`), so any script rebuilds the exact tokenizer without the corpus.
@@ -201,7 +202,8 @@ def encoding_from_state(state: dict) -> tiktoken.Encoding:
 # sees the whole file or none. (Ranks may duplicate the work the very first time.)
 # ---------------------------------------------------------------------------------------
 def cache_dir() -> str:
-    d = os.environ.get("NANOSCALE_CACHE") or os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache")
+    beside_this_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache")
+    d = os.environ.get("NANOSCALE_CACHE") or beside_this_file
     os.makedirs(d, exist_ok=True)
     return d
 
@@ -236,7 +238,8 @@ def read_documents(data_path: str | None = None) -> tuple[str, list[str]]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise UserError(f"{data_path} is not UTF-8 text (bad byte at offset {e.start})") from None
+            raise UserError(f"{data_path} is not UTF-8 text "
+                            f"(bad byte at offset {e.start})") from None
         docs = [d for d in text.split(EOT) if d]
         name = os.path.splitext(os.path.basename(data_path))[0]
     if not any(d.strip() for d in docs):
@@ -305,7 +308,8 @@ def _read_tokenizer_cache(path: str) -> dict | None:
         return None
 
 
-def get_tokenizer(data_path: str | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE) -> tiktoken.Encoding:
+def get_tokenizer(data_path: str | None = None,
+                  vocab_size: int = DEFAULT_VOCAB_SIZE) -> tiktoken.Encoding:
     """The BPE for a corpus (built-in stdlib when data_path is None), trained once, cached."""
     _check_vocab_size(vocab_size)
     return _tokenizer_from_docs(read_documents(data_path)[1], vocab_size)[0]
@@ -332,7 +336,8 @@ def load_corpus(data_path: str | None = None, vocab_size: int = DEFAULT_VOCAB_SI
     name, docs = read_documents(data_path)
     enc, seconds = _tokenizer_from_docs(docs, vocab_size)
     n_bytes = sum(len(d.encode("utf-8")) for d in docs)
-    key = _hash(EOT.join(docs), enc.name, _hash(*sorted(enc._mergeable_ranks.items())), VAL_FRACTION)
+    ranks_key = _hash(*sorted(enc._mergeable_ranks.items()))
+    key = _hash(EOT.join(docs), enc.name, ranks_key, VAL_FRACTION)
     paths = [os.path.join(cache_dir(), f"tokens-{key}-{split}.bin") for split in ("train", "val")]
     if not all(os.path.exists(p) for p in paths):
         eot = enc.encode_single_token(EOT)
@@ -358,9 +363,11 @@ def load_corpus(data_path: str | None = None, vocab_size: int = DEFAULT_VOCAB_SI
 # rank draws different rows without any communication.
 # ---------------------------------------------------------------------------------------
 def get_batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int,
-              rank: int = 0, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+              rank: int = 0, device: str | torch.device = "cpu"):
+    """(x, y): batch_size rows of seq_len tokens and the same rows shifted by one."""
     if len(tokens) < seq_len + 1:
-        raise UserError(f"need at least seq_len + 1 = {seq_len + 1} tokens, the split has {len(tokens)}")
+        raise UserError(f"need at least seq_len + 1 = {seq_len + 1} tokens, "
+                        f"the split has {len(tokens)}")
     rng = np.random.default_rng([seed, step, rank])
     starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
     rows = np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int64)
@@ -399,21 +406,32 @@ def problem_split(prompt: str) -> str:
     return "test" if h % 1000 < TEST_FRACTION * 1000 else "train"
 
 
-def make_problems(n: int, seed: int, digits: int = 2, ops: str = "+-", split: str = "train") -> list[Problem]:
+def make_problems(n: int, seed: int, digits: int = 2, ops: str = "+-",
+                  split: str = "train") -> list[Problem]:
     """n problems of the split, operands with up to `digits` digits, drawn with
     replacement. For "-" the larger operand comes first, so answers are never negative."""
     if not ops or set(ops) - set("+-*") or digits < 1 or split not in ("train", "test"):
-        raise UserError(f"need ops from '+-*', digits >= 1, split train|test; got {ops!r}, {digits}, {split!r}")
-    rng, out = random.Random(seed), []
+        raise UserError(f"need ops from '+-*', digits >= 1, split train|test; "
+                        f"got {ops!r}, {digits}, {split!r}")
+    rng = random.Random(seed)
+    out = []
     for _ in range(1000 * (n + 10)):  # rejection sampling: keep the split's problems
         if len(out) == n:
             break
-        a, b, op = rng.randrange(10 ** digits), rng.randrange(10 ** digits), rng.choice(ops)
+        a = rng.randrange(10 ** digits)
+        b = rng.randrange(10 ** digits)
+        op = rng.choice(ops)
         if op == "-" and a < b:
             a, b = b, a
         prompt = f"{a}{op}{b}="
         if problem_split(prompt) == split:
-            out.append(Problem(prompt, str(a + b if op == "+" else a - b if op == "-" else a * b)))
+            if op == "+":
+                answer = a + b
+            elif op == "-":
+                answer = a - b
+            else:
+                answer = a * b
+            out.append(Problem(prompt, str(answer)))
     if len(out) < n:
         raise UserError(f"too few {split} problems with digits={digits}, ops={ops!r}")
     return out
@@ -449,17 +467,20 @@ def pack_answers(prompts: list, answers: list) -> tuple:
 
 def format_reward(completion: str) -> float:
     """1.0 if the completion is shaped right (digits, then the terminator), right or not."""
-    return 1.0 if TERMINATOR in completion and re.fullmatch(r"-?\d+", extract_answer(completion)) else 0.0
+    is_number = re.fullmatch(r"-?\d+", extract_answer(completion))
+    return 1.0 if TERMINATOR in completion and is_number else 0.0
 
 
 # ---------------------------------------------------------------------------------------
 def main(argv=None) -> None:
     p = ArgumentParser(description="Train/load the BPE tokenizer and corpus, or show the task.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("mode", nargs="?", default="corpus", choices=["corpus", "task"],
                    help="corpus: tokenizer + corpus stats; task: sample arithmetic problems")
-    p.add_argument("--data", default=None, help="UTF-8 text file; not given: the built-in Python stdlib corpus")
-    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="total vocab incl. <|endoftext|>")
+    p.add_argument("--data", default=None,
+                   help="UTF-8 text file; not given: the built-in Python stdlib corpus")
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
+                   help="total vocab incl. <|endoftext|>")
     p.add_argument("--n", type=int, default=8, help="task: problems to show")
     p.add_argument("--seed", type=int, default=0, help="task: problem seed")
     p.add_argument("--digits", type=int, default=2, help="task: max digits per operand")
@@ -468,16 +489,20 @@ def main(argv=None) -> None:
     if args.mode == "task":
         for split in ("train", "test"):  # test = the ~10% of prompts the hash holds out
             for prob in make_problems(args.n // 2, args.seed, args.digits, args.ops, split):
-                print(f"{split:5s} prompt {prob.prompt!r:10s} answer {prob.answer!r:7s} example {format_example(prob)!r}")
+                print(f"{split:5s} prompt {prob.prompt!r:10s} answer {prob.answer!r:7s} "
+                      f"example {format_example(prob)!r}")
         return
     t0 = time.perf_counter()
     c = load_corpus(args.data, args.vocab_size)
-    print(f"corpus     {c.name}: {c.n_docs} documents, {c.n_bytes / 1e6:.2f} MB  (loaded in {time.perf_counter() - t0:.1f} s)")
-    print(f"tokenizer  n_vocab {c.enc.n_vocab}, trained in {c.tokenizer_seconds:.1f} s (cached in {cache_dir()})")
+    print(f"corpus     {c.name}: {c.n_docs} documents, {c.n_bytes / 1e6:.2f} MB  "
+          f"(loaded in {time.perf_counter() - t0:.1f} s)")
+    print(f"tokenizer  n_vocab {c.enc.n_vocab}, trained in {c.tokenizer_seconds:.1f} s "
+          f"(cached in {cache_dir()})")
     print(f"tokens     train {len(c.train):,} | val {len(c.val):,}")
     print(f"bytes/tok  {c.bytes_per_token:.2f}  (raw bytes: 1.00)")
     loss = unigram_baseline_loss(c.train, c.val, c.enc.n_vocab)
-    print(f"unigram    val loss {loss:.3f} nats (uniform: ln {c.enc.n_vocab} = {math.log(c.enc.n_vocab):.3f})")
+    uniform = math.log(c.enc.n_vocab)
+    print(f"unigram    val loss {loss:.3f} nats (uniform: ln {c.enc.n_vocab} = {uniform:.3f})")
     sample = "    def __init__(self, name='Zoë'):  # 12345 emoji 🙂\n"
     pieces = [c.enc.decode_single_token_bytes(t) for t in c.enc.encode(sample)]
     print(f"sample     {len(sample.encode())} bytes -> {len(pieces)} tokens: "
