@@ -111,18 +111,20 @@ def recv(shape, dtype, src):
     return t
 
 
-def receive(engine, src):
+def receive(engine, take):
     """The receiving side of `encode`: -> (kind, request id, export_kv-style dict or None).
-    The payload is padded back to whole blocks (the tail slots are never read: they lie
-    past the sequence's length until the decode overwrites them)."""
-    header = recv((HEADER,), torch.int64, src).tolist()
+    take(shape, dtype) -> the next tensor off the wire (`recv` from the prefill rank; a
+    test hands the tensors of `encode` directly). The payload is padded back to whole
+    blocks (the tail slots are never read: they lie past the sequence's length until the
+    decode overwrites them)."""
+    header = take((HEADER,), torch.int64).tolist()
     kind, rid = header[0], header[1]
     if kind != KV:
         return kind, rid, None
     n_tokens, num_prompt, n, meta_len, gen_len, n_parts = header[2:]
-    tokens = recv((n_tokens,), torch.int64, src).tolist()
-    meta = json.loads(bytes(recv((meta_len,), torch.uint8, src).tolist()).decode())
-    gen = recv((gen_len,), torch.uint8, src) if gen_len else None
+    tokens = take((n_tokens,), torch.int64).tolist()
+    meta = json.loads(bytes(take((meta_len,), torch.uint8).tolist()).decode())
+    gen = take((gen_len,), torch.uint8) if gen_len else None
     parts = engine.cache.parts()
     if n_parts != len(parts):
         raise UserError(f"the prefill rank sends {n_parts} KV parts, this pool has "
@@ -131,7 +133,7 @@ def receive(engine, src):
     kv = {}
     for name, pool in parts.items():
         n_layer, heads, _, width = pool.shape
-        x = recv((n_layer, heads, n, width), pool.dtype, src)
+        x = take((n_layer, heads, n, width), pool.dtype)
         kv[name] = torch.cat([x, x.new_zeros(n_layer, heads, slots - n, width)], 2)
     exported = dict(tokens=tokens, num_prompt=num_prompt, num_computed=n, kv=kv,
                     generator=gen, **meta)
@@ -188,8 +190,10 @@ def prefill_loop(engine, reqs, t0, abort_prefilled=(), abort_sent=()):
 # loop) fills an inbox; the loop imports, aborts and decodes.
 
 def receiver(engine, inbox):
+    def take(shape, dtype):
+        return recv(shape, dtype, PREFILL)
     while True:
-        msg = receive(engine, PREFILL)
+        msg = receive(engine, take)
         inbox.put(msg)
         if msg[0] == DONE:
             return
@@ -281,9 +285,9 @@ def recv_results(src):
 
 def serve_disaggregated(rt, engine, reqs, abort_prefilled=(), abort_sent=()):
     """Both ranks call this. -> on rank 0: ({id: dict(out, times, arrival, kv_bytes,
-    meta_bytes)} for every request not aborted -- the first token from the prefill
-    rank, the rest from the decode rank --, the decode rank's pool state); on rank 1:
-    (None, the decode loop's stats)."""
+    meta_bytes)} for every request -- the first token from the prefill rank, the rest
+    from the decode rank; out None for an aborted one --, the decode rank's pool
+    state); on rank 1: (None, the decode loop's stats)."""
     check_roles(rt)
     comm.barrier()
     t0 = time.perf_counter()
@@ -292,11 +296,11 @@ def serve_disaggregated(rt, engine, reqs, abort_prefilled=(), abort_sent=()):
         decoded, pool = recv_results(DECODE)
         out = {}
         for rid, rec in pre.items():
-            if rec["finished"] or rid in decoded:
-                toks, ts, _ = decoded.get(rid, ([], [], None))
-                out[rid] = dict(out=[rec["first"]] + toks, times=[rec["t_first"]] + ts,
-                                arrival=rec["arrival"], kv_bytes=rec["kv_bytes"],
-                                meta_bytes=rec["meta_bytes"])
+            delivered = rec["finished"] or rid in decoded
+            toks, ts, _ = decoded.get(rid, ([], [], None))
+            out[rid] = dict(out=[rec["first"]] + toks if delivered else None,
+                            times=[rec["t_first"]] + ts, arrival=rec["arrival"],
+                            kv_bytes=rec["kv_bytes"], meta_bytes=rec["meta_bytes"])
         return out, pool
     inbox = queue.Queue()
     thread = threading.Thread(target=receiver, args=(engine, inbox), daemon=True)
