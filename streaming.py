@@ -218,10 +218,11 @@ def stream_losses(model, tokens, sinks, window, chunk=1):
 
 
 @torch.no_grad()
-def recompute_losses(model, tokens, context, batch=16):
+def recompute_losses(model, tokens, context, batch=16, bos=None):
     """The reference: position t's next-token loss from a fresh forward over
-    tokens[t-context+1 .. t], no cache kept between positions. The first `context`
-    positions share one causal forward (same numbers); after that, windows are batched."""
+    tokens[t-context+1 .. t], no cache kept between positions (bos: every window is
+    [bos] + the last context-1 tokens, as a model trained with one expects). The first
+    `context` positions share one causal forward (same numbers); then windows are batched."""
     device = model.output.weight.device
     tokens = tokens.to(device)
     n = len(tokens)
@@ -234,6 +235,8 @@ def recompute_losses(model, tokens, context, batch=16):
     for i in range(0, len(ends), batch):
         group = ends[i:i + batch]
         rows = torch.stack([tokens[t - context + 1:t + 1] for t in group])
+        if bos is not None:
+            rows[:, 0] = bos
         logits, _ = model(rows, logits_at=[-1])    # only the last position is scored
         losses.append(F.cross_entropy(logits[:, -1].float(), tokens[[t + 1 for t in group]],
                                       reduction="none"))
@@ -306,16 +309,21 @@ def sink_mass(model, tokens, first, windows=8):
 # ----------------------------------------------------------------------------------------
 # The model and the stream for the measurement
 
-def train_fresh(cfg, corpus, steps, seed, batch_size=16, lr=3e-3):
+def train_fresh(cfg, corpus, steps, seed, batch_size=16, lr=3e-3, bos=None):
     """A model of `cfg` trained for `steps` AdamW steps on the train split (random crops of
-    block_size tokens, as train.py), for a reader without a checkpoint."""
+    block_size tokens, as train.py), for a reader without a checkpoint. bos: a token id put
+    first in every training row (StreamingLLM §3.3 pre-trains with such a "sink token": the
+    same token at position 0 of every sample, an easy place to park unneeded attention)."""
     model = GPT(cfg, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     loss = torch.tensor(float("nan"))
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = warmup_cosine(step, steps, max(1, steps // 20), lr, lr / 10)
-        x, y = data.get_batch(corpus.train, batch_size, cfg.block_size, seed, step)
+        x, y = data.get_batch(corpus.train, batch_size, cfg.block_size - (bos is not None),
+                              seed, step)
+        if bos is not None:               # x = [bos, t0 .. t_T-2], y = [t0 .. t_T-1]
+            x, y = torch.cat([torch.full_like(x[:, :1], bos), x], 1), torch.cat([x[:, :1], y], 1)
         _, loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -326,7 +334,7 @@ def train_fresh(cfg, corpus, steps, seed, batch_size=16, lr=3e-3):
 def load_or_train(args):
     """-> (model, corpus, description). --checkpoint, else out/ckpt.pt if present, else (or
     with --checkpoint none) a fresh --preset model trained for --train-steps steps here
-    (0 = random init)."""
+    (0 = random init), with <|endoftext|> first in every training row if --bos."""
     path = args.checkpoint or (DEFAULT_CKPT if os.path.exists(DEFAULT_CKPT) else None)
     if path and path != "none":
         model, ckpt = load_model(path, args.device)
@@ -340,20 +348,25 @@ def load_or_train(args):
     cfg = get_config(args.preset)
     corpus = data.load_corpus(args.data, cfg.vocab_size)
     t0 = time.perf_counter()
-    model, loss = train_fresh(cfg, corpus, args.train_steps, args.seed)
+    bos = corpus.enc.encode_single_token(data.EOT) if args.bos else None
+    model, loss = train_fresh(cfg, corpus, args.train_steps, args.seed, bos=bos)
     what = (f"fresh {args.preset} model, random init (--train-steps 0)" if not args.train_steps
             else f"fresh {args.preset} model trained {args.train_steps} steps here "
-                 f"({time.perf_counter() - t0:.0f} s, last train loss {loss:.3f})")
+                 f"({time.perf_counter() - t0:.0f} s, last train loss {loss:.3f})"
+                 + (", every row starting with <|endoftext|>" if args.bos else ""))
     print(f"no checkpoint: {what}")
     return model.to(args.device), corpus, what
 
 
-def stream_tokens(corpus, n, offset):
-    """n consecutive tokens of the validation split (text the model never trained on)."""
-    if len(corpus.val) < offset + n:
+def stream_tokens(corpus, n, offset, bos=None):
+    """n consecutive tokens of the validation split (text the model never trained on);
+    with bos, that token and n-1 of them."""
+    take = n - (bos is not None)
+    if len(corpus.val) < offset + take:
         raise UserError(f"the validation split has {len(corpus.val)} tokens: --tokens {n} "
                         f"from --offset {offset} does not fit")
-    return torch.from_numpy(corpus.val[offset:offset + n].astype("int64"))
+    tokens = torch.from_numpy(corpus.val[offset:offset + take].astype("int64"))
+    return tokens if bos is None else torch.cat([torch.tensor([bos]), tokens])
 
 
 # ----------------------------------------------------------------------------------------
@@ -420,16 +433,21 @@ def run_measure(args):
     window = args.window if args.window is not None else cfg.block_size - args.sinks
     check_policy(cfg, args.sinks, window)
     capacity = args.sinks + window
-    tokens = stream_tokens(corpus, args.tokens, args.offset)
+    bos = corpus.enc.encode_single_token(data.EOT) if args.bos else None
+    tokens = stream_tokens(corpus, args.tokens, args.offset, bos)
     print(f"model: {what} (block_size {cfg.block_size}); stream: {args.tokens} val tokens "
           f"= {args.tokens / cfg.block_size:.1f}x the context; every policy attends to "
           f"{capacity} tokens")
-    runs = {f"dense recompute ({capacity})": lambda: recompute_losses(model, tokens, capacity,
-                                                                        args.batch_size),
+    # Same number of tokens attended for the first three; the fourth has the sinks' window
+    # without the sinks, so (sinks + window) - (window) is what keeping the sinks buys.
+    runs = {f"dense recompute ({capacity})": lambda: recompute_losses(
+                model, tokens, capacity, args.batch_size, bos),
             f"window ({capacity})": lambda: stream_losses(model, tokens, 0, capacity,
                                                           args.chunk),
             f"sinks {args.sinks} + window {window}": lambda: stream_losses(
                 model, tokens, args.sinks, window, args.chunk)}
+    if args.sinks:
+        runs[f"window ({window})"] = lambda: stream_losses(model, tokens, 0, window, args.chunk)
     first = max(1, args.sinks)
     mass, uniform = sink_mass(model, tokens, first)
     print(f"attention on the first {first} tokens of a window (queries from position "
@@ -465,6 +483,8 @@ def run_generate(args):
     model, corpus, what = load_or_train(args)
     window = args.window if args.window is not None else model.config.block_size - args.sinks
     prompt = corpus.enc.encode_ordinary(args.prompt)
+    if args.bos:
+        prompt = [corpus.enc.encode_single_token(data.EOT)] + prompt
     new, cache = stream_generate(model, prompt, args.new_tokens, args.sinks, window,
                                  args.temperature, args.top_k, args.seed)
     print(corpus.enc.decode(prompt + new))
@@ -487,6 +507,9 @@ def parse_args(argv=None):
     common.add_argument("--sinks", type=int, default=4, help="first tokens kept (StreamingLLM: 4)")
     common.add_argument("--window", type=int, default=None,
                         help="recent tokens kept (not given: block_size - sinks)")
+    common.add_argument("--bos", action="store_true", help="<|endoftext|> first in every "
+                        "training row of the fresh model, in the stream and in every "
+                        "recomputed window (a dedicated sink token, StreamingLLM §3.3)")
     common.add_argument("--seed", type=int, default=0, help="training and sampling seed")
     common.add_argument("--device", default="cpu", help="cpu or cuda")
     common.add_argument("--threads", type=int, default=1, help="torch CPU threads")

@@ -138,6 +138,13 @@ def test_dense_recompute_reference_is_a_fresh_forward_per_position():
             logits, _ = model(tokens[None, lo:t + 1])
             want = torch.nn.functional.cross_entropy(logits[0, -1], tokens[t + 1])
             torch.testing.assert_close(losses[t], want, atol=1e-5, rtol=0)
+    with_bos, _ = streaming.recompute_losses(model, tokens, 8, batch=4, bos=7)
+    torch.testing.assert_close(with_bos[:8], losses[:8])        # one shared first forward
+    with torch.no_grad():
+        row = torch.cat([torch.tensor([7]), tokens[14:21]])      # [bos] + 7 tokens up to 20
+        logits, _ = model(row[None])
+    want = torch.nn.functional.cross_entropy(logits[0, -1], tokens[21])
+    torch.testing.assert_close(with_bos[20], want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("sinks,window,match", [
@@ -181,14 +188,14 @@ def test_measure_cli_end_to_end(text_file, tmp_path):
     losses, stats = streaming.main(argv)
     names = list(losses)
     assert all(v.shape == (149,) for v in losses.values())
-    for name in names[1:]:       # nothing evicted in the first 32 positions: all agree
+    for name in names[1:3]:      # nothing evicted in the first 32 positions: all agree
         torch.testing.assert_close(losses[name][:32], losses[names[0]][:32], atol=1e-4,
                                    rtol=0)
         assert stats[name]["peak_tokens"] == 32
     saved = json.load(open(tmp_path / "measure.json"))
     assert saved["window"] == 30 and len(saved["losses"][names[2]]) == 149
     svg = open(os.path.join(tmp_path, "streaming_loss.svg")).read()
-    assert svg.count("<polyline") == 3
+    assert svg.count("<polyline") == 4          # + the window without its 2 sinks
 
 
 def test_sink_probe_matches_uniform_attention_of_an_untrained_model():
