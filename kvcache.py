@@ -28,11 +28,17 @@ Serving with PagedAttention" -- vLLM):
   - int8 KV quantization (per token and per KV head, symmetric absmax): 4·D bytes become
     D + 4 bytes per (token, head) -- about 3.5x less KV memory than fp32 at head_dim 32,
     paid for with a small, measured, error in attention.
+  - Blocks as the unit of moving KV: `read_blocks`/`write_blocks` copy whole blocks out
+    of and into the pool bit for bit (the payload a prefill engine sends a decode engine
+    in disaggregated serving), and a second tier (KVTier: host memory or a memmapped
+    file, as Mooncake's KV store) catches evicted prefix blocks so that a later hit
+    reloads 2·L·H_kv·D·bytes per token instead of recomputing a forward over them.
 
 What it costs: paging adds an indirection (block tables, a slot mapping per step, and, in
 this gather version, one copy of the context's K/V per layer per step that a fused kernel
 avoids); prefix caching adds hashing and bookkeeping and keeps dead blocks around until
-evicted; int8 adds quantize/dequantize work and error.
+evicted; int8 adds quantize/dequantize work and error; the tier adds a copy per eviction
+and per reload, and host memory or disk.
 """
 import argparse
 import hashlib
@@ -285,8 +291,8 @@ class KVTier:
     SSD, Qin et al. 2024; vLLM's CPU offload; SGLang's HiCache): `put` copies a block
     the pool is about to reuse into a slot here, named by its chain hash; a later prompt
     with that prefix `pop`s it back into a fresh pool block -- a copy of 2·L·H_kv·D·bytes
-    per token instead of a forward over the tokens. Exclusive of the pool (a block is
-    here or there: a prefix computed again discards its copy here), LRU when full (the oldest entry is dropped: recomputed if needed).
+    per token instead of a forward over the tokens. Exclusive of the pool (a prefix
+    computed again discards its copy here); LRU when full (the oldest entry is dropped).
 
     kind "host": CPU tensors (on a GPU machine, host DRAM behind PCIe); "file": a
     numpy.memmap of an unlinked temporary file in `directory` (an SSD tier; the OS page
@@ -301,75 +307,64 @@ class KVTier:
         if type(num_blocks) is not int or num_blocks < 1:
             raise UserError(f"the KV tier needs >= 1 blocks, got {num_blocks!r}")
         self.cache, self.kind, self.num_blocks = cache, kind, num_blocks
-        self.slot_of = OrderedDict()        # chain hash -> slot, least recently put first
-        self.tokens_of = {}                 # chain hash -> token ids (verifies hits)
+        self.entries = OrderedDict()        # chain hash -> (slot, token ids), oldest first
         self.free = deque(range(num_blocks))
-        self.shapes = {}                    # part -> (shape of one block, dtype)
-        for name, t in cache.parts().items():
-            self.shapes[name] = ((t.shape[0], t.shape[1], cache.block_size, t.shape[3]),
-                                 t.dtype)
-        self.file = self._open(directory) if kind == "file" else None
-        self.store = {}
-        for name, (shape, dtype) in self.shapes.items():
-            width = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            self.store[name] = self._bytes(name, num_blocks, width)
+        # part -> (shape of one block, dtype): what read_blocks([b]) gives and pop returns
+        self.shapes = {name: ((t.shape[0], t.shape[1], cache.block_size, t.shape[3]), t.dtype)
+                       for name, t in cache.parts().items()}
+        widths = {name: math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                  for name, (shape, dtype) in self.shapes.items()}
+        if kind == "host":
+            self.store = {name: torch.zeros(num_blocks, w, dtype=torch.uint8)
+                          for name, w in widths.items()}
+        else:
+            self.store = self._file_store(directory, widths)
         self.puts = self.reloads = self.drops = self.discards = 0
         self.bytes_in = self.bytes_out = 0
-        self.queries = self.hits = 0
 
-    @staticmethod
-    def _open(directory):
+    def _file_store(self, directory, widths):
+        """One unlinked temporary file in `directory` (gone when the process ends), one
+        memmap per part in it; torch.from_numpy shares the mapping: writes go to it."""
         if not directory:
             raise UserError("a file KV tier needs a directory (--kv-tier-dir)")
         try:
             os.makedirs(directory, exist_ok=True)
-            return tempfile.TemporaryFile(dir=directory, prefix="kv_tier-")
+            self.file = tempfile.TemporaryFile(dir=directory, prefix="kv_tier-")
+            store, offset = {}, 0
+            for name, w in widths.items():
+                mm = numpy.memmap(self.file, numpy.uint8, "w+", offset, (self.num_blocks, w))
+                store[name], offset = torch.from_numpy(mm), offset + self.num_blocks * w
+            return store
         except OSError as e:
             raise UserError(f"cannot create the KV tier in {directory!r}: "
                             f"{e.strerror or e}") from None
-
-    def _bytes(self, name, rows, width):
-        if self.file is None:
-            return torch.zeros(rows, width, dtype=torch.uint8)
-        offset = self.file.seek(0, os.SEEK_END)
-        try:
-            mm = numpy.memmap(self.file, numpy.uint8, "w+", offset, (rows, width))
-        except OSError as e:
-            raise UserError(f"cannot size the KV tier file to {rows * width} bytes: "
-                            f"{e.strerror or e}") from None
-        return torch.from_numpy(mm)          # shares the mapping: writes go to the file
 
     @property
     def nbytes(self):
         return sum(t.numel() for t in self.store.values())
 
     def hashes(self):
-        return set(self.slot_of)
+        return set(self.entries)
 
     def lookup(self, h, tokens):
-        self.queries += 1
-        found = h in self.slot_of and self.tokens_of[h] == tuple(tokens)
-        self.hits += found
-        return found
+        return h in self.entries and self.entries[h][1] == tuple(tokens)
 
     def put(self, h, tokens, block):
         """Copy pool block `block` (chain hash h) in; drop the oldest entry if full."""
         if not self.free:
-            old, slot = self.slot_of.popitem(last=False)
-            del self.tokens_of[old]
+            _, (slot, _) = self.entries.popitem(last=False)
             self.free.append(slot)
             self.drops += 1
         slot = self.free.popleft()
         for name, x in self.cache.read_blocks([block]).items():
             self.store[name][slot] = x.cpu().contiguous().view(-1).view(torch.uint8)
             self.bytes_in += x.numel() * x.element_size()
-        self.slot_of[h], self.tokens_of[h] = slot, tuple(tokens)
+        self.entries[h] = slot, tuple(tokens)
         self.puts += 1
 
     def pop(self, h):
         """Take entry h out. -> its payload, as PagedKVCache.read_blocks gave it."""
-        slot = self.slot_of.pop(h)
-        del self.tokens_of[h]
+        slot, _ = self.entries.pop(h)
         out = {}
         for name, (shape, dtype) in self.shapes.items():
             out[name] = self.store[name][slot].clone().view(dtype).view(shape)
@@ -380,17 +375,14 @@ class KVTier:
 
     def discard(self, h):
         """The pool holds prefix h again (recomputed): forget this copy, free its slot."""
-        if h in self.slot_of:
-            self.free.append(self.slot_of.pop(h))
-            del self.tokens_of[h]
+        if h in self.entries:
+            self.free.append(self.entries.pop(h)[0])
             self.discards += 1
 
     def check(self):
-        """Invariants: each slot free or holding exactly one entry; maps in sync."""
-        used, free = list(self.slot_of.values()), list(self.free)
-        assert len(used) == len(set(used)) and len(free) == len(set(free)), "slot twice"
-        assert sorted(used + free) == list(range(self.num_blocks)), "slot lost"
-        assert set(self.tokens_of) == set(self.slot_of), "tier maps out of sync"
+        """Invariants: each slot is free or holds exactly one entry."""
+        used, free = [slot for slot, _ in self.entries.values()], list(self.free)
+        assert sorted(used + free) == list(range(self.num_blocks)), "a slot lost or doubled"
 
 
 # ----------------------------------------------------------------------------------------

@@ -40,6 +40,11 @@ What it teaches, and what each technique saves / adds / sacrifices:
     whose it was; that one fails alone, the step reruns without it. Costs: len(batch) + 1
     extra forwards, only when something fails.
   - int8 KV (kvcache.py): ~3.5x less KV memory (fp32 model) for a small logit error.
+  - A second KV tier (kvcache.KVTier, --kv-tier host|file): evicted prefix blocks are
+    copied to host memory or a file and reloaded on a later hit instead of recomputed.
+    Saves prefill compute on multi-turn sessions; costs the copies and the tier's memory.
+  - The disaggregation seam: a prefill_only request parks after its first token;
+    export_kv / import_kv move its blocks to another engine, which decodes it.
 
 The engine drives the unmodified model: the step's tokens (decodes and prefill chunks of
 all running sequences) are packed into one row, run through `model.layers` with a
@@ -101,6 +106,13 @@ class SamplingParams:
     logit_bias: tuple = ()          # ((token id, bias), ...) added to the logits
     logprobs: Optional[int] = None  # per output token: its log-prob + this many top ones
     prompt_logprobs: Optional[int] = None   # the same for every prompt token but the first
+
+    @classmethod
+    def from_dict(cls, d):
+        """The inverse of dataclasses.asdict, for params that crossed a process (lists
+        back to the tuples the fields hold)."""
+        d = dict(d, stop=tuple(d["stop"]), stop_token_ids=tuple(d["stop_token_ids"]))
+        return cls(**dict(d, logit_bias=tuple(tuple(p) for p in d["logit_bias"])))
 
     def validate(self, vocab_size=None):
         """Every number checked at the door -- finite and in range -- so that the math
@@ -328,11 +340,7 @@ class Engine:
         there are no blocks or no running slot free it raises PoolFull and changes nothing:
         the caller retries after a step. Preempted later, it is recomputed here (the usual
         recompute preemption). token_times hold only the tokens produced on this engine."""
-        params = dict(exported["params"])
-        for name in ("stop", "stop_token_ids"):
-            params[name] = tuple(params[name])
-        params["logit_bias"] = tuple(tuple(p) for p in params["logit_bias"])
-        params = SamplingParams(**params).validate(self.cfg.vocab_size)
+        params = SamplingParams.from_dict(exported["params"]).validate(self.cfg.vocab_size)
         tokens, n_done = list(exported["tokens"]), exported["num_computed"]
         if (exported["block_size"] != self.block_size
                 or exported["kv_dtype"] != self.cache.kv_dtype):
@@ -353,14 +361,13 @@ class Engine:
                        self.clock() if arrival is None else arrival, self.device)
         seq.tokens, seq.num_computed, seq.num_cached_tokens = tokens, n_done, n_done
         if seq.generator is not None and exported["generator"] is not None:
-            seq.generator.set_state(exported["generator"])
+            seq.generator.set_state(exported["generator"])    # the same random stream
         seq.logprobs = list(exported["logprobs"])
         seq.prompt_logprobs = list(exported["prompt_logprobs"])
         self.alloc.grow(seq.block_table, n_done)
         self.cache.write_blocks(seq.block_table, exported["kv"])
         self._register_full_blocks(seq)
-        seq.status = RUNNING
-        self.live[seq.id] = seq
+        seq.status, self.live[seq.id] = RUNNING, seq
         bisect.insort(self.running, seq, key=self._key)
         return seq
 

@@ -7,6 +7,8 @@ caching did with it. It is serve.py's `bench` mode:
     python serve.py bench --clock cpu --repeats 3      # 64 requests at once, CPU time
     python serve.py bench --no-baselines --policy fcfs --num-blocks 160   # forced preemption
     python serve.py bench --shared-prefix 64 --prompt-len 16:64           # prefix caching
+    python serve.py bench --workload agent --pool-sizes 48,96 --tiers none,host,file
+    python serve.py bench --workload mixed --long-len 160:224 --long-frac 0.25
     python serve_bench.py --help                       # the same command line, run directly
 
 What it teaches -- which part of a serving win comes from where -- in five tables:
@@ -21,6 +23,11 @@ What it teaches -- which part of a serving win comes from where -- in five table
   3. the decode roofline: bytes read and FLOPs of the median decode step, its arithmetic
      intensity against the machine's ridge point (memory- or compute-bound);
   4. the rows of the README's trade-off table.
+Two more workloads, each a function other files reuse: `mixed_workload` (long and short
+prompts: prefill-decode interference) and `AgentSessions` + `run_sessions` (multi-turn
+conversations that re-send their history: prefix reuse decides the cost). `--workload
+agent` runs every --pool-sizes x --tiers engine on the same sessions and tables where the
+prompt tokens came from (pool hit, second-tier reload, recomputed), bytes moved, TTFT.
 
 What it costs: every system runs the whole workload (--repeats times; the fastest run is
 kept, the least disturbed by other jobs), so a bench takes a few times the engine's own
@@ -322,6 +329,9 @@ def print_setup(args, model, reqs):
           f"bandwidth {bw / 1e9:.1f} GB/s, matmul {flops / 1e9:.1f} GFLOP/s (best of 3; a "
           f"shared CPU makes every timing here contended)")
     n_int = sum(r.interactive for r in reqs)
+    if args.workload == "mixed":
+        print(f"mixed load: {len(reqs) - n_int} long prompts ({args.long_len} tokens, the batch "
+              f"class) among {n_int} short ones ({args.prompt_len})")
     print(f"workload: {len(reqs)} requests, prompt {args.prompt_len} (+{args.shared_prefix} "
           f"shared) tokens, mean {statistics.mean(len(r.prompt) for r in reqs):.0f}; output "
           f"{args.output_len}, mean {statistics.mean(r.out_len for r in reqs):.0f}; arrivals "
@@ -589,6 +599,11 @@ def build_parser():
                         "second tiers")
     g.add_argument("--long-len", default="160:224", help="mixed: long prompts' range LO:HI")
     g.add_argument("--long-frac", type=float, default=0.25, help="mixed: share of long prompts")
+    g.add_argument("--repeats", type=int, default=1,
+                   help="run each system this many times, report the fastest run")
+    g.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                   help="time with the wall clock, or with this process's CPU time (fair on "
+                        "a machine other jobs share; needs --rate inf)")
     g = p.add_argument_group("agent sessions (--workload agent)")
     g.add_argument("--sessions", type=int, default=16, help="conversations")
     g.add_argument("--turns", type=int, default=6, help="turns per conversation")
@@ -601,11 +616,6 @@ def build_parser():
                    help="comma list of --num-blocks to run; None = --num-blocks")
     g.add_argument("--tiers", default=None,
                    help="comma list of second tiers to run (none,host,file); None = --kv-tier")
-    g.add_argument("--repeats", type=int, default=1,
-                   help="run each system this many times, report the fastest run")
-    g.add_argument("--clock", choices=list(CLOCKS), default="wall",
-                   help="time with the wall clock, or with this process's CPU time (fair on "
-                        "a machine other jobs share; needs --rate inf)")
     return p
 
 

@@ -320,7 +320,7 @@ def test_tier_random_operations_conserve_blocks_and_reload_bit_exact(kind, kv_dt
         alloc.check(list(live.values()))
         assert not alloc.cached_hashes() & tier.hashes(), "a prefix in both tiers"
         assert tier.puts == alloc.evictions
-        assert tier.puts == tier.reloads + tier.drops + tier.discards + len(tier.slot_of)
+        assert tier.puts == tier.reloads + tier.drops + tier.discards + len(tier.entries)
     assert reloaded > 0 and tier.drops > 0 and tier.reloads == reloaded
     assert alloc.cached_hashes(tier=True) == alloc.cached_hashes() | tier.hashes()
     assert tier.bytes_in == tier.puts * payload_bytes(written[next(iter(written))])
