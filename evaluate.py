@@ -26,21 +26,15 @@ What it teaches, and what each technique costs:
     logit by one T > 0 fitted on a dev split to minimise the NLL of the reference answers.
     It costs nothing at inference, never changes the greedy answer (argmax is invariant to
     T), and fixes only a global over/under-confidence, not a per-item one.
-  - Uncertainty: max probability and mean token entropy are free (one pass); self-
-    consistency and semantic entropy (Farquhar et al. 2024: entropy over clusters of
-    sampled answers that mean the same, here the same number) cost K samples per question.
-    Each is scored by AUROC for predicting a wrong answer (Mann-Whitney U with ties) and by
+  - Uncertainty (uncertainty.py): which signals, free (one pass) or costing K samples,
+    detect a wrong answer, each scored by AUROC (Mann-Whitney U with ties, here) and by
     the accuracy-coverage curve of abstaining on the least confident.
-  - Contamination, as a controlled experiment: fine-tune copies of the task model with and
-    without a known subset of the test problems planted in the data; measure the accuracy
-    inflation; detect the planted items by n-gram overlap with the training data (GPT-3's
-    13-gram rule, the whole item when it is shorter; needs the training data), by loss and
-    by Min-K% Prob (Shi et al. 2023: mean log-prob of the k% least likely tokens; needs only
-    the model), each with its AUROC.
+  - Contamination (contamination.py): plant test problems in a fine-tune, measure the
+    accuracy inflation, and detect them by n-gram overlap, loss and Min-K% Prob (here).
 The arithmetic-task accuracy of a Python-trained LM is near zero, so the task modes train a
 task model first (SFT on data.py's format_example texts, cached under out/evaluate/).
-Imports only the shared modules: lora.py, rl.py and train.py are meant to import this
-file's exact_match / answer_loss / validation_loss, so it imports none of them.
+Imports only the shared modules: lora.py, rl.py and train.py import this file's metrics
+(exact_match, answer_loss, greedy_answers, validation_loss), so it imports none of them.
 """
 import argparse
 import hashlib
@@ -58,7 +52,7 @@ import torch.nn.functional as F
 import data
 from model import GPT, GPTConfig, KVCache, PRESETS, get_config, load_model
 from plots import svg_bar_chart, terminal_bars
-from plumbing import (ArgumentParser, HelpFormatter, UserError, print0, run_cli,
+from plumbing import (ArgumentParser, HelpFormatter, UserError, atomic_save, print0, run_cli,
                       seed_everything)
 
 DEFAULT_CKPT = os.path.join("out", "ckpt.pt")
@@ -286,7 +280,8 @@ def exact_match(model, enc, problems, max_new=None):
     if not problems:
         return float("nan")
     answers = greedy_answers(model, enc, problems, max_new)
-    return sum(data.score(enc.decode(a), p.answer) for a, p in zip(answers, problems)) / len(problems)
+    right = sum(data.score(enc.decode(a), p.answer) for a, p in zip(answers, problems))
+    return right / len(problems)
 
 
 def answer_loss(model, enc, problems):
@@ -358,10 +353,8 @@ def text_bits_per_byte(model, enc, text, seq_len=None):
 # model fine-tuned on the arithmetic texts (cached: plain dicts, weights_only loads).
 
 def _save(path, model, enc, meta):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save({"config": asdict(model.config), "model": model.state_dict(), "meta": meta,
-                "tokenizer": data.encoding_to_state(enc)}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    atomic_save({"config": asdict(model.config), "model": model.state_dict(), "meta": meta,
+                 "tokenizer": data.encoding_to_state(enc)}, path)
 
 
 def _load_cached(path, meta, device):
@@ -418,9 +411,11 @@ def load_base(args, device):
         model = GPT(get_config("tiny", vocab_size=enc.n_vocab), seed=args.seed).to(device)
         return model.eval(), enc, "random tiny (256-byte tokenizer)"
     if args.checkpoint is not None or os.path.exists(DEFAULT_CKPT):
-        model, ck = load_model(args.checkpoint or DEFAULT_CKPT, device)   # missing: UserError
-        return model.eval(), data.encoding_from_state(ck["tokenizer"]), args.checkpoint or DEFAULT_CKPT
-    path, meta = os.path.join(args.out, "base-tiny.pt"), dict(data=args.data, steps=400, seed=args.seed)
+        path = args.checkpoint or DEFAULT_CKPT
+        model, ck = load_model(path, device)   # missing: UserError
+        return model.eval(), data.encoding_from_state(ck["tokenizer"]), path
+    path = os.path.join(args.out, "base-tiny.pt")
+    meta = dict(data=args.data, steps=400, seed=args.seed)
     hit = _load_cached(path, meta, device)
     if hit:
         return hit[0], hit[1], f"{path} (tiny LM trained here: no {DEFAULT_CKPT})"
@@ -450,7 +445,10 @@ def task_model(args, enc, device):
     problems = train_problems(args)
     seqs = [enc.encode_ordinary(data.format_example(p)) for p in problems]
     rng = np.random.default_rng([args.seed, 11])
-    batch = lambda s: text_batch([seqs[i] for i in rng.integers(0, len(seqs), args.sft_batch)], device)
+
+    def batch(step):
+        rows = rng.integers(0, len(seqs), args.sft_batch)
+        return text_batch([seqs[i] for i in rows], device)
     print0(f"SFT of a fresh {args.task_preset} on {len(seqs)} {args.digits}-digit '{args.ops}' "
            f"problems, {args.sft_steps} steps (cached -> {path})")
     model = GPT(get_config(args.task_preset, vocab_size=enc.n_vocab), seed=args.seed).to(device)
@@ -475,24 +473,30 @@ def eval_problems(args):
 # ----------------------------------------------------------------------------------------
 # ppl: loss, perplexity and bits per byte, with bootstrap intervals over windows
 
-def run_ppl(args, device):
-    model, enc, desc = load_base(args, device)
-    seq_len = args.seq_len or model.config.block_size
+def ppl_text(args, enc, desc):
+    """(token ids to score, their name, the train tokens for the unigram baseline or None):
+    --text FILE, or the corpus's val split when the model shares the corpus's tokenizer."""
     if args.text:
         if not os.path.isfile(args.text):
             raise UserError(f"--text {args.text!r} not found")
         with open(args.text, encoding="utf-8") as f:
             text = f.read()
         ids = [enc.encode_single_token(data.EOT)] + enc.encode_ordinary(text)   # all predicted
-        source, train = args.text, None
-    elif args.checkpoint == "none":
-        raise UserError("--checkpoint none has a 256-byte tokenizer, not the corpus's: pass --text FILE")
-    else:
-        corpus = data.load_corpus(args.data, enc.n_vocab)
-        if corpus.enc._mergeable_ranks != enc._mergeable_ranks:
-            raise UserError(f"{desc} was trained with another tokenizer than the corpus "
-                            f"{corpus.name}'s: pass the same --data, or --text FILE")
-        ids, source, train = corpus.val[:args.max_tokens + 1], f"{corpus.name} val", corpus.train
+        return ids, args.text, None
+    if args.checkpoint == "none":
+        raise UserError("--checkpoint none has a 256-byte tokenizer, not the corpus's: "
+                        "pass --text FILE")
+    corpus = data.load_corpus(args.data, enc.n_vocab)
+    if corpus.enc._mergeable_ranks != enc._mergeable_ranks:
+        raise UserError(f"{desc} was trained with another tokenizer than the corpus "
+                        f"{corpus.name}'s: pass the same --data, or --text FILE")
+    return corpus.val[:args.max_tokens + 1], f"{corpus.name} val", corpus.train
+
+
+def run_ppl(args, device):
+    model, enc, desc = load_base(args, device)
+    seq_len = args.seq_len or model.config.block_size
+    ids, source, train = ppl_text(args, enc, desc)
     t0 = time.perf_counter()
     sums, targets = window_nll(model, ids, seq_len, args.batch_size)
     lengths = token_byte_lengths(enc)
@@ -508,7 +512,9 @@ def run_ppl(args, device):
            f"{seq_len} | {time.perf_counter() - t0:.1f} s")
     print0(f"{'':14}{'value':>9}   95% bootstrap CI ({args.bootstrap} resamples of windows)")
     print0(f"{'loss (nats)':14}{loss:9.4f}   [{loss_ci[0]:.4f}, {loss_ci[1]:.4f}]")
-    print0(f"{'perplexity':14}{math.exp(loss):9.2f}   [{math.exp(loss_ci[0]):.2f}, {math.exp(loss_ci[1]):.2f}]")
+    ppl_lo = math.exp(loss_ci[0])
+    ppl_hi = math.exp(loss_ci[1])
+    print0(f"{'perplexity':14}{math.exp(loss):9.2f}   [{ppl_lo:.2f}, {ppl_hi:.2f}]")
     print0(f"{'bits/byte':14}{bpb:9.4f}   [{bpb_ci[0]:.4f}, {bpb_ci[1]:.4f}]")
     result = dict(loss=loss, ppl=math.exp(loss), bpb=bpb, loss_ci=loss_ci, bpb_ci=bpb_ci)
     if train is not None:       # the context-free baseline, in the same units
@@ -564,7 +570,8 @@ def run_task(args, device):
     problems = dev + test
     print0(f"{len(problems)} held-out {args.digits}-digit '{args.ops}' problems; "
            f"{args.choices} candidates each (chance {1 / args.choices:.0%})")
-    print0(f"{'model':<22}{'generative EM':>22}{'LL rank (acc)':>22}{'LL/byte (acc_norm)':>22}{'s':>6}")
+    print0(f"{'model':<22}{'generative EM':>22}{'LL rank (acc)':>22}"
+           f"{'LL/byte (acc_norm)':>22}{'s':>6}")
     rows, result = {}, {}
     for name, model in (("base LM", base), (f"task SFT ({args.task_preset})", tuned)):
         t0 = time.perf_counter()
@@ -575,12 +582,15 @@ def run_task(args, device):
         for v in (gen, acc, acc_norm):
             lo, hi = bootstrap_ci(lambda i: v[i].mean(), len(v), args.bootstrap, args.seed)
             cells.append(f"{v.mean():6.1%} [{lo:.0%},{hi:.0%}]")
-        print0(f"{name:<22}" + "".join(f"{c:>22}" for c in cells) + f"{time.perf_counter() - t0:6.1f}")
+        seconds = time.perf_counter() - t0
+        print0(f"{name:<22}" + "".join(f"{c:>22}" for c in cells) + f"{seconds:6.1f}")
         rows[name] = [gen.mean(), acc.mean(), acc_norm.mean()]
+        ranked_not_generated = float(((acc == 1) & (gen == 0)).mean())
+        generated_not_ranked = ((acc == 0) & (gen == 1)).mean()
         result[name] = dict(generative=gen.mean(), ll=acc.mean(), ll_norm=acc_norm.mean(),
-                            ll_right_gen_wrong=float(((acc == 1) & (gen == 0)).mean()))
-        print0(f"{'':<22}ranked right but generated wrong: {result[name]['ll_right_gen_wrong']:.1%} "
-               f"of problems; generated right but ranked wrong: {((acc == 0) & (gen == 1)).mean():.1%}")
+                            ll_right_gen_wrong=ranked_not_generated)
+        print0(f"{'':<22}ranked right but generated wrong: {ranked_not_generated:.1%} "
+               f"of problems; generated right but ranked wrong: {generated_not_ranked:.1%}")
     pairs = [(enc.encode_ordinary(p.prompt), enc.encode_ordinary(f"{c}{data.TERMINATOR}"))
              for p in problems for c in candidates(p, args.choices, args.seed)]
     seconds, lps = {}, {}
@@ -645,16 +655,20 @@ def run_calibration(args, device):
     rec_test = answer_records(model, enc, test, args.max_new)
     T = fit_temperature(rec_dev["logits"], rec_dev["labels"])
     print0(f"task model {args.task_preset}: dev {len(dev)} / test {len(test)} held-out problems | "
-           f"fitted T = {T:.3f} on dev (NLL {answer_nll(rec_dev):.4f} -> {answer_nll(rec_dev, T):.4f} "
-           f"nats/answer) | {time.perf_counter() - t0:.1f} s")
+           f"fitted T = {T:.3f} on dev (NLL {answer_nll(rec_dev):.4f} -> "
+           f"{answer_nll(rec_dev, T):.4f} nats/answer) | {time.perf_counter() - t0:.1f} s")
     print0(f"test split, {args.bins} equal-width bins:")
-    print0(f"{'confidence':<22}{'T':>7}{'accuracy':>10}{'mean conf':>11}{'ECE':>8}{'Brier':>8}{'NLL':>9}")
-    result, reliability, labels = {}, {}, None
+    print0(f"{'confidence':<22}{'T':>7}{'accuracy':>10}{'mean conf':>11}{'ECE':>8}"
+           f"{'Brier':>8}{'NLL':>9}")
+    result = {}
+    reliability = {}
+    labels = None
     for temp in (1.0, T):
         seq, first, _ = confidences(rec_test, temp)
         for kind, conf in (("sequence prob", seq), ("first-token prob", first)):
             e, bins = ece(conf, rec_test["correct"], args.bins)
-            b, n = brier(conf, rec_test["correct"]), answer_nll(rec_test, temp)
+            b = brier(conf, rec_test["correct"])
+            n = answer_nll(rec_test, temp)
             print0(f"{kind:<22}{temp:7.3f}{rec_test['correct'].mean():10.1%}{conf.mean():11.3f}"
                    f"{e:8.4f}{b:8.4f}{n:9.4f}")
             result[f"{kind} T={temp:.3f}"] = dict(ece=e, brier=b, nll=n, conf=float(conf.mean()))
@@ -666,7 +680,8 @@ def run_calibration(args, device):
     print0("NLL = of the reference answer (what T minimises); accuracy is the same at every T: "
            "greedy answers do not depend on it.")
     path = svg_bar_chart("reliability", labels, reliability, diagonal=True, ymax=1.0,
-                         title=f"reliability (sequence prob, test): accuracy per bin, T=1 vs T={T:.2f}",
+                         title=f"reliability (sequence prob, test): accuracy per bin, "
+                               f"T=1 vs T={T:.2f}",
                          xlabel="confidence bin (start)", ylabel="accuracy", directory=args.plots)
     print0(terminal_bars(labels, reliability, width=30, vmax=1.0))
     print0(f"plot: {path}")
@@ -696,8 +711,9 @@ def parent_parsers():
     """Flags every mode takes, and those of the modes that use the task model."""
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("model and run")
-    g.add_argument("--checkpoint", default=None, help=f"model checkpoint; not given: {DEFAULT_CKPT}, "
-                   "or a tiny LM trained here in seconds when that is absent; 'none' = random tiny")
+    g.add_argument("--checkpoint", default=None,
+                   help=f"model checkpoint; not given: {DEFAULT_CKPT}, or a tiny LM trained "
+                        "here in seconds when that is absent; 'none' = random tiny")
     g.add_argument("--data", default=None, help="corpus text file (not given: the built-in corpus)")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--seed", type=int, default=0, help="problems, splits, sampling, bootstrap")
@@ -724,7 +740,8 @@ def parse_args(argv=None):
     fmt = HelpFormatter
     common, task = parent_parsers()
     p = ArgumentParser(description="Evaluate the shared GPT: perplexity, task scoring, "
-                                "calibration, uncertainty, contamination.", formatter_class=fmt)
+                                   "calibration, uncertainty, contamination.",
+                       formatter_class=fmt)
     sub = p.add_subparsers(dest="mode", required=True)
     s = sub.add_parser("ppl", parents=[common], formatter_class=fmt,
                        help="val loss, perplexity, bits/byte with bootstrap CIs")
@@ -746,7 +763,8 @@ def parse_args(argv=None):
                        help="plant test items in a fine-tune; inflation and detectors")
     s.add_argument("--planted", type=int, default=100, help="held-out items planted")
     s.add_argument("--repeats", type=int, default=16, help="copies of each planted item")
-    s.add_argument("--ft-clean", type=int, default=3000, help="clean training rows in the fine-tune")
+    s.add_argument("--ft-clean", type=int, default=3000,
+                   help="clean training rows in the fine-tune")
     s.add_argument("--ft-batch", type=int, default=32, help="fine-tune rows per step")
     s.add_argument("--ft-lr", type=float, default=1e-3, help="fine-tune peak learning rate")
     s.add_argument("--ngram", type=int, default=13, help="n of the n-gram overlap detector")
@@ -755,7 +773,8 @@ def parse_args(argv=None):
     for name in ("bootstrap", "threads", "sft_steps", "sft_batch", "n_train", "eval_problems",
                  "max_new", "batch_size", "max_tokens", "repeats", "ft_clean", "ft_batch", "ngram"):
         if getattr(args, name, 1) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, "
+                            f"got {getattr(args, name)}")
     if getattr(args, "bins", 1) < 1:
         raise UserError(f"--bins must be at least 1, got {args.bins}")
     if getattr(args, "temperature", 1.0) <= 0:
@@ -773,7 +792,8 @@ MODES = {"ppl": run_ppl, "task": run_task, "calibration": run_calibration,
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.device not in ("cpu", "cuda") or (args.device == "cuda" and not torch.cuda.is_available()):
+    no_cuda = args.device == "cuda" and not torch.cuda.is_available()
+    if args.device not in ("cpu", "cuda") or no_cuda:
         raise UserError(f"--device {args.device!r}: use cpu, or cuda on a machine that has it")
     torch.set_num_threads(args.threads)
     seed_everything(args.seed)
