@@ -166,10 +166,12 @@ class LatentAttention(nn.Module):
         if cache is not None:              # store this step's latents, attend to all of them
             c, k_rope = cache.update(layer, c, k_rope)
         absorb = cache is not None if self.absorb is None else self.absorb
-        if absorb:
-            q, attend = self.absorbed_query(q_nope, q_rope), self.absorbed_attention
-        else:
-            q, attend = torch.cat([q_nope, q_rope], dim=-1), self.unabsorbed_attention
+        if absorb:                         # queries in the latent space, attend on it
+            q = self.absorbed_query(q_nope, q_rope)
+            attend = self.absorbed_attention
+        else:                              # per-head keys and values from the latents
+            q = torch.cat([q_nope, q_rope], dim=-1)
+            attend = self.unabsorbed_attention
         if cache is not None and cache.attention is not None:
             y = cache.attention(q, c, k_rope, mask, attend)     # e.g. paged: gather first
         else:
