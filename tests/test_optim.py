@@ -434,6 +434,7 @@ def test_qk_clip_mla_without_an_update_lands_exactly_on_tau():
     assert torch.equal(attn.wkv_a.weight, rope_key)
 
 
+@pytest.mark.slow
 def test_qk_clip_mla_bounds_exploding_logits_under_muon():
     """MLA trained by Muon at a large lr: without QK-clip the max logit passes 3τ; with it,
     each step's factors are τ/S_max of the offending heads, layer 0's logits scale by
