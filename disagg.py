@@ -42,12 +42,12 @@ processes (the same total compute): two colocated engines, each serving half of 
 requests (prefill and decode together), against one prefill rank + one decode rank.
 """
 import argparse
+import datetime
 import json
 import math
 import queue
 import random
 import statistics
-import threading
 import time
 
 import torch
@@ -55,7 +55,8 @@ import torch.distributed as dist
 
 from kvcache import blocks_for, payload_bytes
 from model import GPT, get_config, load_model
-from plumbing import ArgumentParser, UserError, comm, run_cli, setup_runtime
+from plumbing import (ArgumentParser, UserError, comm, fmt_bytes, job_store, run_cli,
+                      setup_runtime)
 from serve import FINISHED, PREFILLED, Engine, PoolFull, SamplingParams
 
 PREFILL, DECODE = 0, 1                  # the ranks' roles
@@ -140,8 +141,51 @@ def receive(engine, take):
     return kind, rid, exported
 
 
-def control(kind, rid, dst):
-    send([torch.tensor([kind, rid] + [0] * (HEADER - 2))], dst)
+def control(kind, rid):
+    return [torch.tensor([kind, rid] + [0] * (HEADER - 2))]
+
+
+class Outbox:
+    """The prefill rank's side of the channel. post(): the message's tensors go out with
+    non-blocking sends (the prefill loop goes on at once), then the doorbell rings: key
+    msg/<i> is set in the job's key-value store. The tensors are kept until flush(),
+    which waits for every send (gloo cannot tell a send finished without waiting)."""
+
+    def __init__(self, store):
+        self.store, self.n, self.pending = store, 0, []
+
+    def post(self, tensors):
+        for t in tensors:
+            self.pending.append((comm.isend(t, DECODE), t))
+        self.store.set(f"msg/{self.n}", "1")
+        self.n += 1
+
+    def flush(self):
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+class Inbox:
+    """The decode rank's side, as a queue: get(block=False) looks for the next doorbell
+    key (one store round trip) and raises queue.Empty when it is not there; when it is,
+    or with block=True once it is, the message is received (its bytes are in flight
+    already). No receiver thread: one fights the decode loop for Python's GIL -- measured
+    on this bench, a blocking send of one request's KV (183 KB) to a receiver thread took
+    24 ms at the median, about one decode step, against ~1 ms for the bytes themselves."""
+
+    def __init__(self, engine, store, timeout):
+        self.engine, self.store, self.n = engine, store, 0
+        self.timeout = datetime.timedelta(seconds=timeout)
+
+    def get(self, block=True):
+        key = f"msg/{self.n}"
+        if block:
+            self.store.wait([key], self.timeout)
+        elif not self.store.check([key]):
+            raise queue.Empty
+        self.n += 1
+        return receive(self.engine, lambda shape, dtype: recv(shape, dtype, PREFILL))
 
 
 # ----------------------------------------------------------------------------------------
@@ -153,7 +197,7 @@ def add(engine, req, t0, prefill_only):
         arrival=t0 + req["arrival"], seq_id=req["id"], prefill_only=prefill_only)
 
 
-def prefill_loop(engine, reqs, t0, abort_prefilled=(), abort_sent=()):
+def prefill_loop(engine, outbox, reqs, t0, abort_prefilled=(), abort_sent=()):
     """Rank 0: admit requests as they arrive (prefill_only), step, and ship each
     prefilled sequence's KV to the decode rank. abort_prefilled: request ids the client
     cancels once prefilled, before the transfer (freed here, never sent); abort_sent:
@@ -169,7 +213,8 @@ def prefill_loop(engine, reqs, t0, abort_prefilled=(), abort_sent=()):
         for seq in engine.step():
             rec = out[seq.id] = dict(first=seq.tokens[seq.num_prompt],
                                      t_first=seq.token_times[0], kv_bytes=0, meta_bytes=0,
-                                     arrival=seq.arrival, finished=seq.status == FINISHED)
+                                     arrival=seq.arrival,
+                                     finished=seq.status == FINISHED)
             if seq.status != PREFILLED:     # max_tokens=1: done here, nothing to send
                 continue
             if seq.id in abort_prefilled:
@@ -178,26 +223,17 @@ def prefill_loop(engine, reqs, t0, abort_prefilled=(), abort_sent=()):
             tensors, rec["kv_bytes"] = encode(engine.export_kv(seq.id), seq.id)
             rec["meta_bytes"] = sum(t.numel() * t.element_size() for t in tensors) - \
                 rec["kv_bytes"]
-            send(tensors, DECODE)
+            outbox.post(tensors)
             if seq.id in abort_sent:
-                control(ABORT, seq.id, DECODE)
-    control(DONE, -1, DECODE)
+                outbox.post(control(ABORT, seq.id))
+    outbox.post(control(DONE, -1))
+    outbox.flush()
     return out
 
 
 # ----------------------------------------------------------------------------------------
-# The decode rank: a receiver thread (as a real KV-transfer engine runs off the decode
-# loop) fills an inbox; the loop imports, aborts and decodes.
-
-def receiver(engine, inbox):
-    def take(shape, dtype):
-        return recv(shape, dtype, PREFILL)
-    while True:
-        msg = receive(engine, take)
-        inbox.put(msg)
-        if msg[0] == DONE:
-            return
-
+# The decode rank: between steps, take what arrived (Inbox, or any queue in a test);
+# import it, apply aborts, decode.
 
 def decode_loop(engine, inbox):
     """Rank 1: import what arrived (PoolFull: it waits in line until a step frees
@@ -283,16 +319,17 @@ def recv_results(src):
     return out, pool
 
 
-def serve_disaggregated(rt, engine, reqs, abort_prefilled=(), abort_sent=()):
-    """Both ranks call this. -> on rank 0: ({id: dict(out, times, arrival, kv_bytes,
+def serve_disaggregated(rt, engine, reqs, abort_prefilled=(), abort_sent=(), tag="run"):
+    """Both ranks call this, with the same tag (it names this run's doorbell keys). -> on rank 0: ({id: dict(out, times, arrival, kv_bytes,
     meta_bytes)} for every request -- the first token from the prefill rank, the rest
     from the decode rank; out None for an aborted one --, the decode rank's pool
     state); on rank 1: (None, the decode loop's stats)."""
     check_roles(rt)
+    store = dist.PrefixStore(f"disagg/{tag}", job_store("disagg", rt.timeout))
     comm.barrier()
     t0 = time.perf_counter()
     if rt.rank == PREFILL:
-        pre = prefill_loop(engine, reqs, t0, abort_prefilled, abort_sent)
+        pre = prefill_loop(engine, Outbox(store), reqs, t0, abort_prefilled, abort_sent)
         decoded, pool = recv_results(DECODE)
         out = {}
         for rid, rec in pre.items():
@@ -302,11 +339,7 @@ def serve_disaggregated(rt, engine, reqs, abort_prefilled=(), abort_sent=()):
                             times=[rec["t_first"]] + ts, arrival=rec["arrival"],
                             kv_bytes=rec["kv_bytes"], meta_bytes=rec["meta_bytes"])
         return out, pool
-    inbox = queue.Queue()
-    thread = threading.Thread(target=receiver, args=(engine, inbox), daemon=True)
-    thread.start()
-    results, stats = decode_loop(engine, inbox)
-    thread.join()                       # DONE received: the channel is ours again
+    results, stats = decode_loop(engine, Inbox(engine, store, rt.timeout))
     send_results(engine, results, PREFILL, stats)
     return None, stats
 
@@ -369,6 +402,29 @@ def latency(results, reqs):
     start = min(results[r["id"]]["arrival"] for r in reqs)
     row["tok_s"] = row["tokens"] / (end - start)
     return row
+
+
+def gather_steps(rt, engine):
+    """Both ranks call this: -> on rank 0, the step logs of both engines (serve.Engine's
+    step_log: seconds, tokens, decodes, context, sequences per step); on rank 1 None."""
+    if rt.rank == DECODE:
+        log = torch.tensor(engine.step_log, dtype=torch.float64).reshape(-1, 5)
+        send([torch.tensor([log.shape[0]]), log], PREFILL)
+        return None
+    n = int(recv((1,), torch.int64, DECODE))
+    return engine.step_log + [tuple(r) for r in recv((n, 5), torch.float64, DECODE).tolist()]
+
+
+def step_stats(steps):
+    """The interference, step by step: the durations of decode-only steps and of steps
+    that carried a prefill chunk, and how many decode tokens rode in the latter (each of
+    them waited for the prefill's compute: what disaggregation removes)."""
+    dec = [st for st in steps if st[1] == st[2] and st[2] > 0]
+    mixed = [st for st in steps if st[1] > st[2]]
+    return dict(dec_s=[st[0] for st in dec], mixed_s=[st[0] for st in mixed],
+                batch=statistics.mean(st[2] for st in dec) if dec else 0.0,
+                delayed=int(sum(st[2] for st in mixed)),
+                decodes=int(sum(st[2] for st in steps)))
 
 
 def make_engine(model, args):
@@ -444,10 +500,15 @@ def bench(rt, args):
     rows = []
     for name, fn in (("colocated x1 (rank 0 alone)", lambda e: serve_colocated(rt, e, reqs, 1)),
                      ("colocated x2 (half each)", lambda e: serve_colocated(rt, e, reqs, 2)),
-                     ("disaggregated 1P + 1D", lambda e: serve_disaggregated(rt, e, reqs)[0])):
-        results = fn(make_engine(model, args))
+                     ("disaggregated 1P + 1D",
+                      lambda e: serve_disaggregated(rt, e, reqs, tag="bench")[0])):
+        engine = make_engine(model, args)
+        results = fn(engine)
+        steps = gather_steps(rt, engine)
         if rt.rank == PREFILL:
-            rows.append((name, latency(results, reqs), results))
+            row = latency(results, reqs)
+            row.update(step_stats(steps))
+            rows.append((name, row, results))
     if rt.rank != PREFILL:
         return
     n_long = sum(r["long"] for r in reqs)
@@ -464,12 +525,19 @@ def bench(rt, args):
         print(f"{name:<28}{s['tok_s']:>7.0f}{two(s['ttft_short']):>23}{two(s['ttft_long']):>15}"
               f"{two(s['itl_short']):>22}{two(s['itl_long']):>15}"
               f"{pct(s['gap2'], 50) * 1e3:>17.1f}")
+    print(f"\n{'engine steps (both ranks)':<28}{'decode-only p50/p99 ms':>23}{'batch':>7}"
+          f"{'with a prefill chunk':>22}{'p50 ms':>8}{'decode tokens delayed by a prefill':>36}")
+    for name, s, _ in rows:
+        print(f"{name:<28}{pct(s['dec_s'], 50) * 1e3:>14.1f}/{pct(s['dec_s'], 99) * 1e3:<8.1f}"
+              f"{s['batch']:>7.1f}{len(s['mixed_s']):>22}{pct(s['mixed_s'], 50) * 1e3:>8.1f}"
+              f"{s['delayed']:>25} of {s['decodes']:<6} ({s['delayed'] / max(s['decodes'], 1):.0%})")
     outs = [{rid: rec["out"] for rid, rec in res.items()} for _, _, res in rows]
     print(f"greedy outputs identical in the three systems: "
           f"{sum(outs[0][k] == outs[1][k] == outs[2][k] for k in outs[0])}/{len(reqs)}")
     kv = sum(rec["kv_bytes"] for rec in rows[2][2].values())
-    print(f"KV moved by disaggregation: {kv} B = formula "
-          f"{sum(kv_formula(cfg, args.kv_dtype or 'float32', len(r['prompt'])) for r in reqs)} B")
+    print(f"KV moved by disaggregation: {fmt_bytes(kv)} ({kv} B = the formula's "
+          f"{sum(kv_formula(cfg, args.kv_dtype or 'float32', len(r['prompt'])) for r in reqs)}"
+          f" B), {fmt_bytes(kv / sum(r['out_len'] > 1 for r in reqs))} per request")
     co, dis = rows[1][1], rows[2][1]
     print("\nledger row:")
     print(f"  prefill/decode disaggregation | short-prompt ITL p99 {pct(dis['itl_short'], 99) * 1e3:.1f}"

@@ -44,7 +44,7 @@ def case(rt, name, cfg, kv_dtype, decode_blocks, abort_prefilled=(), abort_sent=
     engine = Engine(model, block_size=BS, num_blocks=blocks, max_num_batched_tokens=32,
                     kv_dtype=kv_dtype)
     comm.reset()
-    out, extra = serve_disaggregated(rt, engine, reqs, abort_prefilled, abort_sent)
+    out, extra = serve_disaggregated(rt, engine, reqs, abort_prefilled, abort_sent, tag=name)
     engine.alloc.check(tables=[])                     # both ranks: nothing referenced
     assert not engine.live and all(rc == 0 for rc in engine.alloc.refcount)
     if rt.rank == 1:
