@@ -1,17 +1,17 @@
 """
 rl.py -- reinforcement learning on the shared GPT: REINFORCE -> PPO -> GRPO -> Dr. GRPO, and
 on-policy distillation next to its off-policy forms; each measured for what it holds,
-samples and costs (the ledger `compare` prints).
+samples and costs (the ledger `compare` prints: rl_ledger.py).
 
-Run:  python rl.py --algo grpo          # SFT'd `draft` policy (cached in out/), 40 GRPO steps
+Run:  python rl.py --algo grpo          # SFT'd `draft` policy (cached in out/rl/), 40 GRPO steps
       python rl.py compare              # all 7 algorithms, same budget, two tables (~4 min)
       torchrun --standalone --nproc_per_node=2 rl.py --algo grpo    # data parallel
 
 Task: data.py's 2-digit a+b, reward 1 for the exact answer then "\n". A fresh `draft` learns
 it by SFT (cached) and stops mid-way, 68% held-out greedy / 48% sampled: room for RL, and
 addition is a skill, so RL's gains can show on the 259 held-out problems. (With 1-digit
-problems RL took train accuracy 51 -> 79% but never moved the 15 held-out facts.) π_old: the policy
-that sampled (its log-probs kept), π_ref: the frozen start, ρ = π_θ/π_old per token.
+problems RL took train accuracy 51 -> 79% but never moved the 15 held-out facts.) π_old: the
+policy that sampled (its log-probs kept), π_ref: the frozen start, ρ = π_θ/π_old per token.
  - REINFORCE (Williams 1992): ∇E[R] = E[(R - b) ∇ Σ_t log π_θ(o_t)], b a running mean of R.
    Nothing extra held, one gradient step per batch: no ratio, clip or KL.
  - PPO (Schulman et al. 2017; RLHF form of Ouyang et al. 2022): a learnt critic V(s_t), here
@@ -82,8 +82,12 @@ def make_reward_fn(spec="exact", format_weight=0.0):
     except (ImportError, AttributeError, ValueError) as e:
         raise UserError(f"--reward {spec!r}: cannot load it ({e}); use 'exact' or "
                         f"'module:function'") from None
-    return base if not format_weight else (
-        lambda c, a: base(c, a) + format_weight * data.format_reward(c))
+    if not format_weight:
+        return base
+
+    def with_format(completion, answer):
+        return base(completion, answer) + format_weight * data.format_reward(completion)
+    return with_format
 
 
 def compute_rewards(fn, completions, answers):
@@ -181,10 +185,13 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95):
     -> (advantages, returns = A + V), zero off the mask."""
     m = mask.float()
     goes_on = F.pad(m[:, 1:], (0, 1))              # 1 where the answer has a next token
-    delta = rewards + gamma * F.pad(values[:, 1:], (0, 1)) * goes_on - values
-    adv, last = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
+    next_values = F.pad(values[:, 1:], (0, 1)) * goes_on
+    delta = rewards + gamma * next_values - values
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros_like(rewards[:, 0])          # A_{t+1}, from the answer's end back
     for t in reversed(range(rewards.shape[1])):
-        last = adv[:, t] = delta[:, t] + gamma * lam * goes_on[:, t] * last
+        last = delta[:, t] + gamma * lam * goes_on[:, t] * last
+        adv[:, t] = last
     return adv * m, (adv + values) * m
 
 
@@ -199,8 +206,10 @@ def value_loss(values, old_values, returns, mask, clip=0.2, global_tokens=None, 
 def soft_kd_loss(student_logits, teacher_logits, mask, tau=2.0, global_tokens=None, world=1):
     """Hinton et al.: τ² · KL(softmax(z_t/τ) ‖ softmax(z_s/τ)) -- FORWARD KL, per position,
     global token mean. τ² keeps gradient size independent of τ."""
-    t, s = (F.log_softmax(z.float() / tau, -1) for z in (teacher_logits, student_logits))
-    return tau ** 2 * aggregate((t.exp() * (t - s)).sum(-1), mask, "dapo",
+    t = F.log_softmax(teacher_logits.float() / tau, -1)
+    s = F.log_softmax(student_logits.float() / tau, -1)
+    per_position = (t.exp() * (t - s)).sum(-1)
+    return tau ** 2 * aggregate(per_position, mask, "dapo",
                                 global_tokens=global_tokens, world=world)
 
 
@@ -213,8 +222,10 @@ def sample(model, prompts, n, temperature, max_new, seeds, stop_id):
     which rank or batch a prompt lands in: 2 ranks sample what one process samples.
     -> answers (list of token lists, stop token included if produced), their log-probs
     (log-softmax of logits/temperature, the "old" policy)."""
-    device, V = model.output.weight.device, model.config.vocab_size
-    answers, logps = [None] * (len(prompts) * n), [None] * (len(prompts) * n)
+    device = model.output.weight.device
+    V = model.config.vocab_size
+    answers = [None] * (len(prompts) * n)
+    logps = [None] * (len(prompts) * n)
     with torch.no_grad():
         for plen in sorted({len(p) for p in prompts}):     # a KV cache holds one length
             ids = [i for i, p in enumerate(prompts) if len(p) == plen]
@@ -222,11 +233,16 @@ def sample(model, prompts, n, temperature, max_new, seeds, stop_id):
             gens = [torch.Generator().manual_seed(int(seeds[i])) for i in ids]
             cache = KVCache(model.config, len(idx), plen + max_new, device)
             logits = model(idx, cache=cache)[0][:, -1]
-            toks, lps, done = [], [], torch.zeros(len(idx), dtype=torch.bool, device=device)
+            toks = []
+            lps = []
+            done = torch.zeros(len(idx), dtype=torch.bool, device=device)
             for _ in range(max_new):
                 logp = F.log_softmax(logits.float() / (temperature or 1.0), -1)
-                gumbel = 0 if temperature == 0 else -torch.log(-torch.log(torch.cat(
-                    [torch.rand(n, V, generator=g) for g in gens]).to(device)))
+                if temperature == 0:
+                    gumbel = 0                  # greedy: the argmax of log p itself
+                else:                           # -log(-log U), U uniform: Gumbel noise
+                    uniform = torch.cat([torch.rand(n, V, generator=g) for g in gens])
+                    gumbel = -torch.log(-torch.log(uniform.to(device)))
                 nxt = (logp + gumbel).argmax(-1)
                 toks.append(nxt)
                 lps.append(logp.gather(1, nxt[:, None])[:, 0])
@@ -234,10 +250,16 @@ def sample(model, prompts, n, temperature, max_new, seeds, stop_id):
                 if done.all():
                     break
                 logits = model(nxt[:, None], cache=cache)[0][:, -1]
-            toks, lps = torch.stack(toks, 1).tolist(), torch.stack(lps, 1).tolist()
-            for row, (i, k) in enumerate((i, k) for i in ids for k in range(n)):
-                end = toks[row].index(stop_id) + 1 if stop_id in toks[row] else len(toks[row])
-                answers[i * n + k], logps[i * n + k] = toks[row][:end], lps[row][:end]
+            toks = torch.stack(toks, 1).tolist()
+            lps = torch.stack(lps, 1).tolist()
+            rows = [(i, k) for i in ids for k in range(n)]   # answer k of prompt i
+            for row, (i, k) in enumerate(rows):
+                if stop_id in toks[row]:
+                    end = toks[row].index(stop_id) + 1
+                else:
+                    end = len(toks[row])
+                answers[i * n + k] = toks[row][:end]
+                logps[i * n + k] = lps[row][:end]
     return answers, logps
 
 
@@ -268,45 +290,13 @@ def evaluate(model, enc, problems, k=8, max_new=8, seed=0):
     seeds = [seed + i for i in range(len(problems))]
     greedy = ev.greedy_answers(model, enc, problems, max_new)
     sampled, _ = sample(model, prompts, k, 1.0, max_new, seeds, nl)
-    acc = lambda outs, n: sum(data.score(enc.decode(o), problems[i // n].answer)
-                              for i, o in enumerate(outs)) / len(outs)
-    return dict(greedy=acc(greedy, 1), sampled=acc(sampled, k),
+
+    def accuracy(outs, per_prompt):
+        right = sum(data.score(enc.decode(o), problems[i // per_prompt].answer)
+                    for i, o in enumerate(outs))
+        return right / len(outs)
+    return dict(greedy=accuracy(greedy, 1), sampled=accuracy(sampled, k),
                 length=sum(map(len, sampled)) / len(sampled), greedy_out=greedy)
-
-
-@torch.no_grad()
-def distill_metrics(student, teacher, enc, problems, max_new=8, seed=0):
-    """Closeness to the teacher: reverse KL(π_s‖π_t) per token on the student's samples,
-    forward KL(π_t‖π_s) on the teacher's (exact sums over the vocabulary); greedy agreement.
-    Exposure bias: where the student's own first answer token is a right start ("1" or "11"
-    for 116), exact match continuing from ITS OWN start vs from the data's (the BPE's split,
-    "11", all off-policy training conditions on). They differ where the student splits the
-    number its own way: states only on-policy training visits."""
-    nl = enc.encode_ordinary(data.TERMINATOR)[0]
-    prompts = [enc.encode_ordinary(p.prompt) for p in problems]
-    seeds = [seed + i for i in range(len(problems))]
-    out, dev = {}, student.output.weight.device
-    for name, sampler in (("rev_kl", student), ("fwd_kl", teacher)):
-        answers, _ = sample(sampler, prompts, 4, 1.0, max_new, seeds, nl)
-        seq, mask = pack([p for p in prompts for _ in range(4)], answers, dev)
-        ls = F.log_softmax(student(seq[:, :-1])[0].float(), -1)
-        lt = F.log_softmax(teacher(seq[:, :-1])[0].float(), -1)
-        a, b = (ls, lt) if name == "rev_kl" else (lt, ls)
-        out[name] = ((a.exp() * (a - b)).sum(-1) * mask).sum().item() / mask.sum().item()
-    own, _ = sample(student, prompts, 1, 0, max_new, seeds, nl)
-    right = lambda i, toks: data.score(enc.decode(toks), problems[i].answer)
-    ok = [i for i, o in enumerate(own) if o[:1] != [nl] and
-          problems[i].answer.startswith(enc.decode(o[:1]))]
-    start = [enc.encode_ordinary(problems[i].answer)[:1] for i in ok]
-    cont, _ = sample(student, [prompts[i] + s for i, s in zip(ok, start)], 1, 0, max_new,
-                     seeds, nl)
-    out["own"] = sum(right(i, own[i]) for i in ok) / max(len(ok), 1)
-    out["data"] = sum(right(i, s + c) for i, s, c in zip(ok, start, cont)) / max(len(ok), 1)
-    out["split"] = sum(own[i][:1] != s for i, s in zip(ok, start)) / max(len(ok), 1)
-    teach, _ = sample(teacher, prompts, 1, 0, max_new, seeds, nl)
-    out["free"] = sum(right(i, o) for i, o in enumerate(own)) / len(problems)
-    out["agree"] = sum(enc.decode(a) == enc.decode(b) for a, b in zip(own, teach)) / len(problems)
-    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -339,7 +329,8 @@ def cached(path, meta, enc, build, rt):
     and (rank 0) save it in train.py's checkpoint format, so load_model reads it too."""
     if path and os.path.exists(path):
         model, ck = load_model(path, rt.device)
-        if ck.get("rl_meta") == meta and same_tokenizer(data.encoding_from_state(ck["tokenizer"]), enc):
+        same = same_tokenizer(data.encoding_from_state(ck["tokenizer"]), enc)
+        if ck.get("rl_meta") == meta and same:
             return model
     model = build()
     if path and rt.is_main:
@@ -362,7 +353,8 @@ def make_critic(policy):
     scalar per position (zero-init: V = 0 at first). As big as the policy minus its head."""
     critic = copy.deepcopy(policy)
     critic.output = nn.Linear(policy.config.n_embd, 1).to(policy.output.weight.device)
-    nn.init.zeros_(critic.output.weight), nn.init.zeros_(critic.output.bias)
+    nn.init.zeros_(critic.output.weight)
+    nn.init.zeros_(critic.output.bias)
     return critic
 
 
@@ -371,11 +363,13 @@ def build_models(args, rt, algos):
     (Python-pretrained or fresh) learnt this task no faster per step than `draft`, at 3x the
     cost (measured: 8.5% held-out after 400 steps vs draft's 6.6% after 500). Cached."""
     if args.ckpt == "none":        # 256 bytes: tests, no corpus, no checkpoint
-        enc, desc = data.make_encoding({bytes([i]): i for i in range(256)}), "256-byte"
+        enc = data.make_encoding({bytes([i]): i for i in range(256)})
+        desc = "256-byte"
     elif not os.path.exists(args.ckpt):
         raise UserError(f"checkpoint {args.ckpt!r} not found (train one: python train.py)")
     else:                          # the repo's BPE, carried by the checkpoint
-        enc, desc = checkpoint_tokenizer(args.ckpt), f"BPE of {args.ckpt}"
+        enc = checkpoint_tokenizer(args.ckpt)
+        desc = f"BPE of {args.ckpt}"
     train = data.make_problems(args.n_train, args.sft_seed, args.digits, args.ops, "train")
     key = dict(tokenizer=desc, digits=args.digits, ops=args.ops, n_train=args.n_train,
                seed=args.sft_seed, lr=args.sft_lr, batch=args.sft_batch)
@@ -400,8 +394,8 @@ def build_models(args, rt, algos):
             out["teacher"] = fresh("teacher", args.teacher_preset, args.teacher_sft_steps)
         else:
             out["teacher"], ck = load_model(args.teacher, rt.device)
-            if not same_tokenizer(data.encoding_from_state(ck["tokenizer"]), enc) or \
-                    out["teacher"].config.vocab_size != enc.n_vocab:
+            same = same_tokenizer(data.encoding_from_state(ck["tokenizer"]), enc)
+            if not same or out["teacher"].config.vocab_size != enc.n_vocab:
                 raise UserError(f"teacher {args.teacher} has a different tokenizer from the "
                                 f"student's ({desc}): its log-probs score other tokens")
     return out
@@ -434,7 +428,9 @@ def rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, rewar
     """Rollout: this rank's slice of the step's global prompts (a function of seed, step),
     G answers each from the policy (seqkd: the teacher's; softkd: the ground truth), their
     rewards, and the global counts. -> the batch: a dict the later steps read and extend."""
-    P, G, W = args.prompts, args.group, rt.world_size
+    P = args.prompts                     # prompts per rank
+    G = args.group                       # answers per prompt
+    W = rt.world_size
     nl = enc.encode_ordinary(data.TERMINATOR)[0]
     gidx = np.random.default_rng([args.seed, step]).integers(0, len(train_probs), P * W)
     local = range(rt.rank * P, (rt.rank + 1) * P)
@@ -446,15 +442,17 @@ def rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, rewar
         answers = [enc.encode_ordinary(p.answer + data.TERMINATOR) for p in probs]
         old = [[0.0] * len(a) for a in answers]
     else:
-        answers, old = sample(teacher if algo == "seqkd" else policy, prompts[::G], G, temp,
-                              args.max_new, seeds, nl)
+        sampler = teacher if algo == "seqkd" else policy
+        answers, old = sample(sampler, prompts[::G], G, temp, args.max_new, seeds, nl)
     texts = [enc.decode(a) for a in answers]
     rewards = compute_rewards(reward_fn, texts, [p.answer for p in probs]).to(rt.device)
     seq, mask, old_logp = pack(prompts, answers, rt.device, old)
     wrong = [len(a) for a, c, p in zip(answers, texts, probs) if not data.score(c, p.answer)]
-    n_tok, r_sum, n_wrong, len_wrong = allsum(mask.sum(), rewards.sum(), len(wrong), sum(wrong))
+    totals = allsum(mask.sum(), rewards.sum(), len(wrong), sum(wrong))
+    n_tok, r_sum, n_wrong, len_wrong = totals
+    n_answers = P * G * W                # in the global batch
     return dict(seq=seq, mask=mask, old_logp=old_logp, rewards=rewards, world=W,
-                n_tok=n_tok, reward=r_sum / (P * G * W), length=n_tok / (P * G * W),
+                n_tok=n_tok, reward=r_sum / n_answers, length=n_tok / n_answers,
                 len_wrong=len_wrong / max(n_wrong, 1))
 
 
@@ -462,35 +460,43 @@ def rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, rewar
 def score(algo, b, ref, teacher, critic, temp):
     """Score: what the frozen models say of the sampled tokens, no gradient: π_ref's
     log-probs (the KL), the teacher's logits (distillation), the critic's values (PPO)."""
+    inputs = b["seq"][:, :-1]
     b["ref_logp"] = token_logprobs(ref, b["seq"], temp) if ref is not None else None
-    b["t_logits"] = teacher(b["seq"][:, :-1])[0] if algo in ("distill", "softkd") else None
-    b["old_values"] = critic(b["seq"][:, :-1])[0][..., 0] if critic else None
+    b["t_logits"] = teacher(inputs)[0] if algo in ("distill", "softkd") else None
+    b["old_values"] = critic(inputs)[0][..., 0] if critic else None
 
 
 def advantages(algo, b, args, m, temp):
     """Advantages, each algorithm's own: REINFORCE R - a running mean; GRPO (R - mean_G)/
     std_G, Dr. GRPO R - mean_G; PPO GAE on the per-token reward, whitened over the global
     batch; on-policy distillation -(log π_s - log π_t) per token. And the KL metric."""
-    mask, n = b["mask"], max(b["n_tok"], 1)
+    mask = b["mask"]
+    n = max(b["n_tok"], 1)
     if algo == "reinforce":                  # a running-mean baseline (Williams 1992)
-        b["baseline"] = m["reward"][-1] if m["baseline"] is None else m["baseline"]
-        m["baseline"] = args.baseline_decay * b["baseline"] + (
-            1 - args.baseline_decay) * m["reward"][-1]
+        reward = m["reward"][-1]
+        b["baseline"] = reward if m["baseline"] is None else m["baseline"]
+        decay = args.baseline_decay
+        m["baseline"] = decay * b["baseline"] + (1 - decay) * reward
     elif algo in ("grpo", "drgrpo"):
         b["adv"] = group_advantages(b["rewards"], args.group, scale=algo == "grpo")
         m["zero_var"] += int(allsum(zero_variance_groups(b["rewards"], args.group))[0])
         m["groups"] += args.prompts * b["world"]
     elif algo == "ppo":                      # KL in the reward, R at the last token, GAE
         last = mask & ~F.pad(mask[:, 1:], (0, 1))
-        tok_r = -args.beta * (b["old_logp"] - b["ref_logp"]) * mask + b["rewards"][:, None] * last
+        kl_penalty = -args.beta * (b["old_logp"] - b["ref_logp"]) * mask
+        tok_r = kl_penalty + b["rewards"][:, None] * last
         adv_t, b["returns"] = gae(tok_r, b["old_values"], mask, args.gamma, args.lam)
         s, s2 = allsum((adv_t * mask).sum(), (adv_t ** 2 * mask).sum())
         mean = s / n                         # whiten over the global batch's tokens
         b["adv_t"] = (adv_t - mean) / math.sqrt(max(s2 / n - mean ** 2, 0) + 1e-8)
     elif algo == "distill":                  # dense reward: minus the reverse KL sample
-        b["adv_t"] = -(b["old_logp"] - token_logprobs(None, b["seq"], temp, b["t_logits"])) * mask
-    if b["ref_logp"] is not None or algo == "distill":  # KL to π_ref (k3) or the teacher (k1)
-        kl = k3_kl(b["old_logp"], b["ref_logp"]) if b["ref_logp"] is not None else -b["adv_t"]
+        teacher_logp = token_logprobs(None, b["seq"], temp, b["t_logits"])
+        b["adv_t"] = -(b["old_logp"] - teacher_logp) * mask
+    if b["ref_logp"] is not None:            # KL to π_ref (k3)
+        kl = k3_kl(b["old_logp"], b["ref_logp"])
+        m["kl"].append(allsum((kl * mask).sum())[0] / n)
+    elif algo == "distill":                  # KL to the teacher (k1)
+        kl = -b["adv_t"]
         m["kl"].append(allsum((kl * mask).sum())[0] / n)
 
 
@@ -499,7 +505,9 @@ def policy_loss(algo, logits, b, args, norm, temp):
     Token means are over the GLOBAL batch ("dapo": 2 ranks == 1 process) except GRPO's,
     which --norm chooses."""
     logp = token_logprobs(None, b["seq"], temp, logits)
-    mask, n, W = b["mask"], b["n_tok"], b["world"]
+    mask = b["mask"]
+    n = b["n_tok"]
+    W = b["world"]
     if algo == "reinforce":
         return reinforce_loss(logp, b["rewards"], b["baseline"], mask), None
     if algo in ("grpo", "drgrpo"):
@@ -529,10 +537,12 @@ def critic_step(critic, copt, b, args, m, rt):
 
 
 def log_step(m, algo, step, args, policy, enc, test_probs):
+    kl = m["kl"][-1] if m["kl"] else 0
+    clip = m["clip"][-1] if m["clip"] else 0
     line = (f"step {step + 1:3d} | {algo} | reward {m['reward'][-1]:.3f} | len "
-            f"{m['length'][-1]:.2f} | kl {m['kl'][-1] if m['kl'] else 0:.4f} | clip "
-            f"{m['clip'][-1] if m['clip'] else 0:.1%}" + (
-                f" | zero-var {m['zero_var']}/{m['groups']}" if m["groups"] else ""))
+            f"{m['length'][-1]:.2f} | kl {kl:.4f} | clip {clip:.1%}")
+    if m["groups"]:
+        line += f" | zero-var {m['zero_var']}/{m['groups']}"
     if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
         e = evaluate(policy, enc, test_probs, args.eval_samples, args.max_new)
         line += f" | held-out {e['greedy']:.1%} greedy, {e['sampled']:.1%} sampled"
@@ -551,12 +561,14 @@ def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teache
     temp = args.temperature if algo not in ("softkd", "seqkd") else 1.0
     epochs = args.epochs if algo in ("ppo", "grpo", "drgrpo") else 1
     params = [p for p in policy.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr if algo in RL_ALGOS else args.distill_lr,
-                            weight_decay=0.0)
-    critic = make_critic(policy) if algo == "ppo" else None
-    copt = critic and torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=0.0)
-    m = dict(gen=0.0, score=0.0, train=0.0, critic=0.0, sampled=0, trained=0, act=0, critic_act=0,
-             zero_var=0, groups=0, clip=[], reward=[], length=[], len_wrong=[], kl=[], baseline=None)
+    lr = args.lr if algo in RL_ALGOS else args.distill_lr
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    critic = None
+    copt = None
+    if algo == "ppo":
+        critic = make_critic(policy)
+        copt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=0.0)
+    m = new_metrics()
     m["start"] = m["end"] = evaluate(policy, enc, test_probs, args.eval_samples, args.max_new)
     print0(f"{algo}: start | held-out greedy {m['start']['greedy']:.1%} sampled "
            f"{m['start']['sampled']:.1%} | length {m['start']['length']:.2f}")
@@ -573,7 +585,8 @@ def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teache
         advantages(algo, b, args, m, temp)
         for _ in range(epochs):
             with StepTimer(rt.device) as t, ActivationMeter(policy) as meter:
-                loss, clipped = policy_loss(algo, policy(b["seq"][:, :-1])[0], b, args, norm, temp)
+                logits = policy(b["seq"][:, :-1])[0]
+                loss, clipped = policy_loss(algo, logits, b, args, norm, temp)
                 loss.backward()
                 step_optimizer(params, opt, W, args.grad_clip)
             m["train"] += t.seconds
@@ -582,80 +595,37 @@ def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teache
             opt.zero_grad(set_to_none=True)
             m["trained"] += int(b["n_tok"])
             if clipped is not None:
-                m["clip"].append(allsum((clipped & b["mask"]).sum())[0] / max(b["n_tok"], 1))
+                n_clipped = allsum((clipped & b["mask"]).sum())[0]
+                m["clip"].append(n_clipped / max(b["n_tok"], 1))
             if critic:
                 critic_step(critic, copt, b, args, m, rt)
         log_step(m, algo, step, args, policy, enc, test_probs)
-    m.update(algo=algo, params=policy.num_params(), critic_params=critic.num_params() if
-             critic else 0, held=[(n, tensor_bytes(x.parameters())) for n, x in (
-                 ("ref", ref), ("teacher", teacher)) if x is not None] + (
-                 [("V", m["critic_state"])] if critic else []))
+    # what this algorithm holds besides the policy: frozen models' weights, PPO's critic
+    held = [(n, tensor_bytes(x.parameters()))
+            for n, x in (("ref", ref), ("teacher", teacher)) if x is not None]
+    if critic:
+        held.append(("V", m["critic_state"]))
+    critic_params = critic.num_params() if critic else 0
+    m.update(algo=algo, params=policy.num_params(), critic_params=critic_params, held=held)
     return m
 
 
+def new_metrics():
+    """What train() measures: seconds per phase, tokens, peak activation bytes, and one
+    entry per step of reward, length, KL and clip fraction."""
+    return dict(gen=0.0, score=0.0, train=0.0, critic=0.0,
+                sampled=0, trained=0, act=0, critic_act=0,
+                zero_var=0, groups=0,
+                clip=[], reward=[], length=[], len_wrong=[], kl=[],
+                baseline=None)
+
+
 # ----------------------------------------------------------------------------------------
-# The ledger
+# The ledger: rl_ledger.py measures the distilled students (distill_metrics) and lays out
+# what train() measured; imported here at the run, because it imports this file.
 
-def first_last(xs, k=5):
-    k = max(1, min(k, len(xs) // 2))
-    return sum(xs[:k]) / k, sum(xs[-k:]) / k
-
-
-def print_table(cols, widths, rows):
-    for r in (cols, *rows):
-        print0(" ".join(f"{v:>{n}}" for v, n in zip(r, widths)))
-
-
-def print_rl_table(rows):
-    ref = next((r for r in rows if r["algo"] == "grpo"), rows[0])
-    step_s = lambda r: r["gen"] + r["score"] + r["train"] + r["critic"]
-    out = []
-    for r in rows:
-        (r0, r1), (l0, l1), s, e = (first_last(r["reward"]), first_last(r["length"]),
-                                    r["start"], r["end"])
-        out.append((r["algo"], " + ".join(f"{n} {fmt_bytes(b)}" for n, b in r["held"]) or "-",
-                    fmt_bytes(r["state"]), fmt_bytes(r["act"] + r["critic_act"]), *(f"{r[k]:.1f}" for k in (
-                        "gen", "score", "train", "critic")), f"{step_s(r) / step_s(ref):.2f}",
-                    fmt_count(r["sampled"]), f"{r0:.2f}→{r1:.2f}",
-                    f"{s['greedy']:.0%}→{e['greedy']:.0%}", f"{s['sampled']:.0%}→{e['sampled']:.0%}",
-                    f"{l0:.2f}→{l1:.2f}", f"{first_last(r['kl'])[1]:.3f}" if r["kl"] else "-",
-                    f"{sum(r['clip']) / len(r['clip']):.1%}" if r["clip"] else "-",
-                    f"{r['zero_var'] / r['groups']:.0%}" if r["groups"] else "-"))
-    print_table(("algo", "extra held", "state", "act", "gen s", "score s", "train s", "critic s",
-                 f"×{ref['algo']}", "tok samp", "reward", "held-out greedy", "held-out sampled",
-                 "length", "KL", "clip", "zero-var"),
-                (9, 24, 9, 9, 6, 7, 7, 8, 6, 8, 11, 15, 16, 11, 7, 6, 8), out)
-    for r in rows:
-        if r["critic_params"]:
-            share = r["critic_params"] / r["params"]
-            print0(f"PPO's critic: +{fmt_count(r['critic_params'])} parameters ({share:.0%} of "
-                   f"the policy's), +{fmt_bytes(r['critic_state'])} state")
-        if r["algo"] in ("grpo", "drgrpo"):
-            (a, b), (c, d) = first_last(r["length"]), first_last(r["len_wrong"])
-            print0(f"{r['algo']}: answer length {a:.2f}→{b:.2f} tokens, wrong answers only "
-                   f"{c:.2f}→{d:.2f} (first→last 5 steps)")
-
-
-def print_distill_table(rows):
-    print_table(("student", "KL direction", "trains on", "stud tok", "teach tok", "held-out",
-                 "rev KL", "fwd KL", "own start", "data start", "other split", "agree"),
-                (9, 20, 16, 8, 9, 8, 7, 7, 9, 10, 11, 6),
-                [(name, kl, on, fmt_count(st), fmt_count(tt), f"{acc:.0%}", f"{d['rev_kl']:.3f}",
-                  f"{d['fwd_kl']:.3f}", f"{d['own']:.1%}", f"{d['data']:.1%}",
-                  f"{d['split']:.1%}", f"{d['agree']:.0%}") for name, kl, on, st, tt, acc, d in rows])
-    print0("rev/fwd KL per token on the student's/teacher's samples; own/data start: exact match"
-           " continuing from its own right first token / the data's; own < data: exposure bias")
-
-
-DISTILL_ROW = {"distill": ("reverse KL(s‖t), k1", "its own samples"),
-               "softkd": ("forward KL(t‖s), τ", "ground truth"),
-               "seqkd": ("forward KL (CE)", "teacher samples")}
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    rt = setup_runtime(args.device)
-    torch.set_num_threads(args.threads)
+def chosen_algos(args):
+    """The algorithms this run trains, each checked before minutes of model building."""
     algos = args.algos.split(",") if args.mode == "compare" else [args.algo]
     for a in algos:
         if a not in ALGOS:
@@ -664,46 +634,146 @@ def main(argv=None):
             raise UserError(f"{a} needs --group G >= 2: the advantage is a reward minus its "
                             f"group's mean, and a group of one is always 0")
     make_reward_fn(args.reward, args.format_reward)          # a bad --reward fails now
-    t0 = time.perf_counter()
-    models = build_models(args, rt, algos)
-    enc, policy, teacher = models["enc"], models["policy"], models.get("teacher")
-    train_probs = data.make_problems(args.n_train, args.seed, args.digits, args.ops, "train")
-    test_probs = list(dict.fromkeys(data.make_problems(
-        args.eval_problems, args.sft_seed + 1, args.digits, args.ops, "test")))
-    print0(f"models ready in {time.perf_counter() - t0:.0f} s | {models['desc']} | {args.digits}"
-           f"-digit '{args.ops}', {len(test_probs)} held-out problems | {args.steps} steps × "
-           f"{args.prompts * rt.world_size} prompts × G={args.group}, {rt.world_size} rank(s)")
-    rows, d_rows, saved = [], [], {}
+    return algos
+
+
+def run_algorithms(algos, policy, teacher, enc, args, rt, train_probs, test_probs):
+    """Each algorithm from a copy of the same SFT'd policy. -> (train()'s measurements per
+    algorithm, distillation rows for rl_ledger, {algo: trained weights})."""
+    import rl_ledger
+    rows = []
+    d_rows = []
+    saved = {}
     if teacher is not None:
         teacher.requires_grad_(False)
-        d_rows.append(("init", "-", "-", 0, 0, evaluate(policy, enc, test_probs, 1, args.max_new)
-                       ["greedy"], distill_metrics(policy, teacher, enc, test_probs, args.max_new)))
+        start = evaluate(policy, enc, test_probs, 1, args.max_new)["greedy"]
+        metrics = rl_ledger.distill_metrics(policy, teacher, enc, test_probs, args.max_new)
+        d_rows.append(("init", "-", "-", 0, 0, start, metrics))
     for algo in algos:
         comm.reset()
         model = copy.deepcopy(policy)        # every algorithm starts from the same SFT'd policy
         ref = copy.deepcopy(policy).requires_grad_(False) if algo in RL_ALGOS else None
+        algo_teacher = teacher if algo in DISTILL_ALGOS else None
         rows.append(train(algo, model, enc, args, rt, train_probs, test_probs, ref,
-                          teacher if algo in DISTILL_ALGOS else None))
+                          algo_teacher))
         if algo in DISTILL_ALGOS:
-            d_rows.append((algo, *DISTILL_ROW[algo], rows[-1]["trained"], rows[-1]["sampled"],
-                           rows[-1]["end"]["greedy"],
-                           distill_metrics(model, teacher, enc, test_probs, args.max_new)))
+            r = rows[-1]
+            metrics = rl_ledger.distill_metrics(model, teacher, enc, test_probs, args.max_new)
+            d_rows.append((algo, *rl_ledger.DISTILL_ROW[algo], r["trained"], r["sampled"],
+                           r["end"]["greedy"], metrics))
         saved[algo] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         if rt.world_size > 1:
             print0(comm.report(f"data-parallel communication, {algo} (this rank)"))
+    return rows, d_rows, saved
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rt = setup_runtime(args.device)
+    torch.set_num_threads(args.threads)
+    algos = chosen_algos(args)
+    t0 = time.perf_counter()
+    models = build_models(args, rt, algos)
+    enc = models["enc"]
+    policy = models["policy"]
+    teacher = models.get("teacher")
+    train_probs = data.make_problems(args.n_train, args.seed, args.digits, args.ops, "train")
+    drawn = data.make_problems(args.eval_problems, args.sft_seed + 1, args.digits, args.ops,
+                               "test")
+    test_probs = list(dict.fromkeys(drawn))     # distinct held-out problems
+    print0(f"models ready in {time.perf_counter() - t0:.0f} s | {models['desc']} | {args.digits}"
+           f"-digit '{args.ops}', {len(test_probs)} held-out problems | {args.steps} steps × "
+           f"{args.prompts * rt.world_size} prompts × G={args.group}, {rt.world_size} rank(s)")
+    rows, d_rows, saved = run_algorithms(algos, policy, teacher, enc, args, rt, train_probs,
+                                         test_probs)
+    import rl_ledger
     cmd = " ".join(["python rl.py", *(sys.argv[1:] if argv is None else argv)])
     print0(f"\nledger ({cmd}; {rt.world_size} rank(s), {rt.device}; times are wall seconds "
            f"on a shared CPU: compare ratios, not absolutes):")
-    print_rl_table(rows)
+    rl_ledger.print_rl_table(rows)
     if len(d_rows) > 1:
+        teacher_acc = evaluate(teacher, enc, test_probs, 1, args.max_new)["greedy"]
         print0(f"distillation: teacher {fmt_count(teacher.num_params())} params, held-out "
-               f"{evaluate(teacher, enc, test_probs, 1, args.max_new)['greedy']:.0%}; student = "
+               f"{teacher_acc:.0%}; student = "
                f"the SFT'd policy; same steps and answers per step for each")
-        print_distill_table(d_rows)
+        rl_ledger.print_distill_table(d_rows)
     print0(f"total {time.perf_counter() - t0:.0f} s")
     if args.save and rt.is_main:
         torch.save(saved, args.save)
     return rows, d_rows
+
+
+def add_rl_flags(g):
+    g.add_argument("--steps", type=int, default=40, help="steps (rollout batches) per algorithm")
+    g.add_argument("--prompts", type=int, default=16, help="prompts per step per rank")
+    g.add_argument("--group", type=int, default=8, help="G: answers sampled per prompt")
+    g.add_argument("--epochs", type=int, default=2,
+                   help="passes over each batch (PPO, GRPO, "
+                        "Dr. GRPO; the others take 1): the clip acts from pass 2 on")
+    g.add_argument("--lr", type=float, default=2e-4, help="policy AdamW learning rate")
+    g.add_argument("--critic-lr", type=float, default=3e-4, help="PPO critic learning rate")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    g.add_argument("--max-new", type=int, default=8,
+                   help="max answer tokens (Dr. GRPO's constant)")
+    g.add_argument("--beta", type=float, default=0.04,
+                   help="KL weight: GRPO/Dr. GRPO k3 in the "
+                        "loss, PPO k1 in the reward (REINFORCE: unused)")
+    g.add_argument("--eps-low", type=float, default=0.2, help="clip ratio below 1 - eps_low")
+    g.add_argument("--eps-high", type=float, default=0.2,
+                   help="clip above 1 + eps_high (DAPO: 0.28)")
+    g.add_argument("--norm", default="",
+                   help=f"GRPO's loss normalisation, TRL's loss_type "
+                        f"names {NORMS}; '' = grpo for grpo, dr_grpo for drgrpo")
+    g.add_argument("--kl-ratio-correction", action="store_true",
+                   help="GRPO: multiply the "
+                        "per-token k3 KL by π/π_old (TRL's use_bias_correction_kl)")
+    g.add_argument("--gamma", type=float, default=1.0, help="PPO discount")
+    g.add_argument("--lam", type=float, default=0.95, help="PPO GAE λ")
+    g.add_argument("--vf-clip", type=float, default=0.2, help="PPO value clip")
+    g.add_argument("--baseline-decay", type=float, default=0.9, help="REINFORCE baseline EMA")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="0 = off")
+    g.add_argument("--reward", default="exact",
+                   help="'exact' or module:function(completion, answer)")
+    g.add_argument("--format-reward", type=float, default=0.0,
+                   help="+ weight × data.format_reward")
+
+
+def add_distill_flags(g):
+    g.add_argument("--teacher", default="auto",
+                   help="checkpoint; auto = a --teacher-preset "
+                        "model SFT'd --teacher-sft-steps (cached)")
+    g.add_argument("--teacher-sft-steps", type=int, default=3000,
+                   help="SFT steps of the auto teacher")
+    g.add_argument("--teacher-preset", default="draft", help=f"one of {', '.join(PRESETS)}")
+    g.add_argument("--distill-lr", type=float, default=1e-4, help="student learning rate")
+    g.add_argument("--tau", type=float, default=2.0, help="soft-label KD temperature")
+
+
+def add_task_flags(g):
+    g.add_argument("--digits", type=int, default=2, help="digits per operand")
+    g.add_argument("--ops", default="+", help="operators, from '+-*'")
+    g.add_argument("--n-train", type=int, default=20000, help="training problems (drawn)")
+    g.add_argument("--eval-problems", type=int, default=300,
+                   help="held-out draws (deduplicated)")
+    g.add_argument("--eval-samples", type=int, default=8,
+                   help="sampled answers per held-out prompt")
+    g.add_argument("--eval-interval", type=int, default=10, help="steps between held-out evals")
+    g.add_argument("--sft-steps", type=int, default=1100, help="SFT of the RL policy (cached)")
+    g.add_argument("--sft-lr", type=float, default=1e-3, help="SFT learning rate")
+    g.add_argument("--sft-batch", type=int, default=64, help="SFT batch size")
+    g.add_argument("--sft-seed", type=int, default=0, help="SFT data and init seed")
+
+
+def add_run_flags(g):
+    g.add_argument("--ckpt", default="out/ckpt.pt", help="whose tokenizer; 'none' = 256 bytes")
+    g.add_argument("--preset", default="draft", help="the policy (and student)")
+    g.add_argument("--cache-dir", default=os.path.join("out", "rl"),
+                   help="where SFT'd models are cached; '' = off")
+    g.add_argument("--seed", type=int, default=0, help="RL prompts and sampling")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    g.add_argument("--log-interval", type=int, default=5, help="steps between log lines")
+    g.add_argument("--save", default="", help="write {algo: trained weights} here")
 
 
 def parse_args(argv=None):
@@ -715,65 +785,17 @@ def parse_args(argv=None):
                    help="train: one --algo; compare: each of --algos, tables")
     p.add_argument("--algo", default="grpo", help=f"one of {', '.join(ALGOS)}")
     p.add_argument("--algos", default=",".join(ALGOS), help="compare: algorithms to run")
-    g = p.add_argument_group("RL")
-    g.add_argument("--steps", type=int, default=40, help="steps (rollout batches) per algorithm")
-    g.add_argument("--prompts", type=int, default=16, help="prompts per step per rank")
-    g.add_argument("--group", type=int, default=8, help="G: answers sampled per prompt")
-    g.add_argument("--epochs", type=int, default=2, help="passes over each batch (PPO, GRPO, "
-                   "Dr. GRPO; the others take 1): the clip acts from pass 2 on")
-    g.add_argument("--lr", type=float, default=2e-4, help="policy AdamW learning rate")
-    g.add_argument("--critic-lr", type=float, default=3e-4, help="PPO critic learning rate")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    g.add_argument("--max-new", type=int, default=8, help="max answer tokens (Dr. GRPO's constant)")
-    g.add_argument("--beta", type=float, default=0.04, help="KL weight: GRPO/Dr. GRPO k3 in the "
-                   "loss, PPO k1 in the reward (REINFORCE: unused)")
-    g.add_argument("--eps-low", type=float, default=0.2, help="clip ratio below 1 - eps_low")
-    g.add_argument("--eps-high", type=float, default=0.2, help="clip above 1 + eps_high (DAPO: 0.28)")
-    g.add_argument("--norm", default="", help=f"GRPO's loss normalisation, TRL's loss_type "
-                   f"names {NORMS}; '' = grpo for grpo, dr_grpo for drgrpo")
-    g.add_argument("--kl-ratio-correction", action="store_true", help="GRPO: multiply the "
-                   "per-token k3 KL by π/π_old (TRL's use_bias_correction_kl)")
-    g.add_argument("--gamma", type=float, default=1.0, help="PPO discount")
-    g.add_argument("--lam", type=float, default=0.95, help="PPO GAE λ")
-    g.add_argument("--vf-clip", type=float, default=0.2, help="PPO value clip")
-    g.add_argument("--baseline-decay", type=float, default=0.9, help="REINFORCE baseline EMA")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="0 = off")
-    g.add_argument("--reward", default="exact", help="'exact' or module:function(completion, answer)")
-    g.add_argument("--format-reward", type=float, default=0.0, help="+ weight × data.format_reward")
-    g = p.add_argument_group("distillation")
-    g.add_argument("--teacher", default="auto", help="checkpoint; auto = a --teacher-preset "
-                   "model SFT'd --teacher-sft-steps (cached)")
-    g.add_argument("--teacher-sft-steps", type=int, default=3000, help="SFT steps of the auto teacher")
-    g.add_argument("--teacher-preset", default="draft", help=f"one of {', '.join(PRESETS)}")
-    g.add_argument("--distill-lr", type=float, default=1e-4, help="student learning rate")
-    g.add_argument("--tau", type=float, default=2.0, help="soft-label KD temperature")
-    g = p.add_argument_group("task and SFT")
-    g.add_argument("--digits", type=int, default=2, help="digits per operand")
-    g.add_argument("--ops", default="+", help="operators, from '+-*'")
-    g.add_argument("--n-train", type=int, default=20000, help="training problems (drawn)")
-    g.add_argument("--eval-problems", type=int, default=300, help="held-out draws (deduplicated)")
-    g.add_argument("--eval-samples", type=int, default=8, help="sampled answers per held-out prompt")
-    g.add_argument("--eval-interval", type=int, default=10, help="steps between held-out evals")
-    g.add_argument("--sft-steps", type=int, default=1100, help="SFT of the RL policy (cached)")
-    g.add_argument("--sft-lr", type=float, default=1e-3, help="SFT learning rate")
-    g.add_argument("--sft-batch", type=int, default=64, help="SFT batch size")
-    g.add_argument("--sft-seed", type=int, default=0, help="SFT data and init seed")
-    g = p.add_argument_group("run")
-    g.add_argument("--ckpt", default="out/ckpt.pt", help="whose tokenizer; 'none' = 256 bytes")
-    g.add_argument("--preset", default="draft", help="the policy (and student)")
-    g.add_argument("--cache-dir", default=os.path.join("out", "rl"),
-                   help="where SFT'd models are cached; '' = off")
-    g.add_argument("--seed", type=int, default=0, help="RL prompts and sampling")
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    g.add_argument("--log-interval", type=int, default=5, help="steps between log lines")
-    g.add_argument("--save", default="", help="write {algo: trained weights} here")
+    add_rl_flags(p.add_argument_group("RL"))
+    add_distill_flags(p.add_argument_group("distillation"))
+    add_task_flags(p.add_argument_group("task and SFT"))
+    add_run_flags(p.add_argument_group("run"))
     args = p.parse_args(argv)
     require_at_least_one(args, ("steps", "prompts", "group", "epochs", "max_new",
                                 "eval_samples", "eval_interval", "log_interval", "n_train",
                                 "eval_problems", "threads", "sft_batch"))
     if args.norm and args.norm not in NORMS:
-        raise UserError(f"unknown loss normalisation {args.norm!r}: choose from {', '.join(NORMS)}")
+        raise UserError(f"unknown loss normalisation {args.norm!r}: "
+                        f"choose from {', '.join(NORMS)}")
     if args.temperature < 0 or args.tau <= 0:
         raise UserError("--temperature must be >= 0 and --tau > 0")
     return args
