@@ -108,3 +108,22 @@ def test_bad_input_is_one_error(model):
     assert r.returncode == 2, r.output
     assert r.output.strip().splitlines() == [r.output.strip().splitlines()[-1]]
     assert r.output.startswith("error:") and "max-queue" in r.output
+
+
+def test_choice_follows_the_cache_unless_load_is_imbalanced():
+    # replica 1 holds 3 of the prompt's 4 blocks, replica 2 one block; the rest nothing
+    chain = [b"h0", b"h1", b"h2", b"h3"]
+    router = Router(3, "cache_aware", max_queue=10, balance_abs=2, balance_rel=1.5)
+    router.index[1].update(chain[:3])
+    router.index[2].update(chain[:1])
+    assert router.choose(chain) == 1                  # longest match
+    router.load = [0, 2, 0]                           # within the thresholds: still 1
+    assert router.choose(chain) == 1
+    router.load = [0, 3, 1]                           # 3 - 0 > 2 and 3 > 1.5 x 0: balance
+    assert router.choose(chain) == 0
+    router.load = [10, 10, 9]                         # 0 and 1 full: the only open one
+    assert router.choose(chain) == 2
+    router.load = [10, 10, 10]
+    assert router.choose(chain) is None and router.waits == 1
+    router.load = [0, 0, 0]
+    assert router.choose([b"x"]) == 0                 # no match: least loaded, smallest
