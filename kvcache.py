@@ -40,7 +40,7 @@ avoids); prefix caching adds hashing and bookkeeping and keeps dead blocks aroun
 evicted; int8 adds quantize/dequantize work and error; the tier adds a copy per eviction
 and per reload, and host memory or disk.
 """
-import argparse
+import dataclasses
 import hashlib
 import math
 import os
@@ -54,7 +54,7 @@ import numpy
 import torch
 
 from model import ATTENTION_FUNCTIONS, GPT, get_config, load_model
-from plumbing import UserError, run_cli
+from plumbing import ArgumentParser, HelpFormatter, UserError, run_cli
 
 
 # ----------------------------------------------------------------------------------------
@@ -420,7 +420,11 @@ class PagedKVCache:
         self.dtype, self.device = dtype, torch.device(device)
         self.kv_dtype = kv_dtype or str(dtype).replace("torch.", "")
         # the math after the gather: None = the calling layer's attn_fn (a test or a
-        # benchmark may fix another, e.g. the explicit softmax)
+        # benchmark may fix another, e.g. the explicit softmax -- not for MLA, whose
+        # layers attend on the latent with their own function)
+        if attn_fn is not None and cfg.mla:
+            raise UserError("a fixed attention function would replace latent attention's "
+                            "own (kv_lora_rank > 0): give none")
         self.inner = attn_fn
         # head-major: a block of one head is bs·D contiguous numbers, so a gathered
         # sequence comes out as (H_kv, L, D) with rows of keys contiguous -- what the
@@ -683,10 +687,13 @@ def check_paged_vs_dense(model, args, rng):
         agree = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(paged, dense))
         value_bytes = 1 if kv == "int8" else torch.finfo(getattr(torch, kv)).bits // 8
         scale_bytes = 4 if kv == "int8" else 0
-        f = 2 * cfg.n_layer * cfg.n_kv_head * (cfg.head_dim * value_bytes + scale_bytes)
+        # GQA: key and value of head_dim per KV head; MLA: the latent and the rope key
+        heads, k_dim, v_dim = cfg.kv_cache_dims
+        f = cfg.n_layer * heads * ((k_dim + v_dim) * value_bytes + 2 * scale_bytes)
         rows[kv] = cache.bytes_per_token
         print(f"  {kv:<9} max |Δlogit| {err:.2e}   top-1 agreement {agree}/{sum(lens)}   "
-              f"{cache.bytes_per_token} B/token (formula 2·L·H_kv·(D·bytes + scale) = {f})")
+              f"{cache.bytes_per_token} B/token (formula L·H_kv·((D_k + D_v)·bytes + 2·scale)"
+              f" = {f})")
     return rows
 
 
@@ -738,6 +745,8 @@ def gather_cost(cfg, bs):
     """The cost of paging: gather + attention vs attention on a contiguous cache, one
     decode step of S sequences on one layer. -> paged / dense time."""
     S, L = 32, min(192, cfg.block_size)
+    if cfg.mla:          # the gather is the same; the shapes below are GQA's
+        cfg = dataclasses.replace(cfg, kv_lora_rank=0)
     cache = PagedKVCache(cfg, S * blocks_for(L, bs) + 1, bs)
     perm = torch.randperm(cache.num_blocks - 1)[:S * blocks_for(L, bs)].view(S, -1).tolist()
     cache.prepare([(t, L - 1, 1) for t in perm])
@@ -766,10 +775,10 @@ def gather_cost(cfg, bs):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="The paged KV cache, measured: paged vs dense "
-                                "logits, int8 error, bytes per token, fragmentation, "
-                                "prefix sharing, the cost of the gather.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description="The paged KV cache, measured: paged vs dense "
+                                   "logits, int8 error, bytes per token, fragmentation, "
+                                   "prefix sharing, the cost of the gather.",
+                       formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", default="out/ckpt.pt",
                    help="trained model (python train.py); a random tiny model if missing")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

@@ -740,8 +740,8 @@ def add_model_args(p, policy_help):
     p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="written by train.py")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (1 is fastest on a busy 2-core machine; 0 = torch's "
-                        "default)")
+                   help="torch CPU threads (1 is fastest on a busy 2-core machine; 0 = as many "
+                        "as torch picks)")
     g = p.add_argument_group("engine")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-blocks", type=int, default=1024, help="KV blocks in the pool")
@@ -753,7 +753,7 @@ def add_model_args(p, policy_help):
     g.add_argument("--no-chunked-prefill", action="store_true",
                    help="a prompt must fit one step's budget whole")
     g.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "int8"],
-                   help="KV pool dtype; None = the model's")
+                   help="KV pool dtype (not given: the model's)")
     g.add_argument("--kv-tier", choices=TIER_KINDS, default="none",
                    help="second KV tier for evicted prefix blocks: host memory or a file")
     g.add_argument("--kv-tier-blocks", type=int, default=1024, help="blocks the tier holds")
@@ -793,7 +793,7 @@ def build_parser():
     p.add_argument("mode", nargs="?", default="serve", choices=["serve", "bench"],
                    help="serve over HTTP, or (first on the line) run the benchmark, "
                         "serve_bench.py")
-    add_model_args(p, policy_help="scheduling; None = slo (FCFS order when requests carry "
+    add_model_args(p, policy_help="scheduling; not given: slo (FCFS order when requests carry "
                                   "no priority)")
     # the HTTP layer's flags live beside it (imported here, not at the top: api_server
     # imports this file)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 import serve
-from plumbing import UserError, fmt_bytes, run_cli
+from plumbing import ArgumentParser, HelpFormatter, UserError, fmt_bytes, run_cli
 from kvcache import PagedKVCache
 from serve import POLICIES, SamplingParams, engine_from_args, static_batch_generate
 
@@ -569,12 +569,12 @@ def _int_list(text, name):
 # line to main below) or `python serve_bench.py ...`
 
 def build_parser():
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="serve.py bench",
         description="Benchmark the engine against sequential generate() and static "
                     "batching on one seeded workload (also: python serve_bench.py).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve.add_model_args(p, policy_help="the engine's scheduling; None = both, one after the "
+        formatter_class=HelpFormatter)
+    serve.add_model_args(p, policy_help="the engine's scheduling; not given: both, one after the "
                                         "other")
     g = p.add_argument_group("bench")
     g.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
@@ -613,9 +613,9 @@ def build_parser():
     g.add_argument("--think-time", type=float, default=0.0,
                    help="seconds between an answer and the next turn")
     g.add_argument("--pool-sizes", default=None,
-                   help="comma list of --num-blocks to run; None = --num-blocks")
+                   help="comma list of --num-blocks to run; not given: --num-blocks")
     g.add_argument("--tiers", default=None,
-                   help="comma list of second tiers to run (none,host,file); None = --kv-tier")
+                   help="comma list of second tiers to run (none,host,file); not given: --kv-tier")
     return p
 
 
