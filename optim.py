@@ -35,7 +35,6 @@ References: Robbins & Monro 1951 (SGD); Polyak 1964, Nesterov 1983, Sutskever et
 hidden layers" (kellerjordan.github.io/posts/muon); Liu et al. 2025, "Muon is Scalable for
 LLM Training" (Moonlight); Kimi Team 2025, "Kimi K2" (MuonClip / QK-clip).
 """
-import argparse
 import math
 import time
 
@@ -44,7 +43,7 @@ import torch.distributed as dist
 
 import data
 from model import GPT, get_config
-from plumbing import (StepTimer, UserError, comm, model_state_bytes, pick_device,
+from plumbing import (ArgumentParser, HelpFormatter, StepTimer, UserError, comm, model_state_bytes, pick_device,
                       require_at_least_one, run_cli, warmup_cosine)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)   # Keller Jordan's quintic
@@ -683,8 +682,8 @@ def floats(text):            # "1e-3,3e-3" -> [0.001, 0.003] (argparse reports a
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Optimizers by hand; AdamW vs Muon.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description="Optimizers by hand; AdamW vs Muon.",
+                       formatter_class=HelpFormatter)
     p.add_argument("mode", nargs="?", default="compare", choices=["compare", "bench"],
                    help="compare: AdamW vs Muon; bench: state and step time vs torch.optim")
     g = p.add_argument_group("model (a custom config smaller than `small`, to fit 2 CPU cores)")
@@ -693,7 +692,7 @@ def parse_args(argv=None):
     g.add_argument("--n-head", type=int, default=4, help="attention heads")
     g.add_argument("--n-kv-head", type=int, default=2, help="key/value heads (GQA)")
     g.add_argument("--vocab-size", type=int, default=1024, help="tokenizer vocabulary")
-    g.add_argument("--data", default=None, help="a UTF-8 text file (None: built-in corpus)")
+    g.add_argument("--data", default=None, help="a UTF-8 text file (not given: the built-in corpus)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per step")
@@ -712,7 +711,7 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=1337, help="weights and batches")
     g.add_argument("--bench-steps", type=int, default=10, help="timed steps per bench row")
     g.add_argument("--threads", type=int, default=1, help="CPU threads (1: reproducible, "
-                   "and fastest on a shared machine; 0: torch's default)")
+                   "and fastest on a shared machine; 0: as many as torch picks)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     args = p.parse_args(argv)
     require_at_least_one(args, ("steps", "batch_size", "seq_len", "warmup_steps",
