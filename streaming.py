@@ -46,10 +46,12 @@ Implements model.py's cache protocol by name (length, update, advance, attention
 B equal-length streams (they share one length, as model.KVCache). MLA is refused: its cache
 holds latents, and the rope key sits in another slot (see cfg.kv_cache_dims).
 """
+import hashlib
 import json
 import math
 import os
 import time
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +60,8 @@ import data
 import plots
 from model import (GPT, KVCache, PRESETS, apply_rope, get_config, load_model, repeat_kv,
                    rope_table, sample_next)
-from plumbing import (ArgumentParser, HelpFormatter, UserError, fmt_bytes, run_cli,
-                      seed_everything, warmup_cosine)
+from plumbing import (ArgumentParser, HelpFormatter, UserError, atomic_save, fmt_bytes,
+                      run_cli, seed_everything, warmup_cosine)
 
 DEFAULT_CKPT = os.path.join("out", "ckpt.pt")
 OUT_DIR = os.path.join("out", "streaming")
@@ -176,7 +178,8 @@ def feed(model, cache, ids, chunk=1, prefill=True):
     forward.
     Yields (index of the forward's first token, logits (B, T, V)) per forward.
 
-    chunk = 1 is the exact policy: every token sees the sinks and the W tokens before it.
+    chunk = 1 is the exact policy: every token sees the sinks and the last W tokens (itself
+    included).
     A larger chunk slides the window once per chunk (W/chunk re-rotations per token instead
     of W), and the chunk's earlier tokens see fewer recent ones (W - chunk + 1 at least)."""
     if not 1 <= chunk <= cache.window:
@@ -292,14 +295,18 @@ class SinkProbe(KVCache):
 
 
 @torch.no_grad()
-def sink_mass(model, tokens, first, windows=8):
+def sink_mass(model, tokens, first, windows=8, bos=None):
     """-> (per-layer mean attention on the first `first` tokens of a window, what uniform
-    attention would give), over `windows` consecutive block_size windows of the stream."""
+    attention would give), over `windows` consecutive block_size windows of the stream
+    (bos: each window starts with it, as the recomputed windows do)."""
     size = model.config.block_size
     per_layer = []
     for w in range(min(windows, len(tokens) // size)):
+        row = tokens[None, w * size:(w + 1) * size].clone()
+        if bos is not None:
+            row[0, 0] = bos
         probe = SinkProbe(model.config, size, first)
-        model(tokens[None, w * size:(w + 1) * size].to(model.output.weight.device), cache=probe)
+        model(row.to(model.output.weight.device), cache=probe)
         per_layer.append(probe.mass)
     mass = torch.tensor(per_layer).mean(0).tolist()
     uniform = sum(first / (t + 1) for t in range(2 * first, size)) / (size - 2 * first)
@@ -345,8 +352,22 @@ def load_or_train(args):
             raise UserError(f"{path}'s tokenizer is not the one of corpus "
                             f"{data_path or 'stdlib'}: pass the --data it was trained on")
         return model.float().eval(), corpus, path
+    return fresh_model(args)
+
+
+def fresh_model(args):
+    """The fresh model, trained once and kept under --out (a plain-data checkpoint that
+    load_model reads), so the next run with the same recipe does not train again."""
     cfg = get_config(args.preset)
     corpus = data.load_corpus(args.data, cfg.vocab_size)
+    recipe = f"{args.preset}-{args.train_steps}steps-seed{args.seed}" + ("-bos" if args.bos
+                                                                            else "")
+    corpus_id = hashlib.sha256(f"{args.data}|{corpus.n_bytes}".encode()).hexdigest()[:8]
+    path = os.path.join(args.out, f"fresh-{recipe}-{corpus_id}.pt")
+    if os.path.exists(path):
+        model, ckpt = load_model(path, args.device)
+        print(f"no checkpoint: the fresh model of an earlier run, {path}")
+        return model.eval(), corpus, ckpt["what"]
     t0 = time.perf_counter()
     bos = corpus.enc.encode_single_token(data.EOT) if args.bos else None
     model, loss = train_fresh(cfg, corpus, args.train_steps, args.seed, bos=bos)
@@ -355,6 +376,9 @@ def load_or_train(args):
                  f"({time.perf_counter() - t0:.0f} s, last train loss {loss:.3f})"
                  + (", every row starting with <|endoftext|>" if args.bos else ""))
     print(f"no checkpoint: {what}")
+    atomic_save({"config": asdict(cfg), "model": model.state_dict(), "what": what,
+                 "tokenizer": data.encoding_to_state(corpus.enc), "args": {"data": args.data}},
+                path)
     return model.to(args.device), corpus, what
 
 
@@ -414,14 +438,28 @@ def binned(values, width):
 
 
 def plot(losses, args, capacity):
-    width = max(1, len(next(iter(losses.values()))) // 64)
+    """Two SVGs: the loss along the stream (StreamingLLM's Figure 3 layout), and each cache
+    policy's excess over the dense reference, where the text's own ups and downs cancel;
+    the terminal shows the second. -> the paths written."""
+    suffix = "_bos" if args.bos else ""
+    note = ", <|endoftext|> first" if args.bos else ""
+    n = len(next(iter(losses.values())))
+    width = max(1, n // 64)
     series = {name: binned(v, width) for name, v in losses.items()}
-    title = f"next-token loss along a {args.tokens}-token stream, {capacity} KV tokens"
-    path = plots.svg_line_plot("streaming_loss", series, title=title,
-                               xlabel=f"position in the stream (mean of {width})",
-                               ylabel="loss (nats)", directory=args.plots)
-    print(plots.terminal_plot(series))
-    return path
+    raw = plots.svg_line_plot(
+        "streaming_loss" + suffix, series, directory=args.plots, ylabel="loss (nats)",
+        title=f"next-token loss along a {args.tokens}-token stream, {capacity} tokens{note}",
+        xlabel=f"position in the stream (mean of {width})")
+    reference, *policies = losses
+    width = max(1, n // 32)
+    excess = {name: binned(losses[name] - losses[reference], width) for name in policies}
+    over = plots.svg_line_plot(
+        "streaming_excess" + suffix, excess, directory=args.plots,
+        title=f"loss minus {reference}{note}", ylabel="excess loss (nats)",
+        xlabel=f"position in the stream (mean of {width})")
+    print(f"excess loss over {reference} (mean of {width} positions):")
+    print(plots.terminal_plot(excess))
+    return [raw, over]
 
 
 # ----------------------------------------------------------------------------------------
@@ -449,7 +487,7 @@ def run_measure(args):
     if args.sinks:
         runs[f"window ({window})"] = lambda: stream_losses(model, tokens, 0, window, args.chunk)
     first = max(1, args.sinks)
-    mass, uniform = sink_mass(model, tokens, first)
+    mass, uniform = sink_mass(model, tokens, first, bos=bos)
     print(f"attention on the first {first} tokens of a window (queries from position "
           f"{2 * first} on), per layer: " + ", ".join(f"{m:.1%}" for m in mass)
           + f" (uniform attention: {uniform:.1%}; a sink is far above it)")
@@ -466,16 +504,16 @@ def run_measure(args):
     table = band_table(losses, edges) + [""] + cost_table(stats, args.tokens, per_token,
                                                             cfg.block_size)
     print("\n".join(table))
-    svg = plot(losses, args, capacity)
+    svgs = plot(losses, args, capacity)
     os.makedirs(args.out, exist_ok=True)
-    result = os.path.join(args.out, "measure.json")
+    result = os.path.join(args.out, "measure_bos.json" if args.bos else "measure.json")
     with open(result, "w", encoding="utf-8") as f:
         json.dump({"model": what, "tokens": args.tokens, "sinks": args.sinks,
                    "window": window, "chunk": args.chunk, "stats": stats,
                    "sink_mass": {"first": first, "per_layer": mass, "uniform": uniform},
                    "bands": [[lo, hi] for lo, hi in edges],
                    "losses": {k: v.tolist() for k, v in losses.items()}}, f, indent=1)
-    print(f"wrote {svg} and {result} (timings: wall clock on this possibly shared CPU)")
+    print(f"wrote {', '.join(svgs)} and {result} (timings: wall clock on this possibly shared CPU)")
     return losses, stats
 
 
@@ -513,6 +551,8 @@ def parse_args(argv=None):
     common.add_argument("--seed", type=int, default=0, help="training and sampling seed")
     common.add_argument("--device", default="cpu", help="cpu or cuda")
     common.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    common.add_argument("--out", default=OUT_DIR, help="where measure[_bos].json and the "
+                        "fresh model go")
     p = ArgumentParser(description="Long runs beyond the context: sliding-window and "
                        "attention-sink KV caches (StreamingLLM).", formatter_class=fmt)
     sub = p.add_subparsers(dest="mode", required=True)
@@ -522,7 +562,6 @@ def parse_args(argv=None):
     s.add_argument("--offset", type=int, default=0, help="where in the val split it starts")
     s.add_argument("--chunk", type=int, default=1, help="tokens per forward once the cache is full")
     s.add_argument("--batch-size", type=int, default=16, help="recomputed windows per forward")
-    s.add_argument("--out", default=OUT_DIR, help="where measure.json goes")
     s.add_argument("--plots", default=plots.PLOT_DIR, help="where the SVG goes")
     s = sub.add_parser("generate", parents=[common], formatter_class=fmt,
                        help="sample far past block_size with a sink + window cache")

@@ -196,6 +196,11 @@ def test_measure_cli_end_to_end(text_file, tmp_path):
     assert saved["window"] == 30 and len(saved["losses"][names[2]]) == 149
     svg = open(os.path.join(tmp_path, "streaming_loss.svg")).read()
     assert svg.count("<polyline") == 4          # + the window without its 2 sinks
+    excess = open(os.path.join(tmp_path, "streaming_excess.svg")).read()
+    assert excess.count("<polyline") == 3       # each cache policy minus the reference
+    again, _ = streaming.main(argv)             # the fresh model is reused, not retrained
+    assert len(list(tmp_path.glob("fresh-tiny-2steps-seed0-*.pt"))) == 1
+    torch.testing.assert_close(again[names[2]], losses[names[2]])
 
 
 def test_sink_probe_matches_uniform_attention_of_an_untrained_model():
