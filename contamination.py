@@ -136,7 +136,8 @@ def report_ngrams(args, enc, sft_probs, items, planted, dirty, clean):
            f"{min(map(len, item_seqs))}-{max(map(len, item_seqs))} tokens, a shorter item is "
            f"one n-gram: itself):")
     result = {}
-    for name, corpus in (("contaminated data", train_seqs + dirty), ("clean data", train_seqs + clean)):
+    corpora = (("contaminated data", train_seqs + dirty), ("clean data", train_seqs + clean))
+    for name, corpus in corpora:
         score = ngram_overlap(corpus, item_seqs, args.ngram)
         flagged = score > 0
         tp = int((flagged & planted).sum())
@@ -144,7 +145,8 @@ def report_ngrams(args, enc, sft_probs, items, planted, dirty, clean):
         recall = tp / planted.sum()
         print0(f"  {name:<18} flagged {int(flagged.sum()):4d} | precision {precision:.3f} | "
                f"recall {recall:.3f} | AUROC {ev.auroc(score, planted):.3f}")
-        result[f"ngram {name}"] = dict(flagged=int(flagged.sum()), precision=precision, recall=recall)
+        result[f"ngram {name}"] = dict(flagged=int(flagged.sum()), precision=precision,
+                                       recall=recall)
     return result
 
 

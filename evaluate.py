@@ -21,11 +21,11 @@ What it teaches, and what each technique costs:
     every candidate row saves re-encoding it) and never samples, but it only asks the
     model to prefer the right answer among a few: its accuracy sits above generation's and
     above chance (1/choices) even for a model that cannot write the answer.
-  - Calibration (Guo et al. 2017): expected calibration error over equal-width confidence
-    bins, ECE = Σ_b |B_b|/n · |acc(B_b) − conf(B_b)|; temperature scaling divides every
-    logit by one T > 0 fitted on a dev split to minimise the NLL of the reference answers.
-    It costs nothing at inference, never changes the greedy answer (argmax is invariant to
-    T), and fixes only a global over/under-confidence, not a per-item one.
+  - Calibration (calibration.py; Guo et al. 2017): expected calibration error over
+    equal-width confidence bins, ECE = Σ_b |B_b|/n · |acc(B_b) − conf(B_b)|; temperature
+    scaling divides every logit by one T > 0 fitted on a dev split to minimise the NLL of
+    the reference answers. It costs nothing at inference, never changes the greedy answer
+    (argmax is invariant to T), and fixes only a global over/under-confidence.
   - Uncertainty (uncertainty.py): which signals, free (one pass) or costing K samples,
     detect a wrong answer, each scored by AUROC (Mann-Whitney U with ties, here) and by
     the accuracy-coverage curve of abstaining on the least confident.
@@ -325,7 +325,9 @@ def window_nll(model, ids, seq_len, batch_size=8):
     if len(ids) < 2:
         raise UserError(f"need at least 2 tokens to score, got {len(ids)}")
     starts = list(range(0, len(ids) - 1, seq_len))
-    sums, targets, device = [], [], model.output.weight.device
+    device = model.output.weight.device
+    sums = []                                  # NLL sum per window
+    targets = []                               # the tokens each window predicts
     for s in range(0, len(starts), batch_size):
         part = [ids[b:b + seq_len + 1] for b in starts[s:s + batch_size]]
         x, y = text_batch([w.tolist() for w in part], device)      # the last one is shorter
@@ -613,7 +615,8 @@ def run_task(args, device):
 
 
 # ----------------------------------------------------------------------------------------
-# calibration: confidence vs accuracy, before and after temperature scaling
+# Confidence: what the model's own probabilities say of its greedy answers (calibration.py
+# and uncertainty.py read these records)
 
 def answer_records(model, enc, problems, max_new):
     """Greedy answers, whether each is right, and the logits at every answer position
@@ -632,7 +635,9 @@ def answer_records(model, enc, problems, max_new):
 def confidences(rec, temperature=1.0):
     """-> per problem: sequence probability of the greedy answer (the product of its token
     probabilities), probability of its first token, mean entropy of its token distributions."""
-    seq, first, ent = [], [], []
+    seq = []
+    first = []
+    ent = []
     for g, lg in zip(rec["greedy"], rec["lg_greedy"]):
         lp = F.log_softmax(lg / temperature, -1)
         seq.append(lp.gather(1, torch.tensor(g)[:, None]).sum().exp().item())
@@ -641,58 +646,15 @@ def confidences(rec, temperature=1.0):
     return np.array(seq), np.array(first), np.array(ent)
 
 
-def answer_nll(rec, temperature=1.0):
-    """NLL of the reference answers, nats per problem (sum over its tokens)."""
-    return nll(rec["logits"], rec["labels"], temperature) * len(rec["labels"]) / len(rec["refs"])
-
+# ----------------------------------------------------------------------------------------
+# calibration, uncertainty and contamination: calibration.py, uncertainty.py and
+# contamination.py (split out by concept) run those experiments with this file's metrics
+# and models; imported at the mode's call, because they import this file.
 
 def run_calibration(args, device):
-    _, enc, _ = load_base(args, device)
-    model, _ = task_model(args, enc, device)
-    dev, test = eval_problems(args)
-    t0 = time.perf_counter()
-    rec_dev = answer_records(model, enc, dev, args.max_new)
-    rec_test = answer_records(model, enc, test, args.max_new)
-    T = fit_temperature(rec_dev["logits"], rec_dev["labels"])
-    print0(f"task model {args.task_preset}: dev {len(dev)} / test {len(test)} held-out problems | "
-           f"fitted T = {T:.3f} on dev (NLL {answer_nll(rec_dev):.4f} -> "
-           f"{answer_nll(rec_dev, T):.4f} nats/answer) | {time.perf_counter() - t0:.1f} s")
-    print0(f"test split, {args.bins} equal-width bins:")
-    print0(f"{'confidence':<22}{'T':>7}{'accuracy':>10}{'mean conf':>11}{'ECE':>8}"
-           f"{'Brier':>8}{'NLL':>9}")
-    result = {}
-    reliability = {}
-    labels = None
-    for temp in (1.0, T):
-        seq, first, _ = confidences(rec_test, temp)
-        for kind, conf in (("sequence prob", seq), ("first-token prob", first)):
-            e, bins = ece(conf, rec_test["correct"], args.bins)
-            b = brier(conf, rec_test["correct"])
-            n = answer_nll(rec_test, temp)
-            print0(f"{kind:<22}{temp:7.3f}{rec_test['correct'].mean():10.1%}{conf.mean():11.3f}"
-                   f"{e:8.4f}{b:8.4f}{n:9.4f}")
-            result[f"{kind} T={temp:.3f}"] = dict(ece=e, brier=b, nll=n, conf=float(conf.mean()))
-            if kind == "sequence prob":
-                reliability[f"T={temp:.2f}"] = [0.0 if c == 0 else a for _, _, c, a, _ in bins]
-                labels = [f"{lo:.2f}" for lo, _, _, _, _ in bins]
-                counts = [c for _, _, c, _, _ in bins]
-                print0(f"{'':<22}items per bin: {counts}")
-    print0("NLL = of the reference answer (what T minimises); accuracy is the same at every T: "
-           "greedy answers do not depend on it.")
-    path = svg_bar_chart("reliability", labels, reliability, diagonal=True, ymax=1.0,
-                         title=f"reliability (sequence prob, test): accuracy per bin, "
-                               f"T=1 vs T={T:.2f}",
-                         xlabel="confidence bin (start)", ylabel="accuracy", directory=args.plots)
-    print0(terminal_bars(labels, reliability, width=30, vmax=1.0))
-    print0(f"plot: {path}")
-    result["T"] = T
-    return result
+    import calibration
+    return calibration.run(args, device)
 
-
-# ----------------------------------------------------------------------------------------
-# uncertainty and contamination: uncertainty.py and contamination.py (split out by concept)
-# run those experiments with this file's metrics and models; imported at the mode's call,
-# because they import this file.
 
 def run_uncertainty(args, device):
     import uncertainty

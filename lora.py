@@ -61,12 +61,11 @@ import torch.nn.functional as F
 import data
 import evaluate as ev
 from model import GPT, get_config, load_checkpoint, load_model, PRESETS
-from nf4 import NF4_DQ_BITS, NF4Matmul, NF4Weight
-from plumbing import (ActivationMeter, ArgumentParser, HelpFormatter, Runtime, StepTimer, UserError, all_reduce_flat,
-                      atomic_save, comm, fmt_bytes, warmup_cosine,
-                      fmt_count, model_state_bytes, print0, run_cli, seed_everything,
-                      setup_runtime, tensor_bytes,
-                      require_at_least_one)
+from nf4 import NF4Matmul, NF4Weight
+from plumbing import (ActivationMeter, ArgumentParser, HelpFormatter, Runtime, StepTimer,
+                      UserError, all_reduce_flat, atomic_save, comm, fmt_bytes, fmt_count,
+                      model_state_bytes, print0, require_at_least_one, run_cli,
+                      seed_everything, setup_runtime, tensor_bytes, warmup_cosine)
 
 METHODS = ("full", "lora", "loraplus", "qlora", "vera", "dora")
 DEFAULT_LR = {"full": 3e-4, "lora": 3e-3, "loraplus": 1e-3, "qlora": 3e-3, "vera": 5e-2,
@@ -79,7 +78,8 @@ ALL_LINEARS = "wq,wk,wv,wo,w1,w2,w3"
 
 def kaiming(rows, cols, gen, a=math.sqrt(5)):
     """Kaiming-uniform: U(±gain·√(3/fan_in)), gain = √(2/(1+a²)), fan_in = cols.
-    a=√5 (nn.Linear's and peft's LoRA A): bound 1/√fan_in. a=0 (ReLU gain √2): √(6/fan_in)."""
+    a=√5 (nn.Linear's and peft's LoRA A): bound 1/√fan_in.
+    a=0 (ReLU gain √2): √(6/fan_in)."""
     return nn.init.kaiming_uniform_(torch.empty(rows, cols), a=a, generator=gen)
 
 
@@ -194,10 +194,10 @@ class VeRAShared(nn.Module):
     def __init__(self, rank, max_in, max_out, gen):
         super().__init__()
         # Kaiming-uniform with the ReLU gain, bound √(6/fan_in), as peft's VeRA
-        # (tuners/vera `_kaiming_init`: gain √2, bound √3·gain/√fan_in), NOT LoRA's 1/√fan_in:
-        # the VeRA paper (Sec. 3) picks Kaiming init so that BA keeps the same variance at
-        # every rank; and the same learnt d and b then move W as far as they do in peft
-        # (√6 times more than with LoRA's bound, per matrix).
+        # (tuners/vera `_kaiming_init`: gain √2, bound √3·gain/√fan_in), NOT LoRA's
+        # 1/√fan_in: the VeRA paper (Sec. 3) picks Kaiming init so that BA keeps the same
+        # variance at every rank; and the same learnt d and b then move W as far as they do
+        # in peft (√6 times more than with LoRA's bound, per matrix).
         self.register_buffer("A", kaiming(rank, max_in, gen, a=0))
         self.register_buffer("B", kaiming(max_out, rank, gen, a=0))
 
@@ -525,9 +525,13 @@ def trainable_formula(model, method):
     """Trainable parameters by formula: LoRA Σ r(in+out), DoRA + Σ out, VeRA Σ (r + out)."""
     if method == "full":
         return sum(p.numel() for p in model.parameters())
-    per = {"vera": lambda r, i, o: r + o, "dora": lambda r, i, o: r * (i + o) + o}.get(
-        method, lambda r, i, o: r * (i + o))
-    return sum(per(m.rank, m.in_features, m.out_features) for m in adapters(model))
+    def per_layer(r, i, o):
+        if method == "vera":
+            return r + o                    # the vectors d and b
+        if method == "dora":
+            return r * (i + o) + o          # A, B and the magnitude m
+        return r * (i + o)                  # A and B
+    return sum(per_layer(m.rank, m.in_features, m.out_features) for m in adapters(model))
 
 
 def ledger_row(model, method, run, quality, base_quality):
@@ -537,7 +541,9 @@ def ledger_row(model, method, run, quality, base_quality):
     frozen = [p for p in model.parameters() if not p.requires_grad]
     frozen += [b for n, b in model.named_buffers() if n in keep]
     trainable = [p for p in model.parameters() if p.requires_grad]
-    st, fb, tb = run["state"], tensor_bytes(frozen), tensor_bytes(trainable)
+    st = run["state"]
+    fb = tensor_bytes(frozen)
+    tb = tensor_bytes(trainable)
     return dict(method=method, trainable=sum(p.numel() for p in trainable),
                 formula=trainable_formula(model, method), frozen=fb, train_bytes=tb,
                 grads=st["grads"], optim=st["optimizer"],
@@ -568,54 +574,19 @@ def print_ledger(rows):
            f"trainable: {'every row matches' if ok else 'MISMATCH'}")
 
 
-def nf4_bits_report(model, block=64, dq_block=256, targets=ALL_LINEARS):
-    """Quantize the target weights both ways and count the stored bits."""
-    for dq, formula, label in ((True, 4 + 8 / block + 32 / (block * dq_block),
-                                "4 + 8/64 + 32/(64·256)"), (False, 4 + 32 / block, "4 + 32/64")):
-        qs = [NF4Weight(m.weight, block, dq, dq_block) for _, m in target_linears(model, targets)]
-        n = sum(math.prod(q.shape) for q in qs)
-        bits = 8 * sum(q.nbytes for q in qs) / n
-        err = max((q.dequantize() - m.weight).abs().max().item()
-                  for q, (_, m) in zip(qs, target_linears(model, targets)))
-        print0(f"NF4 {'with' if dq else 'without'} double quantization: measured "
-               f"{bits:.4f} bits/param over {fmt_count(n)} weights | formula {label} = "
-               f"{formula:.4f} | max |W - deq(W)| {err:.2e}")
-
-
 # ----------------------------------------------------------------------------------------
-# --estimate: the same memory arithmetic for the models the QLoRA paper talks about
+# QLoRA's bits per parameter (measured against the formula) and --estimate (the same memory
+# arithmetic for the models the QLoRA paper talks about) live in lora_estimate.py, split out
+# by concept: storage arithmetic, not training; imported at the call, as it imports this file.
 
-EST_SHAPES = {  # layers, d_model, kv dim, ffn hidden, vocab, heads
-    "65B": (80, 8192, 8192, 22016, 32000, 64),   # LLaMA-65B
-    "70B": (80, 8192, 1024, 28672, 32000, 64)}   # Llama-2-70B (GQA, 8 KV heads)
+def nf4_bits_report(model, block=64, dq_block=256, targets=ALL_LINEARS):
+    import lora_estimate
+    lora_estimate.nf4_bits_report(model, block, dq_block, targets)
 
 
 def estimate(args):
-    key = args.estimate.upper()
-    if key not in EST_SHAPES:
-        raise UserError(f"--estimate knows {', '.join(EST_SHAPES)}, not {args.estimate!r}")
-    L, d, kv, ffn, V, heads = EST_SHAPES[key]
-    shapes = [(d, d), (kv, d), (kv, d), (d, d), (ffn, d), (d, ffn), (ffn, d)]  # wq..w3
-    linear = L * sum(o * i for o, i in shapes)
-    other = 2 * V * d + L * 2 * d + d              # embedding, head, norms: kept 16-bit
-    r, s = args.est_rank, args.est_seq
-    adapter = L * sum(r * (o + i) for o, i in shapes)
-    # activations with activation checkpointing (QLoRA uses it): every block's input kept
-    # (2·s·h bytes per layer, bf16) + one block recomputed at a time (Korthikanti et al.)
-    act = 2 * s * d * L + s * d * (34 + 5 * heads * s / d)
-    ad = adapter * (2 + 2 + 8)                      # bf16 weights + grads, fp32 Adam m, v
-    print0(f"{key}: Ψ = {fmt_count(linear + other)} ({fmt_count(linear)} in linear layers), "
-           f"LoRA r={r} on all 7 linear layers = {fmt_count(adapter)} trainable "
-           f"({adapter / (linear + other):.2%}); batch 1 × {s} tokens, decimal GB")
-    rows = [("full fine-tuning, mixed precision: 16 B/param", 16 * (linear + other), 0),
-            ("LoRA, bf16 base: 2 B/param + adapters 12 B/param", 2 * (linear + other), ad),
-            ("QLoRA, NF4 without double quant (4.5 bits)", linear * 4.5 / 8 + 2 * other, ad),
-            ("QLoRA, NF4 + double quant (4.127 bits)", linear * NF4_DQ_BITS / 8 + 2 * other, ad)]
-    print0(f"  {'':<50} {'base':>9} {'adapters':>9} {'act':>8} {'total':>9}  48 GB GPU?")
-    for label, base, adapters_b in rows:
-        total = base + adapters_b + act
-        print0(f"  {label:<50} {fmt_bytes(base):>9} {fmt_bytes(adapters_b):>9} "
-               f"{fmt_bytes(act):>8} {total / 1e9:6.2f} GB  {'fits' if total < 48e9 else 'no'}")
+    import lora_estimate
+    return lora_estimate.estimate(args)
 
 
 # ----------------------------------------------------------------------------------------
@@ -673,9 +644,11 @@ def write_outputs(model, spec, enc, args, rt):
     if not rt.is_main:
         return
     if args.save:
-        save_adapter(model, spec, args.save, training=dict(
-            steps=args.steps if args.mode == "train" else 0, lr=args.lr or DEFAULT_LR[
-                spec["method"]], loraplus_ratio=args.loraplus_ratio, loaded_from=args.load))
+        steps = args.steps if args.mode == "train" else 0
+        lr = args.lr or DEFAULT_LR[spec["method"]]
+        training = dict(steps=steps, lr=lr, loraplus_ratio=args.loraplus_ratio,
+                        loaded_from=args.load)
+        save_adapter(model, spec, args.save, training=training)
         print0(f"adapter ({spec['method']}, {len(spec['targets'])} layers) written to {args.save}")
     if args.export:
         plain = model if spec["method"] == "full" else merge_and_unload(model)
@@ -743,17 +716,7 @@ def main(argv=None):
     return rows
 
 
-def parse_args(argv=None):
-    p = ArgumentParser(
-        description="Fine-tune the base GPT on arithmetic with LoRA, LoRA+, QLoRA, VeRA, "
-                    "DoRA or full fine-tuning, and print what each costs.",
-        formatter_class=HelpFormatter)
-    p.add_argument("mode", nargs="?", default="train", choices=["train", "compare", "eval"],
-                   help="train: one --method (or continue --load); compare: every method in "
-                        "--methods, one table; eval: evaluate (and --export) the --load adapter")
-    p.add_argument("--method", default="lora", help=f"one of {', '.join(METHODS)}")
-    p.add_argument("--methods", default=",".join(METHODS), help="compare: methods to run")
-    g = p.add_argument_group("adapters")
+def add_adapter_flags(g):
     g.add_argument("--targets", default=ALL_LINEARS, help="linear layers to adapt (names)")
     g.add_argument("--rank", type=int, default=8, help="LoRA/QLoRA/DoRA rank r")
     g.add_argument("--alpha", type=float, default=16.0, help="LoRA scale α (ΔW = α/r·BA)")
@@ -765,7 +728,9 @@ def parse_args(argv=None):
     g.add_argument("--quant-block", type=int, default=64, help="QLoRA: NF4 block size")
     g.add_argument("--dq-block", type=int, default=256, help="QLoRA: absmax block size")
     g.add_argument("--no-double-quant", action="store_true", help="QLoRA: fp32 absmax")
-    g = p.add_argument_group("training and task")
+
+
+def add_training_flags(g):
     g.add_argument("--steps", type=int, default=200, help="optimizer steps per method")
     g.add_argument("--batch-size", type=int, default=32, help="problems per step per rank")
     g.add_argument("--lr", type=float, default=0.0, help=f"0 = per method: {DEFAULT_LR}")
@@ -776,23 +741,30 @@ def parse_args(argv=None):
     g.add_argument("--ops", default="+-", help="operators, from '+-*'")
     g.add_argument("--n-train", type=int, default=20000, help="training problems")
     g.add_argument("--eval-problems", type=int, default=200, help="held-out draws, 0 = none")
-    g = p.add_argument_group("run")
+
+
+def add_run_flags(g):
     g.add_argument("--ckpt", default="out/ckpt.pt", help="'none' = random --preset model")
     g.add_argument("--preset", default="tiny", help=f"with --ckpt none: {', '.join(PRESETS)}")
     g.add_argument("--seed", type=int, default=0, help="data, adapter init, dropout")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matmuls)")
     g.add_argument("--log-interval", type=int, default=25, help="steps between log lines")
-    g.add_argument("--save", default="", help="write the adapter file (method, settings, "
-                   "tensors, base identity) here, e.g. out/lora/adapter.pt")
-    g.add_argument("--load", default="", help="start from this adapter file: its method and "
-                   "settings replace the adapter flags; checked against --ckpt")
-    g.add_argument("--export", default="", help="write the merged, unloaded model here as a "
-                   "checkpoint that serve.py and every script read, e.g. out/lora/merged.pt")
+    g.add_argument("--save", default="",
+                   help="write the adapter file (method, settings, "
+                        "tensors, base identity) here, e.g. out/lora/adapter.pt")
+    g.add_argument("--load", default="",
+                   help="start from this adapter file: its method and "
+                        "settings replace the adapter flags; checked against --ckpt")
+    g.add_argument("--export", default="",
+                   help="write the merged, unloaded model here as a "
+                        "checkpoint that serve.py and every script read, e.g. out/lora/merged.pt")
     g.add_argument("--estimate", default="", help="memory arithmetic for 65B or 70B, exit")
     g.add_argument("--est-rank", type=int, default=64, help="--estimate: LoRA rank")
     g.add_argument("--est-seq", type=int, default=512, help="--estimate: tokens per step")
-    args = p.parse_args(argv)
+
+
+def check_args(args):
     require_at_least_one(args, ("steps", "batch_size", "warmup", "log_interval", "n_train",
                                 "quant_block", "dq_block"))
     if not 0 <= args.dropout < 1:
@@ -802,9 +774,28 @@ def parse_args(argv=None):
     if args.mode == "eval" and not args.load:
         raise UserError("eval mode evaluates an adapter file: give --load PATH")
     if args.mode == "compare" and (args.load or args.save or args.export):
-        raise UserError("--load, --save and --export work on one adapter: use train or eval mode")
+        raise UserError("--load, --save and --export work on one adapter: "
+                        "use train or eval mode")
     if args.method == "full" and args.save and not args.load:
-        raise UserError("full fine-tuning has no adapter to --save: write the model with --export")
+        raise UserError("full fine-tuning has no adapter to --save: "
+                        "write the model with --export")
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(
+        description="Fine-tune the base GPT on arithmetic with LoRA, LoRA+, QLoRA, VeRA, "
+                    "DoRA or full fine-tuning, and print what each costs.",
+        formatter_class=HelpFormatter)
+    p.add_argument("mode", nargs="?", default="train", choices=["train", "compare", "eval"],
+                   help="train: one --method (or continue --load); compare: every method in "
+                        "--methods, one table; eval: evaluate (and --export) the --load adapter")
+    p.add_argument("--method", default="lora", help=f"one of {', '.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(METHODS), help="compare: methods to run")
+    add_adapter_flags(p.add_argument_group("adapters"))
+    add_training_flags(p.add_argument_group("training and task"))
+    add_run_flags(p.add_argument_group("run"))
+    args = p.parse_args(argv)
+    check_args(args)
     return args
 
 

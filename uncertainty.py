@@ -29,11 +29,14 @@ from plumbing import UserError, print0
 @torch.no_grad()
 def sample_answers(model, enc, problems, k, temperature, max_new, seed):
     """k sampled answers per problem (cut after "\\n"), equal-length prompts batched."""
-    nl, device = enc.encode_ordinary(data.TERMINATOR)[0], model.output.weight.device
-    prompts, out = ev.prompt_ids(enc, problems), [None] * len(problems)
+    nl = enc.encode_ordinary(data.TERMINATOR)[0]
+    device = model.output.weight.device
+    prompts = ev.prompt_ids(enc, problems)
+    out = [None] * len(problems)
     for n, ids in ev.by_length(prompts).items():
-        rows = model.generate(torch.tensor([prompts[i] for i in ids for _ in range(k)], device=device),
-                              max_new, temperature=temperature, seed=seed + n, eos_id=nl).tolist()
+        idx = torch.tensor([prompts[i] for i in ids for _ in range(k)], device=device)
+        rows = model.generate(idx, max_new, temperature=temperature, seed=seed + n,
+                              eos_id=nl).tolist()
         for j, i in enumerate(ids):
             out[i] = [r[:r.index(nl) + 1] if nl in r else r for r in rows[j * k:(j + 1) * k]]
     return out
@@ -48,7 +51,9 @@ def meaning(text):
 def consistency_scores(enc, greedy, samples):
     """-> agreement of the samples with the greedy answer's meaning, entropy over distinct
     token sequences (naive), entropy over meanings (discrete semantic entropy)."""
-    agree, naive, semantic = [], [], []
+    agree = []
+    naive = []
+    semantic = []
     for g, ss in zip(greedy, samples):
         means = [meaning(enc.decode(s)) for s in ss]
         agree.append(np.mean([m == meaning(enc.decode(g)) for m in means]))
@@ -60,7 +65,8 @@ def consistency_scores(enc, greedy, samples):
 def run(args, device):
     """`python evaluate.py uncertainty`: every detector's AUROC and accuracy–coverage."""
     if args.samples < 2:
-        raise UserError(f"--samples must be at least 2 (self-consistency compares samples), got {args.samples}")
+        raise UserError(f"--samples must be at least 2 (self-consistency compares samples), "
+                        f"got {args.samples}")
     _, enc, _ = ev.load_base(args, device)
     model, _ = ev.task_model(args, enc, device)
     _, test = ev.eval_problems(args)
@@ -68,22 +74,26 @@ def run(args, device):
     rec = ev.answer_records(model, enc, test, args.max_new)
     seq, first, ent = ev.confidences(rec)
     t1 = time.perf_counter()
-    samples = sample_answers(model, enc, test, args.samples, args.temperature, args.max_new, args.seed)
+    samples = sample_answers(model, enc, test, args.samples, args.temperature, args.max_new,
+                             args.seed)
     agree, naive, semantic = consistency_scores(enc, rec["greedy"], samples)
     t2 = time.perf_counter()
     wrong = 1 - rec["correct"]
     k = f"{args.samples} samples"
-    detectors = {"max prob (1-p)": (1 - seq, "one pass"), "first-token prob": (1 - first, "one pass"),
+    detectors = {"max prob (1-p)": (1 - seq, "one pass"),
+                 "first-token prob": (1 - first, "one pass"),
                  "mean token entropy": (ent, "one pass"),
                  f"self-consistency K={args.samples}": (1 - agree, k),
                  "naive entropy": (naive, k), "semantic entropy": (semantic, k)}
     print0(f"{len(test)} test problems, greedy accuracy {rec['correct'].mean():.1%} | one pass "
            f"{t1 - t0:.1f} s, {args.samples} samples each (T={args.temperature}) {t2 - t1:.1f} s")
-    print0(f"{'detector (of a wrong answer)':<30}{'AUROC':>7}   95% CI{'acc@50%':>11}{'acc@80%':>9}{'cost':>14}")
+    print0(f"{'detector (of a wrong answer)':<30}{'AUROC':>7}   95% CI{'acc@50%':>11}"
+           f"{'acc@80%':>9}{'cost':>14}")
     curves, result = {}, {}
     for name, (score, cost) in detectors.items():
         a = ev.auroc(score, wrong)
-        lo, hi = ev.bootstrap_ci(lambda i: ev.auroc(score[i], wrong[i]), len(score), args.bootstrap, args.seed)
+        lo, hi = ev.bootstrap_ci(lambda i: ev.auroc(score[i], wrong[i]), len(score),
+                                 args.bootstrap, args.seed)
         curves[name] = ev.accuracy_coverage(-score, rec["correct"])
         at = dict((round(c, 2), acc) for c, acc in ev.accuracy_coverage(-score, rec["correct"], 10))
         print0(f"{name:<30}{a:7.3f}  [{lo:.2f}, {hi:.2f}]{at.get(0.5, float('nan')):10.1%}"
