@@ -386,16 +386,17 @@ def pct(xs, p):
 
 
 def latency(results, reqs):
-    """TTFT (from arrival), inter-token latencies, and the gap between the first and
-    second token (for disaggregation: the transfer, the import and the wait for a decode
-    step), split by short and long prompts."""
+    """TTFT (from arrival), inter-token latencies from the second token on, and the gap
+    between the first and the second token apart (for disaggregation it holds the
+    transfer, the import and the wait for the decode rank's step: counted in the ITL it
+    would be the p99, 1 gap in ~60 here), split by short and long prompts."""
     row = dict(ttft_short=[], ttft_long=[], itl_short=[], itl_long=[], gap2=[], tokens=0)
     end = 0.0
     for r in reqs:
         rec = results[r["id"]]
         t, kind = rec["times"], "long" if r["long"] else "short"
         row[f"ttft_{kind}"].append(t[0] - rec["arrival"])
-        row[f"itl_{kind}"] += [b - a for a, b in zip(t, t[1:])]
+        row[f"itl_{kind}"] += [b - a for a, b in zip(t[1:], t[2:])]
         row["gap2"] += [t[1] - t[0]] if len(t) > 1 else []
         row["tokens"] += len(t)
         end = max(end, t[-1])
@@ -405,17 +406,19 @@ def latency(results, reqs):
 
 
 def gather_steps(rt, engine):
-    """Both ranks call this: -> on rank 0, the step logs of both engines (serve.Engine's
-    step_log: seconds, tokens, decodes, context, sequences per step); on rank 1 None."""
+    """Both ranks call this: -> on rank 0, (the step logs of both engines -- serve.Engine's
+    step_log: seconds, tokens, decodes, context, sequences per step --, their preemptions
+    together); on rank 1 None."""
     if rt.rank == DECODE:
         log = torch.tensor(engine.step_log, dtype=torch.float64).reshape(-1, 5)
-        send([torch.tensor([log.shape[0]]), log], PREFILL)
+        send([torch.tensor([log.shape[0], engine.stats["preemptions"]]), log], PREFILL)
         return None
-    n = int(recv((1,), torch.int64, DECODE))
-    return engine.step_log + [tuple(r) for r in recv((n, 5), torch.float64, DECODE).tolist()]
+    n, preempted = recv((2,), torch.int64, DECODE).tolist()
+    log = recv((n, 5), torch.float64, DECODE).tolist()
+    return engine.step_log + [tuple(r) for r in log], preempted + engine.stats["preemptions"]
 
 
-def step_stats(steps):
+def step_stats(steps, preemptions):
     """The interference, step by step: the durations of decode-only steps and of steps
     that carried a prefill chunk, and how many decode tokens rode in the latter (each of
     them waited for the prefill's compute: what disaggregation removes)."""
@@ -423,7 +426,7 @@ def step_stats(steps):
     mixed = [st for st in steps if st[1] > st[2]]
     return dict(dec_s=[st[0] for st in dec], mixed_s=[st[0] for st in mixed],
                 batch=statistics.mean(st[2] for st in dec) if dec else 0.0,
-                delayed=int(sum(st[2] for st in mixed)),
+                delayed=int(sum(st[2] for st in mixed)), preemptions=preemptions,
                 decodes=int(sum(st[2] for st in steps)))
 
 
@@ -498,17 +501,21 @@ def bench(rt, args):
     cfg = model.config
     reqs = workload(args, cfg)
     rows = []
-    for name, fn in (("colocated x1 (rank 0 alone)", lambda e: serve_colocated(rt, e, reqs, 1)),
-                     ("colocated x2 (half each)", lambda e: serve_colocated(rt, e, reqs, 2)),
+    for name, fn in (("colocated x1 (rank 0 alone)", lambda e, i: serve_colocated(rt, e, reqs, 1)),
+                     ("colocated x2 (half each)", lambda e, i: serve_colocated(rt, e, reqs, 2)),
                      ("disaggregated 1P + 1D",
-                      lambda e: serve_disaggregated(rt, e, reqs, tag="bench")[0])):
-        engine = make_engine(model, args)
-        results = fn(engine)
-        steps = gather_steps(rt, engine)
-        if rt.rank == PREFILL:
-            row = latency(results, reqs)
-            row.update(step_stats(steps))
-            rows.append((name, row, results))
+                      lambda e, i: serve_disaggregated(rt, e, reqs, tag=f"bench{i}")[0])):
+        best = None
+        for i in range(args.repeats):   # the fastest run: the least disturbed by neighbours
+            engine = make_engine(model, args)
+            results = fn(engine, i)
+            steps = gather_steps(rt, engine)
+            if rt.rank == PREFILL:
+                row = latency(results, reqs)
+                row.update(step_stats(*steps))
+                if best is None or row["tok_s"] > best[1]["tok_s"]:
+                    best = (name, row, results)
+        rows.append(best)
     if rt.rank != PREFILL:
         return
     n_long = sum(r["long"] for r in reqs)
@@ -518,19 +525,21 @@ def bench(rt, args):
           f"processes with 1 thread each (on a loaded 2-core CPU they contend with each "
           f"other and with other jobs)")
     print(f"\n{'system':<28}{'tok/s':>7}{'TTFT p50/p99 ms short':>23}{'long':>15}"
-          f"{'ITL p50/p99 ms short':>22}{'long':>15}{'1st->2nd p50 ms':>17}")
+          f"{'ITL p50/p99 ms short':>22}{'long':>15}{'1st->2nd p50/p99 ms':>21}")
+    def two(xs):
+        return f"{pct(xs, 50) * 1e3:.1f}/{pct(xs, 99) * 1e3:.1f}"
     for name, s, _ in rows:
-        def two(xs):
-            return f"{pct(xs, 50) * 1e3:.1f}/{pct(xs, 99) * 1e3:.1f}"
         print(f"{name:<28}{s['tok_s']:>7.0f}{two(s['ttft_short']):>23}{two(s['ttft_long']):>15}"
               f"{two(s['itl_short']):>22}{two(s['itl_long']):>15}"
-              f"{pct(s['gap2'], 50) * 1e3:>17.1f}")
+              f"{two(s['gap2']):>21}")
     print(f"\n{'engine steps (both ranks)':<28}{'decode-only p50/p99 ms':>23}{'batch':>7}"
-          f"{'with a prefill chunk':>22}{'p50 ms':>8}{'decode tokens delayed by a prefill':>36}")
+          f"{'with a prefill chunk':>22}{'p50 ms':>8}{'decode tokens delayed by a prefill':>36}"
+          f"{'preempted':>11}")
     for name, s, _ in rows:
         print(f"{name:<28}{pct(s['dec_s'], 50) * 1e3:>14.1f}/{pct(s['dec_s'], 99) * 1e3:<8.1f}"
               f"{s['batch']:>7.1f}{len(s['mixed_s']):>22}{pct(s['mixed_s'], 50) * 1e3:>8.1f}"
-              f"{s['delayed']:>25} of {s['decodes']:<6} ({s['delayed'] / max(s['decodes'], 1):.0%})")
+              f"{s['delayed']:>25} of {s['decodes']:<6} ({s['delayed'] / max(s['decodes'], 1):.0%})"
+              f"{s['preemptions']:>8}")
     outs = [{rid: rec["out"] for rid, rec in res.items()} for _, _, res in rows]
     print(f"greedy outputs identical in the three systems: "
           f"{sum(outs[0][k] == outs[1][k] == outs[2][k] for k in outs[0])}/{len(reqs)}")
@@ -583,6 +592,9 @@ def build_parser():
         w.add_argument("--rate", type=float, default=16.0 if mode == "bench" else math.inf,
                        help="Poisson arrivals per second (inf = all at once)")
         w.add_argument("--seed", type=int, default=0, help="workload and model seed")
+        if mode == "bench":
+            m.add_argument("--repeats", type=int, default=1,
+                           help="run each system this many times, report the fastest run")
         if mode == "run":
             m.add_argument("--show", type=int, default=6, help="requests listed in the table")
     return p
@@ -591,7 +603,7 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
-                 "num_requests", "threads"):
+                 "num_requests", "threads") + (("repeats",) if args.mode == "bench" else ()):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got "
                             f"{getattr(args, name)}")
