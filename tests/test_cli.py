@@ -28,7 +28,8 @@ COMMANDS = [
 LIBRARIES = [
     "plumbing.py", "resume.py", "plots.py", "nf4.py", "openai_api.py", "planner.py",
     "tensor_parallel.py", "ring_attention.py", "parallel_check.py",
-    "calibrated.py", "qat.py", "prune.py", "uncertainty.py", "contamination.py", "curate_sweep.py",
+    "calibrated.py", "qat.py", "prune.py", "uncertainty.py", "contamination.py",
+    "calibration.py", "curate_sweep.py", "curate_mix.py", "lora_estimate.py", "rl_ledger.py",
 ]
 
 
