@@ -496,19 +496,19 @@ def run(rt, args):
 def bench(rt, args):
     """The same workload through one colocated engine (rank 0 alone), two colocated
     engines (one per rank: the same total compute as disaggregation) and one prefill +
-    one decode rank. Rank 0 prints the table."""
+    one decode rank. Rank 0 prints the tables."""
     model = build_model(args)
-    cfg = model.config
-    reqs = workload(args, cfg)
+    reqs = workload(args, model.config)
+    systems = (("colocated x1 (rank 0 alone)", lambda e, i: serve_colocated(rt, e, reqs, 1)),
+               ("colocated x2 (half each)", lambda e, i: serve_colocated(rt, e, reqs, 2)),
+               ("disaggregated 1P + 1D",
+                lambda e, i: serve_disaggregated(rt, e, reqs, tag=f"bench{i}")[0]))
     rows = []
-    for name, fn in (("colocated x1 (rank 0 alone)", lambda e, i: serve_colocated(rt, e, reqs, 1)),
-                     ("colocated x2 (half each)", lambda e, i: serve_colocated(rt, e, reqs, 2)),
-                     ("disaggregated 1P + 1D",
-                      lambda e, i: serve_disaggregated(rt, e, reqs, tag=f"bench{i}")[0])):
+    for name, serve_all in systems:
         best = None
         for i in range(args.repeats):   # the fastest run: the least disturbed by neighbours
             engine = make_engine(model, args)
-            results = fn(engine, i)
+            results = serve_all(engine, i)
             steps = gather_steps(rt, engine)
             if rt.rank == PREFILL:
                 row = latency(results, reqs)
@@ -516,43 +516,49 @@ def bench(rt, args):
                 if best is None or row["tok_s"] > best[1]["tok_s"]:
                     best = (name, row, results)
         rows.append(best)
-    if rt.rank != PREFILL:
-        return
+    if rt.rank == PREFILL:
+        print_bench(rows, reqs, args, model.config)
+
+
+def print_bench(rows, reqs, args, cfg):
     n_long = sum(r["long"] for r in reqs)
+    kv_dtype = args.kv_dtype or "float32"
     print(f"workload: {len(reqs)} requests ({n_long} long prompts {args.long_len}, the rest "
           f"{args.short_len}), outputs {args.output_len}, Poisson {args.rate}/s; "
-          f"{cfg.n_layer}-layer model, KV {args.kv_dtype or 'float32'}; wall clock, 2 "
-          f"processes with 1 thread each (on a loaded 2-core CPU they contend with each "
-          f"other and with other jobs)")
-    print(f"\n{'system':<28}{'tok/s':>7}{'TTFT p50/p99 ms short':>23}{'long':>15}"
-          f"{'ITL p50/p99 ms short':>22}{'long':>15}{'1st->2nd p50/p99 ms':>21}")
+          f"{cfg.n_layer}-layer model, KV {kv_dtype}; wall clock, 2 processes with 1 thread "
+          f"each (on a loaded 2-core CPU they contend with each other and with other jobs)")
+
     def two(xs):
         return f"{pct(xs, 50) * 1e3:.1f}/{pct(xs, 99) * 1e3:.1f}"
+    print(f"\n{'system':<28}{'tok/s':>7}{'TTFT p50/p99 ms short':>23}{'long':>15}"
+          f"{'ITL p50/p99 ms short':>22}{'long':>15}{'1st->2nd p50/p99 ms':>21}")
     for name, s, _ in rows:
         print(f"{name:<28}{s['tok_s']:>7.0f}{two(s['ttft_short']):>23}{two(s['ttft_long']):>15}"
-              f"{two(s['itl_short']):>22}{two(s['itl_long']):>15}"
-              f"{two(s['gap2']):>21}")
+              f"{two(s['itl_short']):>22}{two(s['itl_long']):>15}{two(s['gap2']):>21}")
     print(f"\n{'engine steps (both ranks)':<28}{'decode-only p50/p99 ms':>23}{'batch':>7}"
           f"{'with a prefill chunk':>22}{'p50 ms':>8}{'decode tokens delayed by a prefill':>36}"
           f"{'preempted':>11}")
     for name, s, _ in rows:
+        share = s["delayed"] / max(s["decodes"], 1)
         print(f"{name:<28}{pct(s['dec_s'], 50) * 1e3:>14.1f}/{pct(s['dec_s'], 99) * 1e3:<8.1f}"
               f"{s['batch']:>7.1f}{len(s['mixed_s']):>22}{pct(s['mixed_s'], 50) * 1e3:>8.1f}"
-              f"{s['delayed']:>25} of {s['decodes']:<6} ({s['delayed'] / max(s['decodes'], 1):.0%})"
-              f"{s['preemptions']:>8}")
+              f"{s['delayed']:>25} of {s['decodes']:<6} ({share:.0%}){s['preemptions']:>8}")
     outs = [{rid: rec["out"] for rid, rec in res.items()} for _, _, res in rows]
-    print(f"greedy outputs identical in the three systems: "
-          f"{sum(outs[0][k] == outs[1][k] == outs[2][k] for k in outs[0])}/{len(reqs)}")
+    same = sum(outs[0][k] == outs[1][k] == outs[2][k] for k in outs[0])
+    print(f"greedy outputs identical in the three systems: {same}/{len(reqs)}")
     kv = sum(rec["kv_bytes"] for rec in rows[2][2].values())
-    print(f"KV moved by disaggregation: {fmt_bytes(kv)} ({kv} B = the formula's "
-          f"{sum(kv_formula(cfg, args.kv_dtype or 'float32', len(r['prompt'])) for r in reqs)}"
-          f" B), {fmt_bytes(kv / sum(r['out_len'] > 1 for r in reqs))} per request")
+    want = sum(kv_formula(cfg, kv_dtype, len(r["prompt"])) for r in reqs if r["out_len"] > 1)
+    print(f"KV moved by disaggregation: {fmt_bytes(kv)} ({kv} B = the formula's {want} B), "
+          f"{fmt_bytes(kv / sum(r['out_len'] > 1 for r in reqs))} per request")
     co, dis = rows[1][1], rows[2][1]
     print("\nledger row:")
-    print(f"  prefill/decode disaggregation | short-prompt ITL p99 {pct(dis['itl_short'], 99) * 1e3:.1f}"
-          f" vs {pct(co['itl_short'], 99) * 1e3:.1f} ms colocated x2 | {kv} B of KV over P2P, "
-          f"1st->2nd token {pct(dis['gap2'], 50) * 1e3:.1f} vs {pct(co['gap2'], 50) * 1e3:.1f} ms"
-          f" | fixed 1:1 prefill:decode split; tok/s {dis['tok_s']:.0f} vs {co['tok_s']:.0f}")
+    print(f"  prefill/decode disaggregation | decode tokens delayed by a prefill: "
+          f"{dis['delayed']} vs {co['delayed']} of {co['decodes']} colocated x2; short TTFT "
+          f"p99 {pct(dis['ttft_short'], 99) * 1e3:.0f} vs {pct(co['ttft_short'], 99) * 1e3:.0f}"
+          f" ms | {fmt_bytes(kv)} of KV over P2P (= the formula); 1st->2nd token p50 "
+          f"{pct(dis['gap2'], 50) * 1e3:.1f} vs {pct(co['gap2'], 50) * 1e3:.1f} ms | a fixed "
+          f"1:1 prefill:decode split (tok/s {dis['tok_s']:.0f} vs {co['tok_s']:.0f}); the "
+          f"decode side's prefix cache")
 
 
 # ----------------------------------------------------------------------------------------
