@@ -437,11 +437,20 @@ def binned(values, width):
             for i in range(0, len(values), width)]
 
 
+def output_suffix(args):
+    """What tells one measurement's files from another's: --bos, a policy or chunk other
+    than the defaults (sinks 4, window block_size - 4, chunk 1)."""
+    tag = "_bos" if args.bos else ""
+    if args.sinks != 4 or args.window is not None:
+        tag += f"_sinks{args.sinks}_window{args.window}"
+    return tag + (f"_chunk{args.chunk}" if args.chunk != 1 else "")
+
+
 def plot(losses, args, capacity):
     """Two SVGs: the loss along the stream (StreamingLLM's Figure 3 layout), and each cache
     policy's excess over the dense reference, where the text's own ups and downs cancel;
     the terminal shows the second. -> the paths written."""
-    suffix = "_bos" if args.bos else ""
+    suffix = output_suffix(args)
     note = ", <|endoftext|> first" if args.bos else ""
     n = len(next(iter(losses.values())))
     width = max(1, n // 64)
@@ -506,7 +515,7 @@ def run_measure(args):
     print("\n".join(table))
     svgs = plot(losses, args, capacity)
     os.makedirs(args.out, exist_ok=True)
-    result = os.path.join(args.out, "measure_bos.json" if args.bos else "measure.json")
+    result = os.path.join(args.out, f"measure{output_suffix(args)}.json")
     with open(result, "w", encoding="utf-8") as f:
         json.dump({"model": what, "tokens": args.tokens, "sinks": args.sinks,
                    "window": window, "chunk": args.chunk, "stats": stats,
@@ -539,7 +548,7 @@ def parse_args(argv=None):
                         f"'none': the fresh model even if {DEFAULT_CKPT} exists)")
     common.add_argument("--preset", default="tiny", choices=list(PRESETS),
                         help="size of the fresh model")
-    common.add_argument("--train-steps", type=int, default=400,
+    common.add_argument("--train-steps", type=int, default=6000,
                         help="training steps of the fresh model (0 = random init)")
     common.add_argument("--data", default=None, help="corpus text file (not given: built-in)")
     common.add_argument("--sinks", type=int, default=4, help="first tokens kept (StreamingLLM: 4)")
@@ -551,7 +560,7 @@ def parse_args(argv=None):
     common.add_argument("--seed", type=int, default=0, help="training and sampling seed")
     common.add_argument("--device", default="cpu", help="cpu or cuda")
     common.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    common.add_argument("--out", default=OUT_DIR, help="where measure[_bos].json and the "
+    common.add_argument("--out", default=OUT_DIR, help="where measure*.json and the "
                         "fresh model go")
     p = ArgumentParser(description="Long runs beyond the context: sliding-window and "
                        "attention-sink KV caches (StreamingLLM).", formatter_class=fmt)

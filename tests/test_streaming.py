@@ -192,11 +192,11 @@ def test_measure_cli_end_to_end(text_file, tmp_path):
         torch.testing.assert_close(losses[name][:32], losses[names[0]][:32], atol=1e-4,
                                    rtol=0)
         assert stats[name]["peak_tokens"] == 32
-    saved = json.load(open(tmp_path / "measure.json"))
+    saved = json.load(open(tmp_path / "measure_sinks2_window30.json"))
     assert saved["window"] == 30 and len(saved["losses"][names[2]]) == 149
-    svg = open(os.path.join(tmp_path, "streaming_loss.svg")).read()
+    svg = open(os.path.join(tmp_path, "streaming_loss_sinks2_window30.svg")).read()
     assert svg.count("<polyline") == 4          # + the window without its 2 sinks
-    excess = open(os.path.join(tmp_path, "streaming_excess.svg")).read()
+    excess = open(os.path.join(tmp_path, "streaming_excess_sinks2_window30.svg")).read()
     assert excess.count("<polyline") == 3       # each cache policy minus the reference
     again, _ = streaming.main(argv)             # the fresh model is reused, not retrained
     assert len(list(tmp_path.glob("fresh-tiny-2steps-seed0-*.pt"))) == 1
