@@ -71,7 +71,8 @@ def case(rt, name, cfg, kv_dtype, decode_blocks, abort_prefilled=(), abort_sent=
     meter = sum(v[2] for (op, _), v in comm.rows.items() if op == "send")
     wire = sum(out[r["id"]]["kv_bytes"] + out[r["id"]]["meta_bytes"] for r in shipped)
     assert meter == wire + (len(abort_sent) + 1) * HEADER * 8, (meter, wire)
-    print(f"ok {name}: {len(out)} requests equal one engine's outputs; KV bytes == formula "
+    print(f"ok {name}: {len(out) - len(gone)} requests equal one engine's outputs, "
+          f"{len(gone)} aborted and freed; KV bytes == formula "
           f"({kv_formula(cfg, engine.cache.kv_dtype, 1)} B/token); decode pool "
           f"{pool['num_free']}/{decode_blocks} free", flush=True)
 
