@@ -57,7 +57,7 @@ from kvcache import extend_hash_chain
 from model import GPT, get_config, load_model
 from plumbing import ArgumentParser, UserError, run_cli
 from serve import FINISHED, Engine, SamplingParams
-from serve_bench import AgentSessions, BenchRequest, _range
+from serve_bench import AgentSessions, BenchRequest, length_range
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
@@ -377,8 +377,8 @@ def bench(args):
     model.eval()
     cfg = model.config
     workload = AgentSessions(cfg, None, args.sessions, args.turns, args.system_len,
-                             _range(args.message_len, "message-len"),
-                             _range(args.answer_len, "answer-len"), args.think_time,
+                             length_range(args.message_len, "message-len"),
+                             length_range(args.answer_len, "answer-len"), args.think_time,
                              args.rate, args.seed)
     print(f"model: {args.checkpoint or 'random-init ' + args.preset} ({cfg.n_layer} layers, "
           f"context {cfg.block_size}); {args.replicas} replicas x {args.num_blocks} blocks of "

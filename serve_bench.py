@@ -65,9 +65,11 @@ class BenchRequest:
     history: int = 0        # leading prompt tokens an earlier turn already computed
 
 
-def _range(text, name):
+def length_range(text, name):
+    """A length flag: "N" (exactly N) or "LO:HI" (uniform in LO..HI) -> (lo, hi)."""
     try:
-        lo, hi = (int(x) for x in text.split(":")) if ":" in text else (int(text),) * 2
+        parts = text.split(":") if ":" in text else [text, text]
+        lo, hi = (int(x) for x in parts)
     except ValueError:
         raise UserError(f"--{name} takes N or LO:HI, got {text!r}") from None
     if not 1 <= lo <= hi:
@@ -80,8 +82,8 @@ def make_workload(args, cfg, eos_id):
     (never <|endoftext|>; an optional shared prefix in front, e.g. a system prompt),
     arrivals all at t=0 (--rate inf) or Poisson at --rate requests/s."""
     rng = random.Random(args.seed)
-    (plo, phi), (olo, ohi) = _range(args.prompt_len, "prompt-len"), _range(args.output_len,
-                                                                           "output-len")
+    plo, phi = length_range(args.prompt_len, "prompt-len")
+    olo, ohi = length_range(args.output_len, "output-len")
     vocab = [t for t in range(cfg.vocab_size) if t != eos_id]
     shared = [rng.choice(vocab) for _ in range(args.shared_prefix)]
     reqs, t = [], 0.0
@@ -472,10 +474,12 @@ def bench(args, model, enc):
         raise UserError("--clock cpu needs --rate inf (CPU time does not pass while waiting "
                         "for an arrival)")
     if args.workload == "mixed":
-        reqs = mixed_workload(args.num_requests, _range(args.prompt_len, "prompt-len"),
-                              _range(args.long_len, "long-len"), args.long_frac,
-                              _range(args.output_len, "output-len"), args.rate,
-                              model.config, enc.eot_token, args.seed)
+        reqs = mixed_workload(args.num_requests,
+                              length_range(args.prompt_len, "prompt-len"),
+                              length_range(args.long_len, "long-len"),
+                              args.long_frac,
+                              length_range(args.output_len, "output-len"),
+                              args.rate, model.config, enc.eot_token, args.seed)
     else:
         reqs = make_workload(args, model.config, enc.eot_token)
     bw, flops = print_setup(args, model, reqs)
@@ -494,9 +498,9 @@ def bench(args, model, enc):
 
 def agent_workload(args, cfg, eos_id):
     return AgentSessions(cfg, eos_id, args.sessions, args.turns, args.system_len,
-                         _range(args.message_len, "message-len"),
-                         _range(args.answer_len, "answer-len"), args.think_time, args.rate,
-                         args.seed)
+                         length_range(args.message_len, "message-len"),
+                         length_range(args.answer_len, "answer-len"),
+                         args.think_time, args.rate, args.seed)
 
 
 def tier_run(model, enc, args, pool, tier, clock):
