@@ -497,7 +497,7 @@ def run_measure(args):
         runs[f"window ({window})"] = lambda: stream_losses(model, tokens, 0, window, args.chunk)
     first = max(1, args.sinks)
     mass, uniform = sink_mass(model, tokens, first, bos=bos)
-    print(f"attention on the first {first} tokens of a window (queries from position "
+    print(f"attention on the first {first} token(s) of a window (queries from position "
           f"{2 * first} on), per layer: " + ", ".join(f"{m:.1%}" for m in mass)
           + f" (uniform attention: {uniform:.1%}; a sink is far above it)")
     losses, stats = {}, {}
