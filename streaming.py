@@ -485,6 +485,8 @@ def run_measure(args):
     cfg = model.config
     window = args.window if args.window is not None else cfg.block_size - args.sinks
     check_policy(cfg, args.sinks, window)
+    if args.chunk > window:                        # before any run, not after the first
+        raise UserError(f"--chunk must be in 1..window={window}, got {args.chunk}")
     capacity = args.sinks + window
     bos = corpus.enc.encode_single_token(data.EOT) if args.bos else None
     tokens = stream_tokens(corpus, args.tokens, args.offset, bos)
@@ -585,7 +587,7 @@ def parse_args(argv=None):
     s.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
     s.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest")
     args = p.parse_args(argv)
-    for name in ("tokens", "batch_size", "new_tokens", "threads", "top_k"):
+    for name in ("tokens", "batch_size", "new_tokens", "threads", "top_k", "chunk"):
         if getattr(args, name, 1) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got "
                             f"{getattr(args, name)}")
