@@ -530,7 +530,8 @@ def run_measure(args):
                    "sink_mass": {"first": first, "per_layer": mass, "uniform": uniform},
                    "bands": [[lo, hi] for lo, hi in edges],
                    "losses": {k: v.tolist() for k, v in losses.items()}}, f, indent=1)
-    print(f"wrote {', '.join(svgs)} and {result} (timings: wall clock on this possibly shared CPU)")
+    print(f"wrote {', '.join(svgs)} and {result} (timings: wall clock on this possibly "
+          f"shared CPU)")
     return losses, stats
 
 
@@ -543,9 +544,10 @@ def run_generate(args):
     new, cache = stream_generate(model, prompt, args.new_tokens, args.sinks, window,
                                  args.temperature, args.top_k, args.seed)
     print(corpus.enc.decode(prompt + new))
-    print(f"\n{len(prompt) + len(new)} tokens ({(len(prompt) + len(new)) / model.config.block_size:.1f}x "
-          f"the context) | cache {cache.length}/{cache.capacity} tokens, "
-          f"{fmt_bytes(cache.nbytes)} | evicted {cache.evicted} | model: {what}")
+    total = len(prompt) + len(new)
+    print(f"\n{total} tokens ({total / model.config.block_size:.1f}x the context) | cache "
+          f"{cache.length}/{cache.capacity} tokens, {fmt_bytes(cache.nbytes)} | evicted "
+          f"{cache.evicted} | model: {what}")
 
 
 def parse_args(argv=None):
