@@ -634,14 +634,23 @@ class GPT(nn.Module):
             aux = sum(layer.feed_forward.aux_loss for layer in self.layers) / len(self.layers)
             total = total + self.config.moe_aux_coef * aux
             parts["moe_aux"] = aux.detach()
+        extra, heads = self.extra_heads_loss(h, targets)
+        total = total + extra
+        parts.update(heads)
+        self.last_losses = parts
+        return total
+
+    def extra_heads_loss(self, h, targets):
+        """-> (coef · the mean of the extra heads' cross-entropies, each head's detached);
+        head k at position t predicts token t+1+k = targets[t+k]. parallel.py's last
+        pipeline stage adds the same."""
+        total, parts = 0.0, {}
         for k, head in enumerate(self.extra_heads, start=1):
-            # head k at position t predicts token t+1+k = targets[t+k]
             extra = F.cross_entropy(head(h[:, :-k]).flatten(0, 1).float(),
                                     targets[:, k:].flatten(), ignore_index=-1)
             total = total + self.config.extra_heads_coef * extra / len(self.extra_heads)
             parts[f"head{k}"] = extra.detach()
-        self.last_losses = parts
-        return total
+        return total, parts
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,

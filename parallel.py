@@ -22,6 +22,8 @@ the shared GPT split along each of them, by hand:
   ep  expert parallelism (GShard, Lepikhin et al. 2020): the MoE experts spread over
       ranks, tokens sent to their experts and back with all-to-all (uneven splits).
       saves: expert weights ÷ e.  adds: 2 all-to-alls forward and 2 backward per layer.
+      Shared experts (DeepSeekMoE) stay replicated, outside the all-to-all; DeepSeek-V3's
+      loss-free bias moves by loads the balance statistics already all-reduce.
   dp  data parallelism: whatever is left replicates the model and averages gradients.
 
 This file composes them: the mesh and its process groups (build_mesh, group_over), the
@@ -121,8 +123,9 @@ def check_layout(layout, cfg, world, batch_size, seq_len):
                         f"--n-expert)")
     if cfg.n_expert % L.ep:
         raise UserError(f"--ep {L.ep} does not divide the {cfg.n_expert} experts")
-    if cfg.n_extra_heads:
-        raise UserError("extra next-token heads are not split by parallel.py")
+    if cfg.n_extra_heads and (L.tp > 1 or L.cp > 1):
+        raise UserError("extra next-token heads see whole sequences and the whole "
+                        "vocabulary here: use them without --tp and --cp")
     if cfg.tie_embeddings and (L.tp > 1 or L.pp > 1):
         raise UserError("tied embeddings would live on two tp slices / pipeline stages: "
                         "parallel.py splits untied models only")
@@ -224,7 +227,13 @@ class ExpertParallelMoE(nn.Module):
     The router is replicated. Its balance loss needs the fraction of tokens per expert and
     the mean router probability over the WHOLE microbatch, which is spread over the data
     ranks (dp, ep, cp): both are summed over `stats_group`, so the loss equals one
-    process's exactly."""
+    process's exactly. Those summed counts are also the loads that loss-free balancing
+    (DeepSeek-V3) moves its routing bias by: every rank sees the same global loads, so
+    every rank's bias stays identical with no collective of its own (`load_seen`: the
+    step's loads so far, summed over microbatches; reset by forward_backward).
+    Shared experts (DeepSeekMoE) are replicated like the router: each rank runs them on
+    its own tokens, no all-to-all; their gradients are dense ones (summed over the data
+    ranks)."""
 
     def __init__(self, moe: MoE, ep_group, stats_group, aux_scale):
         super().__init__()
@@ -232,10 +241,12 @@ class ExpertParallelMoE(nn.Module):
         self.n_expert, self.top_k = len(moe.experts), moe.top_k
         self.local = self.n_expert // e
         self.first = r * self.local
-        self.router = moe.router
+        self.router = moe.router                  # model.Router: scores, the bias buffer
         self.experts = nn.ModuleList(moe.experts[self.first:self.first + self.local])
+        self.shared_experts = moe.shared_experts
         self.ep_group, self.stats_group, self.aux_scale = ep_group, stats_group, aux_scale
         self.aux_loss, self.aux_seen, self.idle_experts = None, 0.0, 0
+        self.load_seen = None
 
     def forward(self, x):
         B, T, D = x.shape
@@ -255,6 +266,7 @@ class ExpertParallelMoE(nn.Module):
         self.aux_loss = aux.detach()
         self.aux_seen += self.aux_scale * aux.item()   # its share of the logged loss
         self.idle_experts += int((stats[:-1] == 0).sum())   # experts that got no token
+        self.load_seen = stats[:-1] if self.load_seen is None else self.load_seen + stats[:-1]
 
         # dispatch: (token, slot) pairs sorted by expert = grouped by destination rank
         flat_ids = ids.flatten()
@@ -272,7 +284,9 @@ class ExpertParallelMoE(nn.Module):
         # run the local experts: received rows are [source rank][local expert] blocks
         expert_of_row = torch.arange(self.local, device=x.device).repeat(e).repeat_interleave(
             recv_counts.flatten())
-        out_rows = torch.zeros_like(received)
+        # zeros that stay in the graph: when none of this rank's experts gets a token, the
+        # backward must still run its two all-to-alls, as every other ep rank's does
+        out_rows = received * 0
         for j, expert in enumerate(self.experts):
             rows = (expert_of_row == j).nonzero(as_tuple=True)[0]
             if rows.numel():                      # an expert may receive no token at all
@@ -282,7 +296,7 @@ class ExpertParallelMoE(nn.Module):
         # combine: weight each expert output by its gate and add it to its token
         gate = weights.flatten()[order][:, None]
         out = torch.zeros_like(x_flat).index_add(0, token_of, returned * gate)
-        out = AttachAuxLoss.apply(out, aux, self.aux_scale)
+        out = AttachAuxLoss.apply(out + MoE.shared(self, x_flat), aux, self.aux_scale)
         return out.view(B, T, D)
 
 
@@ -327,12 +341,30 @@ class ShardedStage(pipeline.Stage):
         super().__init__(*stage_args)
         self.gathered = gathered
         self.activation_bytes = 0
+        model = stage_args[0]
+        if self.is_last and len(model.extra_heads):
+            self.extra_heads = model.extra_heads     # held (and trained) by the last stage
+            self.extra_heads_loss = model.extra_heads_loss
 
     def forward(self, x, targets=None):
         with SavedActivations(self, self.gathered) as saved:
-            out = super().forward(x, targets)
+            if self.is_last and targets is not None and hasattr(self, "extra_heads"):
+                out = self.forward_with_heads(x, targets)
+            else:
+                out = super().forward(x, targets)
         self.activation_bytes = saved.bytes
         return out
+
+    def forward_with_heads(self, x, targets):
+        """pipeline.Stage.forward plus the extra (MTP) heads' loss on the final hidden
+        state, as GPT.loss adds it (check_layout: whole sequences, whole vocabulary)."""
+        if self.is_first:
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x, self.cos, self.sin)
+        h = self.norm(x)
+        extra, _ = self.extra_heads_loss(h, targets)
+        return self.loss_fn(self.output(h), targets) + extra
 
 
 def build_shard(cfg, layout, mesh, seq_len, device):
@@ -437,6 +469,7 @@ def forward_backward(shard, layout, xs, ys, timeline=None):
     moes = [m for m in shard.model.modules() if isinstance(m, ExpertParallelMoE)]
     for moe in moes:
         moe.aux_seen = 0.0
+        moe.load_seen = None
     return _forward_backward(shard, layout, xs, ys, timeline) + sum(m.aux_seen for m in moes)
 
 
@@ -533,7 +566,66 @@ def train_step(shard, layout, optimizer, batch, grad_clip, timeline):
     sync_gradients(shard, layout)
     norm = clip_gradients(shard, layout, grad_clip)
     optimizer.step()
+    balance_experts(shard)
     return local, norm
+
+
+def balance_experts(shard):
+    """Loss-free balancing after the optimizer step (DeepSeek-V3; model.Router.update_bias):
+    each MoE layer this rank holds moves its bias by the step's loads, which its forwards
+    already summed over the data ranks -- identical on every rank, nothing more sent."""
+    for moe in shard.expert_layers:
+        if moe.load_seen is not None and moe.router.expert_bias is not None:
+            moe.router.update_bias(moe.load_seen, shard.model.config.moe_bias_rate)
+
+
+def expert_imbalance(shard):
+    """max/mean tokens per expert in the last step, averaged over this rank's MoE layers."""
+    ran = [m.load_seen for m in shard.expert_layers if m.load_seen is not None]
+    return sum(float(load.max() / load.mean()) for load in ran) / len(ran) if ran else None
+
+
+class DenseReference(parallel_check.DenseReferenceMoE):
+    """parallel_check's one-process MoE (every expert on every token, unchosen ones gated by
+    zero) plus the shared experts (DeepSeekMoE), which it does not hold."""
+
+    def __init__(self, moe: MoE):
+        super().__init__(moe)
+        self.shared_experts = moe.shared_experts
+
+
+def build_reference(cfg, device):
+    """--check's one process: the full model from every rank's seed, its MoE dense."""
+    ref = GPT(cfg, seed=0).to(device)
+    for block in ref.layers if cfg.n_expert else []:
+        block.feed_forward = DenseReference(block.feed_forward)
+    return ref
+
+
+def reference_loads(ref, x):
+    """The one process's tokens per expert for the step's global batch x: one no-grad
+    forward, run before its optimizer step (routing is per token, so these equal the sum
+    over its microbatches)."""
+    with torch.no_grad():
+        ref(x)
+    return ref.expert_loads()
+
+
+def check_expert_bias(step, shard, ref, loads):
+    """--check, loss-free balancing: the one process moves its bias by its own loads; every
+    MoE layer this rank holds must have seen the same loads and hold the same bias."""
+    ref.update_expert_bias(loads)
+    for i, block in enumerate(shard.model.layers):
+        moe = block.feed_forward
+        if moe.load_seen is None:           # another pipeline stage's layer
+            continue
+        bias = ref.layers[i].feed_forward.router.expert_bias
+        if not torch.equal(moe.load_seen, loads[i]) or not torch.equal(moe.router.expert_bias,
+                                                                        bias):
+            raise AssertionError(f"step {step}, layer {i}: loads {moe.load_seen.tolist()} / "
+                                 f"bias differ from one process's ({loads[i].tolist()})")
+    print0(f"CHECK step {step}: every layer's expert loads and loss-free bias equal one "
+           f"process's (max |b| {float(bias.abs().max()):.4f})")
 
 
 def train(args, rt):
@@ -550,7 +642,7 @@ def train(args, rt):
     optimizer = make_optimizer([p for _, p in shard.params], args)
     optimizers = [optimizer]
     if args.check:              # one process, same seed and batches (parallel_check.py)
-        ref = parallel_check.build_reference(cfg, rt.device)
+        ref = build_reference(cfg, rt.device)
         ref_optimizer = make_optimizer(list(ref.parameters()), args)
         optimizers.append(ref_optimizer)
     print0(f"model {args.preset}: {GPT(cfg, seed=None).num_params():,} params | layout "
@@ -581,12 +673,18 @@ def train(args, rt):
         elapsed += seconds
         loss = global_loss(local, layout, rt.device)
         held = parallel_check.state_bytes(shard, optimizer)["total"]
+        imbalance = expert_imbalance(shard)
         print0(f"step {step:4d} | loss {loss:.4f} | grad norm {norm:.3f} | lr {lr:.2e} | "
                f"{args.batch_size * args.seq_len / seconds / 1e3:.1f}k tok/s | state "
-               f"{fmt_bytes(held)}/rank | sent {fmt_bytes(comm.total_wire / (step + 1))}/step")
+               f"{fmt_bytes(held)}/rank | sent {fmt_bytes(comm.total_wire / (step + 1))}/step"
+               + (f" | experts max/mean {imbalance:.2f}" if imbalance else ""))
         if args.check:
+            loss_free = cfg.n_expert and cfg.moe_balance == "loss_free"
+            loads = reference_loads(ref, batch[0]) if loss_free else None
             parallel_check.check_step(step, shard, layout, ref, ref_optimizer, batch,
                                       (loss, norm), args.grad_clip)
+            if loss_free:
+                check_expert_bias(step, shard, ref, loads)
     print0(parallel_check.ledger(shard, layout, cfg, args, rt, optimizer))
     if args.check:
         parallel_check.check_traffic(shard, layout, cfg, args)
@@ -638,6 +736,9 @@ def layout_from(args):
 def model_config(args):
     return get_config(args.preset, n_layer=args.n_layer, n_head=args.n_head,
                       n_kv_head=args.n_kv_head, n_embd=args.n_embd, n_expert=args.n_expert,
+                      n_shared_expert=args.n_shared_expert, moe_score=args.moe_score,
+                      moe_balance=args.moe_balance, moe_bias_rate=args.moe_bias_rate,
+                      moe_aux_coef=args.moe_aux_coef, n_extra_heads=args.n_extra_heads,
                       block_size=max(args.seq_len, get_config(args.preset).block_size))
 
 
@@ -677,6 +778,16 @@ def parse_args(argv=None):
     m.add_argument("--n-kv-head", type=int, help="override the preset's KV heads")
     m.add_argument("--n-embd", type=int, help="override the preset's width")
     m.add_argument("--n-expert", type=int, help="override the preset's expert count")
+    m.add_argument("--n-shared-expert", type=int, help="override the preset's always-on "
+                   "shared experts (DeepSeekMoE)")
+    m.add_argument("--moe-score", choices=("softmax", "sigmoid"),
+                   help="override the preset's router affinities")
+    m.add_argument("--moe-balance", choices=("aux", "loss_free"), help="override the "
+                   "preset's balancing: Switch aux loss, or DeepSeek-V3's routing bias")
+    m.add_argument("--moe-bias-rate", type=float, help="override γ of the loss-free bias")
+    m.add_argument("--moe-aux-coef", type=float, help="override the balance loss's weight")
+    m.add_argument("--n-extra-heads", type=int, help="override the preset's extra (MTP) "
+                   "next-token heads")
     m.add_argument("--data", default=None, help="a UTF-8 text file, documents separated by "
                    "<|endoftext|>; when not given: the built-in corpus (see data.py)")
     m.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")

@@ -17,18 +17,29 @@ from plumbing import UserError, print0, setup_runtime
 COMMON = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--steps", "2",
           "--warmup-steps", "1", "--check"]
 MHA4 = ["--n-head", "4", "--n-kv-head", "4"]          # 4 KV heads: tp=4 needs them
+# DeepSeek-V3's MoE: a shared expert, sigmoid affinities, the loss-free bias (γ large enough
+# that step 2 routes differently from step 1); --check also compares loads and bias (and,
+# with --n-extra-heads, the MTP head on the last pipeline stage)
+V3 = ["--n-expert", "4", "--n-shared-expert", "1", "--moe-score", "sigmoid", "--moe-balance",
+      "loss_free", "--moe-bias-rate", "0.05"]
 LAYOUTS = {
     2: [["--dp", "2"], ["--tp", "2"], ["--tp", "2", "--sp"], ["--cp", "2"],
-        ["--cp", "2", "--cp-layout", "plain"], ["--ep", "2", "--n-expert", "4"]],
+        ["--cp", "2", "--cp-layout", "plain"], ["--ep", "2", "--n-expert", "4"],
+        ["--ep", "2", *V3]],
     4: [["--tp", "4", *MHA4], ["--tp", "4", "--sp", *MHA4], ["--cp", "4"],
         ["--cp", "4", "--cp-layout", "plain"], ["--tp", "2", "--cp", "2"],
         ["--tp", "2", "--cp", "2", "--sp"],
         # 8 tokens × top-2 over 8 experts: some expert receives no token
         ["--ep", "4", "--n-expert", "8", "--seq-len", "2"],
         ["--dp", "2", "--ep", "2", "--n-expert", "4"], ["--cp", "2", "--ep", "2", "--n-expert", "4"],
+        ["--dp", "2", "--ep", "2", *V3],
         # experts inside a V-shaped pipeline: the balance loss joins each stage's backward
         ["--pp", "2", "--ep", "2", "--n-expert", "4", "--n-layer", "4", "--schedule", "dualpipev",
-         "--microbatches", "4", "--batch-size", "8"]],
+         "--microbatches", "4", "--batch-size", "8"],
+        # ... with the bias: some rank's experts all go idle, its backward must still
+        # join both all-to-alls
+        ["--pp", "2", "--ep", "2", *V3, "--n-layer", "4", "--schedule", "dualpipev",
+         "--microbatches", "4", "--batch-size", "8", "--n-extra-heads", "1"]],
     8: [["--dp", "2", "--pp", "2", "--tp", "2", "--steps", "3", "--microbatches", "2",
          "--n-layer", "4"],
         ["--pp", "2", "--cp", "2", "--tp", "2", "--sp", "--schedule", "zb", "--microbatches", "2",

@@ -31,6 +31,7 @@ def memory(out, flags):
 @pytest.mark.slow
 def test_two_ranks_every_dimension_alone_and_dtensor_tp(text_file):
     out = launch(2, text_file)
+    assert "CHECK step 1: every layer's expert loads and loss-free bias equal" in out
     for flags in BAD[2]:
         assert "REFUSED " + " ".join(flags) in out
     assert "CHECK hand TP = DTensor TP (tp=2)" in out
@@ -50,6 +51,8 @@ def test_two_ranks_every_dimension_alone_and_dtensor_tp(text_file):
 def test_four_ranks_tp4_cp4_tp_x_cp_and_experts(text_file):
     out = launch(4, text_file)
     assert "experts got no token" in out       # the batch where an expert sat idle
+    # DeepSeek-V3's MoE under dp × ep and pp × ep: loads and bias equal one process's
+    assert out.count("loss-free bias equal one process's") == 2 * 2
 
 
 @pytest.mark.slow
@@ -77,6 +80,7 @@ def check(cfg_overrides=None, world=2, batch=4, seq=32, **layout):
     (dict(world=2, dp=2, batch=3), "not divisible into 2 data replicas"),
     (dict(world=2, pp=2, cfg_overrides=dict(n_layer=3), microbatches=4), "not divisible"),
     (dict(world=2, dp=0), "must be at least 1"),
+    (dict(world=2, tp=2, cfg_overrides=dict(n_extra_heads=1)), "without --tp and --cp"),
 ])
 def test_bad_layouts_get_one_clear_message(kwargs, message):
     with pytest.raises(UserError, match=message):
