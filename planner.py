@@ -46,6 +46,15 @@ sends N·(n−1)/n from each), per layer and microbatch unless said:
   DP  per step, reduce-scatter grads + all-gather weights 2·2Ψ_s·(n−1)/n (DDP: the same
       as one all-reduce; ZeRO-3 gathers the weights again for backward: 3·).
 
+Mixture of experts (DeepSeekMoE, DeepSeek-V3): the shape gives Ψ in all and the parameters
+one token activates (top-k of the routed experts; param_counts, equal to model.py's own
+counts for its presets); the routed experts are divided by pp·ep (not by TP: experts are
+split by EP, TP slices the rest), and ZeRO shards them over the dp·cp/ep ranks holding the
+same experts; EP  per MoE layer and microbatch, dispatch and combine, forward and
+backward: 4·(s/c)·b·k·h·2·(ep−1)/ep. With experts the search tries TP last (V3 trains
+without it). --state-bytes moves bytes between what ZeRO-1 shards and what it does not
+(V3: 2,6,8). DeepSeek-V3 on 2,048 H800s (PP 16, EP 64, ZeRO-1, no TP): docs/planner.md.
+
 Arithmetic only, no process group: split out of parallel.py by concept (choosing a layout,
 not running one); `python parallel.py plan` is its command line.
 """
@@ -95,6 +104,25 @@ def add_plan_arguments(parser):
       help="activation recomputation (default selective)")
     a("--zero", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage over dp·cp "
       "(default 2, Llama 3's FSDP; 0 = DDP)")
+    a("--state-bytes", default="2,2,12", help="bytes per parameter of weights, gradients, "
+      "optimizer (default 2,2,12: bf16, bf16, fp32 master + Adam; DeepSeek-V3: 2,4,8 = fp32 "
+      "gradients, bf16 Adam moments)")
+    m = parser.add_argument_group("mixture of experts (DeepSeekMoE) and latent attention")
+    m.add_argument("--experts", type=int, default=0, help="routed experts per MoE layer "
+                   "(default 0: dense)")
+    m.add_argument("--shared-experts", type=int, default=0, help="always-on experts (default 0)")
+    m.add_argument("--top-k", type=int, default=8, help="routed experts per token (default 8)")
+    m.add_argument("--expert-ffn", type=int, help="SwiGLU width of one expert (default --ffn)")
+    m.add_argument("--dense-layers", type=int, default=0, help="leading layers with a dense "
+                   "MLP of --ffn (default 0; DeepSeek-V3: 3)")
+    m.add_argument("--ep", type=int, default=1, help="expert parallelism inside the dp·cp "
+                   "ranks (default 1); with experts the search tries TP last")
+    m.add_argument("--kv-lora-rank", type=int, default=0, help="MLA latent d_c (default 0: GQA)")
+    m.add_argument("--q-lora-rank", type=int, default=0, help="MLA query latent (default 0)")
+    m.add_argument("--qk-rope-dim", type=int, default=64, help="MLA rope part d_R (default 64)")
+    m.add_argument("--qk-nope-dim", type=int, default=128, help="MLA position-free part of a "
+                   "query/key head (default 128)")
+    m.add_argument("--v-head-dim", type=int, default=128, help="MLA value head (default 128)")
 
 
 def check_plan_args(args):
@@ -124,10 +152,62 @@ def check_plan_args(args):
     if args.tokens < args.seq * args.micro_batch:
         raise UserError(f"--global-batch-tokens {args.tokens:,} is less than one microbatch "
                         f"(--seq {args.seq} × --micro-batch {args.micro_batch})")
-    h, kv = args.hidden, args.kv_heads * args.hidden // args.heads
-    # wq, wo: h·h each; wk, wv: h·kv each; w1, w2, w3: h·ffn each; untied embedding + head
-    shape = args.layers * (2 * h * h + 2 * h * kv + 3 * h * args.ffn) + 2 * args.vocab * h
+    check_moe_args(args)
+    shape = param_counts(args)["total"]
     return (parse_quantity(args.params, "--params") if args.params else shape), shape
+
+
+def check_moe_args(args):
+    args.expert_ffn = args.expert_ffn or args.ffn
+    try:
+        text = args.state_bytes if isinstance(args.state_bytes, str) else \
+            ",".join(map(str, args.state_bytes))          # planned twice: already parsed
+        args.state_bytes = tuple(float(b) for b in text.split(","))
+    except ValueError:
+        args.state_bytes = ()
+    if len(args.state_bytes) != 3 or min(args.state_bytes) <= 0:
+        raise UserError("--state-bytes takes three positive numbers: weights,grads,optimizer")
+    if args.experts and not 1 <= args.top_k <= args.experts:
+        raise UserError(f"--top-k {args.top_k} must be in 1..--experts {args.experts}")
+    if args.ep < 1 or (args.experts or 1) % args.ep or (args.ep > 1 and not args.experts):
+        raise UserError(f"--ep {args.ep} must divide --experts {args.experts} (and needs them)")
+    if not 0 <= args.dense_layers <= args.layers:
+        raise UserError(f"--dense-layers must be in 0..--layers {args.layers}")
+
+
+def attention_params(args):
+    """One layer's attention weights (+ its norms). GQA: wq, wo h·h, wk, wv h·kv. MLA
+    (DeepSeek-V2 §2.1, mla.py's names): wq (or wq_a, q_norm, wq_b) to H·(d_nope + d_R),
+    wkv_a h → d_c + d_R, kv_norm, wkv_b d_c → H·(d_nope + d_v), wo H·d_v → h."""
+    h, H = args.hidden, args.heads
+    if not args.kv_lora_rank:
+        kv = args.kv_heads * h // H
+        return 2 * h * h + 2 * h * kv
+    qk = H * (args.qk_nope_dim + args.qk_rope_dim)
+    q = h * qk if not args.q_lora_rank else \
+        h * args.q_lora_rank + args.q_lora_rank + args.q_lora_rank * qk
+    kv = h * (args.kv_lora_rank + args.qk_rope_dim) + args.kv_lora_rank + \
+        args.kv_lora_rank * H * (args.qk_nope_dim + args.v_head_dim)
+    return q + kv + H * args.v_head_dim * h
+
+
+def param_counts(args):
+    """From the shape: 'total' (memory), 'active' (what one token's forward touches: top-k
+    of the routed experts), 'routed' (the routed experts' weights: what EP divides).
+    A layer: attention + 2 norms (h each) + a SwiGLU 3·h·ffn, or, as a MoE layer, a router
+    (E·h), E routed experts 3·h·f_e and the shared experts 3·h·(n_s·f_e) (one SwiGLU of
+    n_s·f_e, model.MoE). Plus the untied embedding and head (2·V·h) and the final norm.
+    Not counted: DeepSeek-V3's MTP module (14B on top of its 671B)."""
+    h = args.hidden
+    moe_layers = args.layers - args.dense_layers if args.experts else 0
+    expert = 3 * h * args.expert_ffn
+    per_layer = attention_params(args) + 2 * h
+    dense = (args.layers - moe_layers) * 3 * h * args.ffn
+    moe = moe_layers * (args.experts * h + args.shared_experts * expert)
+    routed = moe_layers * args.experts * expert
+    total = args.layers * per_layer + dense + moe + routed + 2 * args.vocab * h + h
+    active = total - moe_layers * (args.experts - args.top_k) * expert
+    return dict(total=total, active=active, routed=routed, moe_layers=moe_layers)
 
 
 def stage_layers(layers, pp):
@@ -163,37 +243,63 @@ class PlannedLayout:
     optimizer: float
     acts: float         # on the busiest stage: `busiest` = (stage, layers, microbatches)
     busiest: tuple
-    sent: dict          # bytes sent per GPU per step: TP, CP, PP, DP
+    sent: dict          # bytes sent per GPU per step: TP, CP, PP, DP, EP
     status: str         # fits | over (memory) | m < pp | batch < dp (m = 0)
+    ep: int = 1         # expert parallelism, inside the dp·cp ranks
 
     total = property(lambda self: self.weights + self.grads + self.optimizer + self.acts)
     bubble = property(lambda self: (self.pp - 1) / max(self.m + self.pp - 1, 1))
-    name = property(lambda self: f"TP {self.tp} × CP {self.cp} × PP {self.pp} × DP {self.dp}")
+    name = property(lambda self: f"TP {self.tp} × CP {self.cp} × PP {self.pp} × DP {self.dp}"
+                    + (f" (EP {self.ep})" if self.ep > 1 else ""))
 
 
-def evaluate_layout(args, psi, tp, cp, pp):
+def held_bytes(args, dense, routed, n, n_e):
+    """(weights, grads, optimizer) bytes of a GPU holding `dense` + `routed` parameters,
+    ZeRO over the n ranks holding the same dense shard and the n_e = n/ep holding the
+    same experts."""
+    wb, gb, ob = args.state_bytes
+    def sharded(stage, count):
+        return count if args.zero < stage else dense / n + routed / n_e
+    return (wb * sharded(3, dense + routed), gb * sharded(2, dense + routed),
+            ob * sharded(1, dense + routed))
+
+
+def all_to_all_bytes(args, tokens, ep):
+    """Expert parallelism, one MoE layer and microbatch, per GPU (GShard; DeepSeek-V3
+    §3.2.2): every token's k copies are dispatched to their experts and combined back, each
+    way (ep−1)/ep of them to other GPUs under uniform routing, forward and backward:
+    4 · tokens · k · h · 2 bytes · (ep−1)/ep (bf16; V3 dispatches in FP8: 3/4 of it)."""
+    return 4 * tokens * args.top_k * args.hidden * 2 * (ep - 1) / ep
+
+
+def evaluate_layout(args, psi, tp, cp, pp, ep=1):
     dp = args.gpus // (tp * cp * pp)
     m = args.tokens // (args.seq * args.micro_batch * dp)
-    shard, n = psi / (tp * pp), dp * cp
-    weights = 2 * shard / (n if args.zero >= 3 else 1)
-    grads = 2 * shard / (n if args.zero >= 2 else 1)
-    optimizer = 12 * shard / (n if args.zero >= 1 else 1)
+    counts = param_counts(args)
+    routed = psi * counts["routed"] / counts["total"]   # the experts' share of Ψ
+    shard, n = (psi - routed) / (tp * pp), dp * cp       # TP slices the dense part only
+    expert_shard, n_e = routed / (pp * ep), dp * cp // ep
+    weights, grads, optimizer = held_bytes(args, shard, expert_shard, n, n_e)
     layers = stage_layers(args.layers, pp)
     worth, stage = max((k * min(pp - i, m), i) for i, k in enumerate(layers))
     acts = worth * activation_bytes_per_layer(args, tp, cp)
     tokens = args.seq // cp * args.micro_batch              # on this GPU, per microbatch
     kv_local = max(args.kv_heads // tp, 1) * args.hidden // args.heads
     passes = max(layers) * m                                # layer passes per step
+    wb, gb, _ = args.state_bytes
+    dp_bytes = gb + wb * (2 if args.zero == 3 else 1)        # RS grads + AG weights (×2)
     sent = {"TP": TP_PASSES[args.recompute] * 4 * (tp - 1) / tp * tokens * args.hidden * 2
             * passes,
             "CP": CP_LAPS[args.recompute] * (cp - 1) * 2 * tokens * kv_local * 2 * passes,
             "PP": 2 * m * tokens * args.hidden * 2 / tp if pp > 1 else 0,
-            "DP": (3 if args.zero == 3 else 2) * 2 * shard * (n - 1) / n}
+            "DP": dp_bytes * (shard * (n - 1) / n + expert_shard * (n_e - 1) / max(n_e, 1)),
+            "EP": all_to_all_bytes(args, tokens, ep) * passes * counts["moe_layers"]
+            / args.layers}
     total = weights + grads + optimizer + acts
     status = ("batch < dp" if m < 1 else "over" if total > args.gpu_mem * 1e9
               else "m < pp" if m < pp else "fits")
     return PlannedLayout(tp, cp, pp, dp, m, weights, grads, optimizer, acts,
-                         (stage, layers[stage], min(pp - stage, m)), sent, status)
+                         (stage, layers[stage], min(pp - stage, m)), sent, status, ep)
 
 
 def powers_of_two(limit):
@@ -208,9 +314,14 @@ def plan_layouts(args):
            if args.gpus_per_node % t == 0 and args.heads % t == 0
            and (args.kv_heads % t == 0 or t % args.kv_heads == 0)]
     cps = [c for c in powers_of_two(args.seq) if c == 1 or args.seq % (2 * c) == 0]  # zigzag
-    rows = [evaluate_layout(args, psi, tp, cp, pp)
-            for cp in cps for pp in powers_of_two(args.layers) for tp in tps
-            if args.gpus % (tp * cp * pp) == 0]
+    pps = powers_of_two(args.layers)
+    if args.experts:     # MoE: TP last (DeepSeek-V3 trains without it: the experts are not
+        order = [(cp, pp, tp) for cp in cps for tp in tps for pp in pps]  # split by TP)
+    else:
+        order = [(cp, pp, tp) for cp in cps for pp in pps for tp in tps]
+    rows = [evaluate_layout(args, psi, tp, cp, pp, args.ep) for cp, pp, tp in order
+            if args.gpus % (tp * cp * pp) == 0
+            and (args.gpus // (tp * pp)) % args.ep == 0]
     return psi, shape, rows, next((r for r in rows if r.status == "fits"), None)
 
 
@@ -236,12 +347,23 @@ def _zero_label(args):
 def _assumptions(args, psi, shape):
     act = {"none": "(s/c)·b·h/t·(34+5as/h)", "selective": "(s/c)·b·h·34/t",
            "full": "2·(s/c)·b·h/t"}[args.recompute]
+    wb, gb, ob = args.state_bytes
+    heads = f"MLA d_c {args.kv_lora_rank}" if args.kv_lora_rank else f"{args.kv_heads} KV"
+    moe = []
+    if args.experts:
+        c = param_counts(args)
+        moe = [f"  MoE in {c['moe_layers']} layers: {args.experts} routed experts "
+               f"{args.expert_ffn} wide + {args.shared_experts} shared, top-{args.top_k}: "
+               f"{c['active'] / 1e9:.1f}B active per token; routed {c['routed'] / 1e9:.1f}B "
+               f"÷ (pp·ep), the rest ÷ (tp·pp)"]
     return [f"plan: Ψ = {psi / 1e9:.1f}B (the shape gives {shape / 1e9:.1f}B), {args.layers} "
-            f"layers, h {args.hidden}, {args.heads} heads ({args.kv_heads} KV), ffn {args.ffn}",
+            f"layers, h {args.hidden}, {args.heads} heads ({heads}), ffn {args.ffn}",
             f"  seq {args.seq} × micro-batch {args.micro_batch}, {args.tokens:,} tokens per "
             f"step, {args.gpus} × {args.gpu_mem:g} GB GPUs, {args.gpus_per_node} per node",
-            "assumptions: 16 B/param (bf16 weights 2, grads 2, fp32 master + Adam 12); TP + "
-            "sequence parallel;",
+            *moe,
+            f"assumptions: {wb + gb + ob:g} B/param (weights {wb:g}, grads {gb:g}, optimizer "
+            f"{ob:g}{': bf16, bf16, fp32 master + Adam' * (args.state_bytes == (2, 2, 12))}); "
+            "TP + sequence parallel;",
             f"  {_zero_label(args)};",
             f"  activations {args.recompute}: {act} per layer and microbatch (Korthikanti 2022);",
             "  1F1B: stage i holds min(pp−i, m) microbatches; L+2 slots per pipeline (Llama 3: "
@@ -263,15 +385,16 @@ def _shown(rows, best):
 
 
 def _candidates(shown, best):
+    dims = ["TP", "CP", "PP", "DP"] + ["EP"] * any(r.ep > 1 for r in shown)
     out = ["candidates, in the cheat sheet's order (GB held | GB sent per step, per GPU):",
            f"  {'tp':>3}{'cp':>4}{'pp':>4}{'dp':>6}{'m':>6}{'weights':>8}{'grads':>6}"
-           f"{'optim':>6}{'acts':>6}{'total':>7} |{'TP':>6}{'CP':>6}{'PP':>6}{'DP':>6} |"
-           f" bubble"]
+           f"{'optim':>6}{'acts':>6}{'total':>7} |" + "".join(f"{d:>6}" for d in dims)
+           + " | bubble"]
     for r in shown:
         held = "".join(f"{_gb(x):>{w}}" for x, w in ((r.weights, 8), (r.grads, 6),
                                                       (r.optimizer, 6), (r.acts, 6),
                                                       (r.total, 7)))
-        sent = "".join(f"{_gb(r.sent[k]):>6}" for k in ("TP", "CP", "PP", "DP"))
+        sent = "".join(f"{_gb(r.sent[k]):>6}" for k in dims)
         out.append(f"{'->' if r is best else '  '}{r.tp:>3}{r.cp:>4}{r.pp:>4}{r.dp:>6}{r.m:>6}"
                    f"{held} |{sent} | {r.bubble:>5.0%}  {r.status}")
     return out
@@ -308,7 +431,11 @@ def _step1_fit(args, psi, rows, b):
             r = index[less]
             out.append(f"  less {what}: {r.name} {why_not(r)}" + " (PP splits weights, not "
                        "activations)" * (what == "PP" and r.status == "over"))
-    ddp = 16 * psi + b.acts
+    if b.ep > 1:
+        r = evaluate_layout(args, psi, b.tp, b.cp, b.pp, b.ep // 2)
+        out.append(f"  less EP: {r.name} holds {fmt_bytes(r.total)} (experts ÷ {r.ep}; "
+                   f"all-to-all {fmt_bytes(r.sent['EP'])} instead of {fmt_bytes(b.sent['EP'])})")
+    ddp = sum(args.state_bytes) * psi + b.acts
     if b.tp == b.pp == b.cp == 1 and args.zero and ddp > args.gpu_mem * 1e9:
         out.append(f"  no model parallelism: {_zero_label(args).split(':')[0]} is enough (DDP "
                    f"would need {fmt_bytes(ddp)})")
@@ -329,7 +456,8 @@ def _step2_batch(args, b):
     s = {k: fmt_bytes(v) for k, v in b.sent.items()}
     out.append(f"  sent per GPU and step: TP {s['TP']}{' (NVLink)' * (b.tp > 1)}, CP "
                f"{s['CP']}, PP {s['PP']}, DP {s['DP']} "
-               f"({'all-reduce' if args.zero == 0 else 'RS + AG'} over {b.dp * b.cp})")
+               f"({'all-reduce' if args.zero == 0 else 'RS + AG'} over {b.dp * b.cp})"
+               + f", EP {s['EP']} (all-to-all over {b.ep})" * (b.ep > 1))
     return out
 
 
@@ -338,8 +466,11 @@ def plan(args):
     psi, shape, rows, best = plan_layouts(args)
     shown = _shown(rows, best)
     out = _assumptions(args, psi, shape) + _candidates(shown, best)
-    out.append("step 1 - fit: TP inside a node first, then PP across nodes, then CP")
-    out.append(f"  one replica holds 16 B/param × Ψ = {fmt_bytes(16 * psi)}; one layer's "
+    out.append("step 1 - fit: " + ("PP first, TP last (MoE: TP would not split the "
+                                   "experts), then CP" if args.experts else
+                                   "TP inside a node first, then PP across nodes, then CP"))
+    per = sum(args.state_bytes)
+    out.append(f"  one replica holds {per:g} B/param × Ψ = {fmt_bytes(per * psi)}; one layer's "
                f"activations at tp 1, cp 1: {fmt_bytes(activation_bytes_per_layer(args, 1, 1))}")
     if best is None:
         return "\n".join(out + _nothing_fits(args, rows, shown))

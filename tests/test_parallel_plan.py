@@ -6,7 +6,8 @@ import math
 import pytest
 
 from planner import (UserError, activation_bytes_per_layer, add_plan_arguments,
-                        evaluate_layout, parse_quantity, plan, plan_layouts, stage_layers)
+                     check_plan_args, evaluate_layout, param_counts, parse_quantity, plan,
+                     plan_layouts, stage_layers)
 
 LLAMA3_405B = ["--params", "405B", "--layers", "126", "--hidden", "16384", "--heads", "128",
                "--kv-heads", "8", "--ffn", "53248", "--vocab", "128256", "--gpu-mem", "80"]
@@ -139,3 +140,85 @@ def test_7b_from_the_playbook():
 def test_bad_input_is_one_clear_error(argv, message):
     with pytest.raises(UserError, match=message):
         plan(plan_args(*argv))
+
+
+# DeepSeek-V3 (technical report, 2024): 61 layers (the first 3 dense), h 7168, 128 heads,
+# MLA (d_c 512, q latent 1536, d_R 64, d_nope 128, d_v 128), 256 routed experts 2048 wide
+# + 1 shared, top-8; 2,048 H800s, 15,360 sequences of 4,096 tokens per step
+DEEPSEEK_V3 = ["--layers", 61, "--hidden", 7168, "--heads", 128, "--vocab", 129280,
+               "--ffn", 18432, "--experts", 256, "--shared-experts", 1, "--top-k", 8,
+               "--expert-ffn", 2048, "--dense-layers", 3, "--kv-lora-rank", 512,
+               "--q-lora-rank", 1536, "--qk-rope-dim", 64, "--qk-nope-dim", 128,
+               "--v-head-dim", 128, "--seq", 4096, "--gpu-mem", 80, "--gpus", 2048,
+               "--global-batch-tokens", 15360 * 4096,
+               # V3 §3.3: fp32 gradients for accumulation (+4 on bf16's 2), fp32 master
+               # weights and bf16 Adam moments (4 + 2 + 2); ZeRO-1; EP over 8 nodes
+               "--state-bytes", "2,6,8", "--zero", 1, "--ep", 64]
+
+
+def test_deepseek_v3_parameters_from_the_shape():
+    args = plan_args(*DEEPSEEK_V3)
+    check_plan_args(args)
+    counts = param_counts(args)
+    h = 7168
+    mla = (h * 1536 + 1536 + 1536 * 128 * 192          # wq_a, q_norm, wq_b
+           + h * (512 + 64) + 512 + 512 * 128 * 256     # wkv_a, kv_norm, wkv_b
+           + 128 * 128 * h)                             # wo
+    expert = 3 * h * 2048
+    total = 61 * (mla + 2 * h) + 3 * 3 * h * 18432 + 58 * (256 * h + 257 * expert) \
+        + 2 * 129280 * h + h
+    assert counts["total"] == total and round(total / 1e9) == 671     # published: 671B
+    assert counts["active"] == total - 58 * 248 * expert
+    assert round(counts["active"] / 1e9) == 38                         # published: 37B
+
+
+def test_deepseek_v3_published_layout():
+    # no TP, PP 16, EP 64 inside DP 128, ZeRO-1: the cheat sheet with TP last (MoE)
+    args = plan_args(*DEEPSEEK_V3)
+    psi, _, rows, best = plan_layouts(args)
+    assert (best.tp, best.cp, best.pp, best.dp, best.ep) == (1, 1, 16, 128, 64)
+    assert evaluate_layout(args, psi, 1, 1, 8, 64).status == "over"     # 85.9 GB
+    assert evaluate_layout(args, psi, 1, 1, 16, 32).status == "over"    # EP 32: 81.3 GB
+    assert plan(args).splitlines()[-1] == "step 3 - layout: TP 1 × CP 1 × PP 16 × DP 128 (EP 64)"
+
+
+def test_deepseek_v3_row_by_hand():
+    args = plan_args(*DEEPSEEK_V3)
+    psi = plan_layouts(args)[0]
+    counts = param_counts(args)
+    r = evaluate_layout(args, psi, tp=1, cp=1, pp=16, ep=64)
+    dense = (counts["total"] - counts["routed"]) / 16          # one stage's dense share
+    experts = counts["routed"] / 16 / 64                       # and its 4 experts per layer
+    assert (r.dp, r.m) == (128, 120)                           # 15360 sequences / 128
+    assert r.weights == pytest.approx(2 * (dense + experts))
+    assert r.grads == pytest.approx(6 * (dense + experts))     # ZeRO-1: whole gradients
+    # ZeRO-1: the dense optimizer over 128 replicas, the experts' over 128/64 = 2
+    assert r.optimizer == pytest.approx(8 * (dense / 128 + experts / 2))
+    assert r.busiest == (1, 4, 15) and r.acts == pytest.approx(60 * 4096 * 7168 * 34)
+    # all-to-all: 4096 tokens × 8 copies × h, bf16, there and back, forward and backward,
+    # 63/64 to other GPUs; 4 layers × 120 microbatches, 58 of 61 layers MoE
+    a2a = 4 * 4096 * 8 * 7168 * 2 * 63 / 64
+    assert r.sent["EP"] == pytest.approx(a2a * 4 * 120 * 58 / 61)
+    assert r.total / 1e9 == pytest.approx(76.2, abs=0.05) and r.status == "fits"
+
+
+@pytest.mark.parametrize("preset", ["moe", "v3"])
+def test_planner_counts_equal_the_models_own(preset):
+    from model import GPT, get_config
+    cfg = get_config(preset)
+    model = GPT(cfg, seed=None)
+    heads = sum(p.numel() for p in model.extra_heads.parameters())     # MTP: not counted
+    argv = ["--layers", cfg.n_layer, "--hidden", cfg.n_embd, "--heads", cfg.n_head,
+            "--kv-heads", cfg.n_kv_head, "--vocab", cfg.vocab_size, "--ffn", cfg.ffn_dim,
+            "--experts", cfg.n_expert, "--shared-experts", cfg.n_shared_expert,
+            "--top-k", cfg.expert_top_k, "--seq", cfg.block_size]
+    if cfg.mla:
+        argv += ["--kv-lora-rank", cfg.kv_lora_rank, "--q-lora-rank", cfg.q_lora_rank,
+                 "--qk-rope-dim", cfg.qk_rope_head_dim, "--qk-nope-dim", cfg.head_dim,
+                 "--v-head-dim", cfg.head_dim]
+    args = plan_args(*argv)
+    check_plan_args(args)
+    counts = param_counts(args)
+    assert counts["total"] == model.num_params() - heads
+    assert counts["active"] == model.num_params(active=True) - heads
+    assert counts["total"] > counts["active"]
