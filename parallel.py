@@ -580,9 +580,16 @@ def balance_experts(shard):
 
 
 def expert_imbalance(shard):
-    """max/mean tokens per expert in the last step, averaged over this rank's MoE layers."""
+    """-> (max/mean tokens per expert, max/mean rows each ep rank receives) in the last
+    step, averaged over this rank's MoE layers; None without experts. The all-to-all moves
+    the same rows however they are routed; the busiest rank's share is what waits."""
     ran = [m.load_seen for m in shard.expert_layers if m.load_seen is not None]
-    return sum(float(load.max() / load.mean()) for load in ran) / len(ran) if ran else None
+    if not ran:
+        return None
+    e = shard.groups["ep"].size()
+    per_rank = [load.view(e, -1).sum(1) for load in ran]
+    return (sum(float(load.max() / load.mean()) for load in ran) / len(ran),
+            sum(float(load.max() / load.mean()) for load in per_rank) / len(ran))
 
 
 class DenseReference(parallel_check.DenseReferenceMoE):
@@ -654,6 +661,7 @@ def train(args, rt):
             pipeline.build_schedule(layout.schedule, layout.pp, layout.microbatches)))
     comm.reset()
     timeline = []
+    balance = []
     elapsed = 0.0
     for step in range(args.steps):
         lr = learning_rate(step, args)
@@ -674,10 +682,13 @@ def train(args, rt):
         loss = global_loss(local, layout, rt.device)
         held = parallel_check.state_bytes(shard, optimizer)["total"]
         imbalance = expert_imbalance(shard)
+        if imbalance:
+            balance.append(imbalance)
         print0(f"step {step:4d} | loss {loss:.4f} | grad norm {norm:.3f} | lr {lr:.2e} | "
                f"{args.batch_size * args.seq_len / seconds / 1e3:.1f}k tok/s | state "
                f"{fmt_bytes(held)}/rank | sent {fmt_bytes(comm.total_wire / (step + 1))}/step"
-               + (f" | experts max/mean {imbalance:.2f}" if imbalance else ""))
+               + (f" | max/mean tokens per expert {imbalance[0]:.2f}, per ep rank "
+                  f"{imbalance[1]:.2f}" if imbalance else ""))
         if args.check:
             loss_free = cfg.n_expert and cfg.moe_balance == "loss_free"
             loads = reference_loads(ref, batch[0]) if loss_free else None
@@ -691,6 +702,10 @@ def train(args, rt):
     if layout.pp > 1:           # the last step, as each pipeline rank of this column ran it
         timelines = pipeline.gather_timelines(timeline, t_pipe, shard.groups["pp"])
         print0(pipeline.format_timeline(timelines, layout.schedule, layout.microbatches))
+    if balance:
+        per_expert, per_rank = (sum(b[i] for b in balance) / len(balance) for i in (0, 1))
+        print0(f"experts ({cfg.moe_balance}): max/mean tokens per expert {per_expert:.3f}, "
+               f"rows per ep rank {per_rank:.3f}, mean over {len(balance)} steps")
     print0(f"trained {args.steps} steps in {elapsed:.1f} s")
     return dict(loss=loss, activation_bytes=shard.activation_bytes,
                 state_bytes=parallel_check.state_bytes(shard, optimizer)["total"],
