@@ -46,18 +46,18 @@ import datetime
 import json
 import math
 import queue
-import random
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from kvcache import blocks_for, payload_bytes
+from kvcache import blocks_for
 from model import GPT, get_config, load_model
 from plumbing import (ArgumentParser, UserError, comm, fmt_bytes, job_store, run_cli,
                       setup_runtime)
 from serve import FINISHED, PREFILLED, Engine, PoolFull, SamplingParams
+from serve_bench import length_range, mixed_workload
 
 PREFILL, DECODE = 0, 1                  # the ranks' roles
 KV, ABORT, DONE, RESULTS = 1, 2, 3, 4   # message kinds (the header's first field)
@@ -447,11 +447,12 @@ def build_model(args):
 def workload(args, cfg):
     """serve_bench.mixed_workload: short and long prompts mixed, Poisson arrivals. ->
     plain dicts (id, prompt, out_len, arrival, long)."""
-    from serve_bench import _range, mixed_workload      # (serve_bench imports serve)
-    reqs = mixed_workload(args.num_requests, _range(args.short_len, "short-len"),
-                          _range(args.long_len, "long-len"), args.long_frac,
-                          _range(args.output_len, "output-len"), args.rate, cfg, None,
-                          args.seed)
+    reqs = mixed_workload(args.num_requests,
+                          length_range(args.short_len, "short-len"),
+                          length_range(args.long_len, "long-len"),
+                          args.long_frac,
+                          length_range(args.output_len, "output-len"),
+                          args.rate, cfg, None, args.seed)
     return [dict(id=i, prompt=r.prompt, out_len=r.out_len, arrival=r.arrival,
                  long=not r.interactive) for i, r in enumerate(reqs)]
 
