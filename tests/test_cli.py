@@ -23,6 +23,8 @@ COMMANDS = [
     "curate.py stats", "curate.py dedup", "curate.py filter", "curate.py mix",
     "curate.py sweep",
     "gpu_bench.py", "model.py export", "model.py convert",
+    "mla.py", "streaming.py measure", "streaming.py generate",
+    "disagg.py run", "disagg.py bench", "kv_router.py bench",
 ]
 # Modules that are read, not run: --help says so and names the command that runs them.
 LIBRARIES = [
