@@ -56,10 +56,11 @@ class RaggedCache(KVCache):
         self.lens = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     def update(self, layer, k, v):
-        B, H, T, D = k.shape
+        B, H, T, _ = k.shape
         index = (self.lens[:, None] + torch.arange(T, device=k.device))[:, None, :, None]
-        self.k[layer].scatter_(2, index.expand(B, H, T, D), k)
-        self.v[layer].scatter_(2, index.expand(B, H, T, D), v)
+        # widths from each tensor: MLA's "keys" (latents) and "values" (rope keys) differ
+        self.k[layer].scatter_(2, index.expand(B, H, T, k.shape[-1]), k)
+        self.v[layer].scatter_(2, index.expand(B, H, T, v.shape[-1]), v)
         end = int(self.lens.max()) + T
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 

@@ -197,17 +197,45 @@ def trained_params(model, master):
     return master.params if master else [p for p in model.parameters() if p.requires_grad]
 
 
+class ExpertLoads:
+    """Tokens per expert in one optimizer step, from each forward's MoE.load: loss-free
+    balancing's input (DeepSeek-V3: after every step b_i += γ·sign(mean − load_i), see
+    model.Router) and the imbalance the log prints: max/mean tokens per expert, averaged
+    over the layers (1.0 = even; top-k of E experts on one expert = E/k, the worst)."""
+
+    def __init__(self):
+        self.step = None            # (n_layer, n_expert), summed over the micro-batches
+        self.imbalance = None       # of the last step
+
+    def observe(self, model):
+        loads = model.expert_loads()
+        self.step = loads if self.step is None else self.step + loads
+
+    def after_step(self, model, skipped):
+        loads, self.step = self.step, None
+        if skipped:
+            return
+        if torch.distributed.is_initialized():    # every rank's bias must stay identical
+            comm.all_reduce(loads)
+        if model.config.moe_balance == "loss_free":
+            model.update_expert_bias(loads)
+        self.imbalance = float((loads.max(1).values / loads.mean(1)).mean())
+
+
 def train_step(model, optimizer, batches, args, device, scaler=None, master=None, sync=None,
-               qk_clip=None):
+               qk_clip=None, expert_loads=None):
     """One optimizer step over len(batches) micro-batches (gradient accumulation: the loss
     of each is divided by their number, so the summed gradient is that of the mean loss).
     sync: who holds the gradients -- data_parallel.OneProcess (the default) or a
     data-parallel wrapper, which communicates the gradients (during backward and in
     finish_grads) and, for ZeRO-1/2, the updated parameters (after_step).
     qk_clip: an optim.QKClip (MuonClip), applied after the update.
+    expert_loads: an ExpertLoads (MoE: the step's tokens per expert, the loss-free update).
     Returns (mean loss, activation bytes of one micro-batch, step skipped?)."""
     if sync is None:
         sync = data_parallel.OneProcess(model, trained_params(model, master))
+    if expert_loads is None and model.config.n_expert:
+        expert_loads = ExpertLoads()     # a loss-free bias moves whoever calls this
     scale = scaler.scale if scaler is not None and scaler.enabled else 1.0
     total = 0.0
     act_bytes = 0
@@ -216,6 +244,8 @@ def train_step(model, optimizer, batches, args, device, scaler=None, master=None
         with ActivationMeter(model) as meter, autocast_ctx(args, device):
             _, loss = model(x, y)
         act_bytes = max(act_bytes, meter.bytes)
+        if expert_loads is not None:
+            expert_loads.observe(model)
         (loss * (scale / len(batches))).backward()
         total += loss.item() / len(batches)
     sync.finish_grads()                           # data parallel: the gradients averaged
@@ -234,6 +264,8 @@ def train_step(model, optimizer, batches, args, device, scaler=None, master=None
         sync.after_step()                         # ZeRO-1/2: gather the updated slices
     if qk_clip is not None:    # MuonClip, with the maxima this step's forwards recorded
         qk_clip.apply(dict(zip(master.model_params, master.params)) if master else None)
+    if expert_loads is not None:    # loss-free balancing: an explicit step of its own
+        expert_loads.after_step(model, skipped=bool(found_inf))
     return total, act_bytes, found_inf
 
 
@@ -338,6 +370,7 @@ class Run:
     history: dict                     # losses so far (saved with the checkpoint)
     run_id: str                       # one per training run, kept by every resume
     qk_clip: Optional[optim.QKClip] = None   # MuonClip's recorders and clip (--qk-clip)
+    expert_loads: Optional[ExpertLoads] = None   # MoE: tokens per expert, loss-free bias
 
 
 def build_model(args, rt, resume):
@@ -349,7 +382,9 @@ def build_model(args, rt, resume):
         args.preset = args.preset or "small"
         cfg = get_config(args.preset, n_layer=args.n_layer, n_embd=args.n_embd,
                          n_head=args.n_head, n_kv_head=args.n_kv_head,
-                         block_size=args.block_size, attn=args.attn, n_expert=args.n_expert)
+                         block_size=args.block_size, attn=args.attn, n_expert=args.n_expert,
+                         moe_balance=args.moe_balance, moe_aux_coef=args.moe_aux_coef,
+                         moe_bias_rate=args.moe_bias_rate)
     corpus = data.load_corpus(args.data, vocab_size=args.vocab_size or cfg.vocab_size)
     if resume and data.encoding_to_state(corpus.enc) != resume["tokenizer"]:
         raise UserError(f"the checkpoint was trained on another corpus/tokenizer "
@@ -404,7 +439,8 @@ def build(args, rt):
     run_id = resume.get("run_id") if resume else None
     run = Run(model, optimizer, scaler, master, sync, corpus, 0, {"loss": [], "val": []},
               run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12],
-              optim.QKClip(model, args.qk_clip) if args.qk_clip else None)
+              optim.QKClip(model, args.qk_clip) if args.qk_clip else None,
+              ExpertLoads() if model.config.n_expert else None)
     if resume:
         _, full, where = found
         if args.dp:
@@ -472,6 +508,8 @@ def log_line(args, rt, run, loss, lr, timer, state, act_bytes, sent_per_step, sk
         line += f" | mfu {100 * flops / peak / rt.world_size:.1f}%"
     if args.precision == "fp16":
         line += f" | scale {run.scaler.scale:g}" + (" SKIPPED" if skipped else "")
+    if run.expert_loads is not None and run.expert_loads.imbalance is not None:
+        line += f" | experts max/mean {run.expert_loads.imbalance:.2f}"
     return line
 
 
@@ -504,8 +542,10 @@ def train(args, rt):
             with StepTimer(rt.device) as timer:
                 loss, act_bytes, skipped = train_step(run.model, run.optimizer, batches, args,
                                                       rt.device, run.scaler, run.master,
-                                                      run.sync, run.qk_clip)
+                                                      run.sync, run.qk_clip, run.expert_loads)
             sent += comm.total_wire - wire_before
+            if run.expert_loads is not None and not skipped:
+                run.history.setdefault("imbalance", []).append(run.expert_loads.imbalance)
             state = state_rows(run, rt)        # measured while the gradients still exist
             run.sync.zero_grad()
             loss, signum = global_mean(loss, rt, stop.signum)   # every rank stops together
@@ -578,6 +618,13 @@ def final_report(args, rt, run, state, n_params, act_bytes, sent_per_step):
     print0(f"activations of one micro-batch: measured {fmt_bytes(act_bytes)} vs "
            f"Korthikanti's GPT-3-block formula {fmt_bytes(a)} (ours: no dropout, SwiGLU, "
            f"GQA, checkpointing={args.checkpointing})")
+    seen = run.history.get("imbalance")
+    if seen:
+        last = seen[-max(1, len(seen) // 10):]
+        print0(f"experts ({cfg.moe_balance}, {cfg.moe_score}, aux coef {cfg.moe_aux_coef:g}): "
+               f"max/mean tokens per expert {sum(seen) / len(seen):.3f} over {len(seen)} "
+               f"steps, {sum(last) / len(last):.3f} over the last {len(last)} | active "
+               f"params {run.model.num_params(active=True):,} of {n_params:,}")
 
 
 def global_mean(value, rt, signum=0):
@@ -687,6 +734,12 @@ def parse_args(argv=None):
     g.add_argument("--n-kv-head", type=int, help="override the preset's key/value heads")
     g.add_argument("--n-expert", type=int, help="override the preset's experts (0 = dense)")
     g.add_argument("--block-size", type=int, help="override the preset's context length")
+    g.add_argument("--moe-balance", choices=["aux", "loss_free"], help="MoE balancing: the "
+                   "Switch aux loss, or DeepSeek-V3's routing bias (default: the preset's)")
+    g.add_argument("--moe-aux-coef", type=float, help="weight of the MoE balance loss "
+                   "(default: the preset's: 0.01; v3: 1e-4)")
+    g.add_argument("--moe-bias-rate", type=float, help="γ of the loss-free bias update "
+                   "(default: the preset's: 0.001, DeepSeek-V3's)")
     g.add_argument("--attn", default=None, choices=["sdpa", "math"],
                    help="attention kernel (default: the preset's, sdpa; bench uses math)")
     g = p.add_argument_group("data")

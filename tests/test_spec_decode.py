@@ -13,7 +13,7 @@ import torch
 
 import spec_decode as sd
 from harness import run_python
-from model import GPT, KVCache, get_config
+from model import GPT, KVCache, get_config, load_model
 from plumbing import UserError
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14], [3]]   # ragged, batch 3
@@ -287,3 +287,49 @@ def test_bench_speedups_are_ratios_to_the_plain_row_printed(target, drafters, ca
     for tps, speedup, same in printed[1:]:
         assert abs(float(speedup[:-1]) - float(tps) / plain_tps) <= 0.006 + 0.5 / plain_tps
         assert same == "yes"                                          # T = 0: plain greedy
+
+
+# DeepSeek-V3's ingredients at tiny size: MLA, routed + shared experts with sigmoid affinities
+# and a routing bias, one MTP head
+V3_TINY = dict(n_expert=4, expert_top_k=2, n_shared_expert=1, moe_score="sigmoid",
+               moe_balance="loss_free", n_extra_heads=1, kv_lora_rank=32,
+               qk_rope_head_dim=4, q_lora_rank=16)
+
+
+@pytest.mark.slow
+def test_mtp_drafting_on_a_v3_target_equals_plain_greedy():
+    target = tiny(seed=2, **V3_TINY)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():          # a trained-looking bias: it changes some tokens' experts
+        for layer in target.layers:
+            bias = layer.feed_forward.router.expert_bias
+            bias.copy_(torch.rand(bias.shape, generator=gen, dtype=bias.dtype) * 0.1)
+    corpus = types.SimpleNamespace(train=np.random.default_rng(0).integers(0, 64, 1000))
+    pool = sd.distill_pool(target, corpus, n_seq=8, seq=24, prompt_len=8, chunk=8)
+    mtp = sd.train_drafters({"mtp": sd.FeatureDrafter(target, "mtp").double()}, target, pool,
+                            steps=10, batch=8, lr=3e-3)["mtp"]
+    st = sd.Stats()
+    got, _ = sd.speculative_generate(target, mtp, PROMPTS, 12, gamma=3, temperature=0.0,
+                                     stats=st)
+    assert got == plain_greedy(target, PROMPTS, 12)
+    assert st.accepted > 0
+
+
+@pytest.mark.slow
+def test_v3_checkpoint_trains_and_serves(text_file, tmp_path):
+    """train.py --preset v3 writes a checkpoint (the loss-free bias in it) that serve.py's
+    benchmark runs through the paged engine."""
+    ckpt = str(tmp_path / "v3.pt")
+    r = run_python("train.py", ["--preset", "v3", "--n-layer", "2", "--n-embd", "48",
+                                "--n-head", "4", "--vocab-size", "512", "--data", text_file,
+                                "--steps", "3", "--batch-size", "4", "--seq-len", "32",
+                                "--eval-iters", "1", "--ckpt", ckpt, "--sample-tokens", "0"],
+                   timeout=300)
+    assert r.returncode == 0 and "experts (loss_free, sigmoid" in r.output, r.output[-2000:]
+    model, _ = load_model(ckpt)
+    assert model.config.mla and model.config.n_shared_expert == 1
+    assert all(layer.feed_forward.router.expert_bias.abs().sum() > 0 for layer in model.layers)
+    r = run_python("serve.py", ["bench", "--checkpoint", ckpt, "--num-requests", "4",
+                                "--prompt-len", "8:16", "--output-len", "4:8",
+                                "--no-baselines"], timeout=300)
+    assert r.returncode == 0 and "continuous batching + paged KV" in r.output, r.output[-2000:]

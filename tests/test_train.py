@@ -227,3 +227,31 @@ def test_status_lines_and_the_loss_curve(text_file, tmp_path, capsys):
     train.main(common + ["--resume"])
     assert "nothing to do: the checkpoint is already at step 8 of --steps 8" in \
         capsys.readouterr().out
+
+
+def test_loss_free_bias_moves_once_per_step_by_the_summed_micro_batch_loads():
+    """DeepSeek-V3's balancing in train_step: the loads of every micro-batch are summed and
+    the bias moves ONCE, after the optimizer step, by b += γ·sign(mean − load); the same
+    data in one batch or in 4 micro-batches gives the same bias."""
+    v3 = dict(n_expert=4, expert_top_k=2, n_shared_expert=1, moe_score="sigmoid",
+              moe_balance="loss_free", moe_bias_rate=0.01)
+    cfg, args, one, opt_one, _, _ = make_setup(**v3)
+    _, _, acc, opt_acc, _, _ = make_setup(**v3)
+    x, y = batch(cfg, 8)
+    with torch.no_grad():                               # the loads this step will see
+        one(x)
+        loads = one.expert_loads()
+    want = 0.01 * torch.sign(loads.mean(1, keepdim=True) - loads)
+    loss_one, _, _ = train.train_step(one, opt_one, [(x, y)], args, "cpu")
+    micro = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)]
+    loads_seen = train.ExpertLoads()
+    train.train_step(acc, opt_acc, micro, args, "cpu", expert_loads=loads_seen)
+    for a, b, w in zip(one.layers, acc.layers, want):
+        assert torch.equal(a.feed_forward.router.expert_bias, w)
+        assert torch.equal(b.feed_forward.router.expert_bias, w)
+    assert loads_seen.imbalance == pytest.approx(float((loads.max(1).values /
+                                                        loads.mean(1)).mean()))
+    aux = get_config("tiny", **{**v3, "moe_balance": "aux"})
+    model = GPT(aux, seed=0)
+    train.train_step(model, torch.optim.AdamW(model.parameters()), [(x, y)], args, "cpu")
+    assert model.layers[0].feed_forward.router.expert_bias is None     # aux: no bias
