@@ -361,9 +361,9 @@ def _assumptions(args, psi, shape):
             f"  seq {args.seq} × micro-batch {args.micro_batch}, {args.tokens:,} tokens per "
             f"step, {args.gpus} × {args.gpu_mem:g} GB GPUs, {args.gpus_per_node} per node",
             *moe,
-            f"assumptions: {wb + gb + ob:g} B/param (weights {wb:g}, grads {gb:g}, optimizer "
-            f"{ob:g}{': bf16, bf16, fp32 master + Adam' * (args.state_bytes == (2, 2, 12))}); "
-            "TP + sequence parallel;",
+            f"assumptions: {wb + gb + ob:g} B/param (" + ("bf16 weights 2, grads 2, fp32 master "
+            "+ Adam 12" if args.state_bytes == (2, 2, 12) else f"weights {wb:g}, grads {gb:g}, "
+            f"optimizer {ob:g}") + "); TP + sequence parallel;",
             f"  {_zero_label(args)};",
             f"  activations {args.recompute}: {act} per layer and microbatch (Korthikanti 2022);",
             "  1F1B: stage i holds min(pp−i, m) microbatches; L+2 slots per pipeline (Llama 3: "
