@@ -299,22 +299,17 @@ def swiglu(gate, up):
 
 
 class Router(nn.Module):
-    """The gate of a mixture of experts: affinities s = score(W x) of each token for each
-    expert, and the choice of its top-k experts with their weights.
-
+    """The gate of a mixture of experts: each token's affinities s for the experts, and its
+    top-k experts with their weights.
       softmax (Switch, Mixtral): s = softmax(Wx); top-k on s; weights = the chosen s
         renormalised to sum to 1 (= Mixtral's softmax over the top-k logits);
       sigmoid (DeepSeek-V3 eq. 13-15): s_i = σ(w_i·x), each expert judged on its own; top-k
-        on s + b (b: the loss-free balancing bias, below); weights = the chosen s (without
-        b) normalised over the top-k; both × routed_scale (V3: 2.5, so the routed sum is not
-        drowned by the shared expert's output).
-
-    Loss-free balancing (Wang et al. 2024; V3 §2.1.2): b is a buffer, never a parameter --
-    it only decides WHICH experts a token goes to (a top-k index has no gradient) and never
-    how much their outputs count, so balance is bought without a loss term pulling the
-    router away from the language-model objective. After every optimizer step the training
-    loop calls update_bias with the tokens each expert received: b_i += γ·sign(mean − load_i)
-    (an overloaded expert becomes a little less attractive, an idle one a little more).
+        on s + b; weights = the chosen s (without b) normalised over the top-k; both ×
+        routed_scale (V3: 2.5).
+    Loss-free balancing (Wang et al. 2024; V3 §2.1.2): b is a buffer, never a parameter: it
+    decides WHICH experts a token goes to (a top-k index has no gradient), never how much
+    they count, so balance costs no loss term pulling against the language model. After
+    each optimizer step the training loop calls update_bias with the step's loads.
     The parameter is named `weight` (router.weight), as the nn.Linear it replaces."""
 
     def __init__(self, cfg: GPTConfig):
@@ -354,23 +349,19 @@ class MoE(nn.Module):
     """Mixture of experts: a router picks top-k of n_expert SwiGLU MLPs per token, plus
     n_shared always-on experts (DeepSeekMoE, Dai et al. 2024).
 
-    Compute per token is k (+ shared) MLPs while parameters are n_expert (+ shared) MLPs:
-    parameters for free FLOPs, paid for in memory and, across devices, all-to-all.
-    Fine-grained experts (DeepSeekMoE): many narrow experts and a larger k at the same
-    FLOPs -- more combinations to specialise. Shared experts: what every token needs (syntax,
-    common words) is learnt once instead of in every routed expert. n_shared experts each
-    ffn_dim wide are ONE SwiGLU n_shared·ffn_dim wide (concatenate their hidden units: the
-    same function), which is how DeepSeek-V3's code runs its one shared expert.
+    Compute per token is k (+ shared) MLPs while parameters are n_expert (+ shared): free
+    FLOPs paid for in memory and, across devices, all-to-all. Fine-grained experts: many
+    narrow ones and a larger k at the same FLOPs, more combinations to specialise. Shared
+    experts learn once what every token needs. n_shared experts ffn_dim wide are ONE SwiGLU
+    n_shared·ffn_dim wide (the same function), as DeepSeek-V3's code runs them.
 
-    Load balancing (Switch Transformer, eq. 4): aux = E · Σ_i f_i · P_i, where f_i is the
-    fraction of routed (token, slot) pairs sent to expert i and P_i the mean (normalised)
-    affinity of expert i. Minimal (= 1) when routing is uniform. With moe_balance=
-    "loss_free" it stays as the small complementary loss (V3 computes it per sequence with
-    α = 1e-4; ours is over the micro-batch, the same statistics expert parallelism already
-    all-reduces) next to the router's bias.
+    Balance loss (Switch Transformer, eq. 4): aux = E · Σ_i f_i · P_i, f_i the fraction of
+    (token, slot) pairs sent to expert i, P_i its mean normalised affinity; 1 when uniform.
+    With moe_balance="loss_free" it stays as the small complementary loss (V3: per sequence,
+    α = 1e-4; ours: over the micro-batch, the statistics expert parallelism all-reduces).
 
-    Kept from the last forward (read by the loss and the training loops, documented here):
-    `aux_loss` (the balance loss) and `load` (tokens routed to each expert, (E,))."""
+    Kept from the last forward, for the loss and the training loops: `aux_loss` and `load`
+    (tokens routed to each expert, (E,))."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
