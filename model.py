@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plumbing import UserError, fmt_bytes, run_cli
+from plumbing import ArgumentParser, UserError, fmt_bytes, run_cli
 
 
 # ----------------------------------------------------------------------------------------
@@ -823,8 +823,8 @@ def convert(old, new):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Checkpoint formats of the shared GPT: export "
-                                "to the Hugging Face Llama layout, convert an old pickle.")
+    p = ArgumentParser(description="Checkpoint formats of the shared GPT: export to the "
+                       "Hugging Face Llama layout, convert an old pickle.")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="checkpoint -> Hugging Face Llama folder",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)

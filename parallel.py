@@ -831,7 +831,7 @@ def parse_args(argv=None):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:                # arithmetic only: planner.py, no torchrun
-        p = argparse.ArgumentParser(prog="parallel.py plan", description=(
+        p = ArgumentParser(prog="parallel.py plan", description=(
             "Per-GPU memory and communication of candidate (tp, cp, pp, dp) layouts for a "
             "big model, and the three-step cheat sheet that picks one."))
         planner.add_plan_arguments(p)

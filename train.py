@@ -728,12 +728,12 @@ def parse_args(argv=None):
     g = p.add_argument_group("model")
     g.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: "
                    "small; with --resume the checkpoint's, and a different one is refused)")
-    g.add_argument("--n-layer", type=int, help="override the preset's layer count")
-    g.add_argument("--n-embd", type=int, help="override the preset's width")
-    g.add_argument("--n-head", type=int, help="override the preset's attention heads")
-    g.add_argument("--n-kv-head", type=int, help="override the preset's key/value heads")
-    g.add_argument("--n-expert", type=int, help="override the preset's experts (0 = dense)")
-    g.add_argument("--block-size", type=int, help="override the preset's context length")
+    g.add_argument("--n-layer", type=int, help="override the preset's layer count (not given: the preset's)")
+    g.add_argument("--n-embd", type=int, help="override the preset's width (not given: the preset's)")
+    g.add_argument("--n-head", type=int, help="override the preset's attention heads (not given: the preset's)")
+    g.add_argument("--n-kv-head", type=int, help="override the preset's key/value heads (not given: the preset's)")
+    g.add_argument("--n-expert", type=int, help="override the preset's experts (0 = dense; not given: the preset's)")
+    g.add_argument("--block-size", type=int, help="override the preset's context length (not given: the preset's)")
     g.add_argument("--moe-balance", choices=["aux", "loss_free"], help="MoE balancing: the "
                    "Switch aux loss, or DeepSeek-V3's routing bias (default: the preset's)")
     g.add_argument("--moe-aux-coef", type=float, help="weight of the MoE balance loss "
@@ -755,10 +755,11 @@ def parse_args(argv=None):
     g.add_argument("--steps", type=int, default=600, help="optimizer steps")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=3e-4, help="final learning rate")
-    g.add_argument("--warmup-steps", type=int, default=30)
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--beta1", type=float, default=0.9)
-    g.add_argument("--beta2", type=float, default=0.95)
+    g.add_argument("--warmup-steps", type=int, default=30, help="linear warm-up steps")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay "
+                   "(matrices only)")
+    g.add_argument("--beta1", type=float, default=0.9, help="Adam β1")
+    g.add_argument("--beta2", type=float, default=0.95, help="Adam β2")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0 = off)")
     g.add_argument("--optimizer", default="adamw", choices=optim.OPTIMIZERS, help="adamw, or "
                    "muon: Muon on hidden matrices + AdamW on embeddings, head, norms (optim.py)")
@@ -774,10 +775,12 @@ def parse_args(argv=None):
     g.add_argument("--loss-scale", type=float, default=2.0 ** 16, help="initial fp16 scale")
     g.add_argument("--scale-window", type=int, default=200,
                    help="clean steps before the fp16 loss scale doubles")
-    g.add_argument("--checkpointing", default="none", choices=["none", "selective", "full"])
+    g.add_argument("--checkpointing", default="none", choices=["none", "selective", "full"],
+                   help="activation checkpointing")
     g = p.add_argument_group("data parallelism (under torchrun)")
     g.add_argument("--dp", default=None, choices=data_parallel.MODES,
-                   help="ddp, zero1, zero2, zero3 (by hand) or fsdp (PyTorch's fully_shard)")
+                   help="ddp, zero1, zero2, zero3 (by hand) or fsdp (PyTorch's fully_shard); not "
+                        "given: one process")
     g.add_argument("--bucket-mb", type=float, default=1.0, help="ddp gradient bucket size")
     g.add_argument("--crash-at-step", type=int, default=-1, help="the last rank exits abruptly "
                    "at this step (first attempt only): try it under torchrun --max-restarts=1")
@@ -788,10 +791,10 @@ def parse_args(argv=None):
                    "(default: 300 on CPU, 600 on GPU)")
     g = p.add_argument_group("run")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--seed", type=int, default=1337)
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=100)
-    g.add_argument("--eval-iters", type=int, default=20)
+    g.add_argument("--seed", type=int, default=1337, help="weights, data and sampling seed")
+    g.add_argument("--log-interval", type=int, default=10, help="steps between log lines")
+    g.add_argument("--eval-interval", type=int, default=100, help="steps between validations")
+    g.add_argument("--eval-iters", type=int, default=20, help="validation batches")
     g.add_argument("--ckpt", default="out/ckpt.pt", help="checkpoint path")
     g.add_argument("--save-interval", type=int, default=100, help="0 = never save")
     g.add_argument("--resume", action="store_true", help="continue from --ckpt (the newest "
@@ -803,8 +806,8 @@ def parse_args(argv=None):
                    "steps of this invocation; the schedule still runs to --steps (0 = off)")
     g.add_argument("--sample-tokens", type=int, default=200, help="tokens sampled at the end")
     g.add_argument("--prompt", default="def ", help="prompt of the final sample")
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--temperature", type=float, default=0.8, help="final sample's temperature")
+    g.add_argument("--top-k", type=int, default=50, help="final sample's top-k")
     g.add_argument("--estimate", action="store_true", help="print the memory formulas for "
                    "--params parameters on --gpus ranks and exit")
     g.add_argument("--params", default="7B", help="--estimate: parameter count (7B, 1.5e9)")
