@@ -7,11 +7,11 @@ A Llama-style decoder (Touvron et al. 2023), small enough to train on two CPU co
   - grouped-query attention (GQA, Ainslie et al. 2023): n_kv_head ≤ n_head key/value heads,
     each shared by n_head/n_kv_head query heads -- the KV cache shrinks by that factor;
   - SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x);
-  - optionally a mixture-of-experts MLP (top-k softmax router + the Switch Transformer
-    load-balancing loss, Fedus et al. 2021), with a dense reference computation that
-    expert parallelism (parallel.py) must reproduce exactly; as options, DeepSeek-V3's
+  - optionally a mixture-of-experts MLP (moe.py: top-k softmax router + the Switch
+    Transformer load-balancing loss, Fedus et al. 2021, with a dense reference that expert
+    parallelism in parallel.py must reproduce exactly; as options, DeepSeek-V3's
     fine-grained experts with always-on shared experts, sigmoid affinities and loss-free
-    balancing (a routing-only bias moved by each expert's load, no loss term);
+    balancing: a routing-only bias moved by each expert's load, no loss term);
   - optionally extra next-token heads (head k predicts token t+1+k), the seam that Medusa
     and multi-token prediction in spec_decode.py build on;
   - an untied output head by default (the embedding and the head are separate matrices).
@@ -46,6 +46,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# The mixture of experts lives in moe.py, which never imports this file (no cycle); being
+# imported here, `from model import MoE, Router` keeps working for every importer.
+from moe import MoE, Router  # noqa: F401  (Router: re-exported, not used here)
 from plumbing import ArgumentParser, UserError, fmt_bytes, run_cli
 
 
@@ -64,10 +67,11 @@ class GPTConfig:
     multiple_of: int = 32
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Mixture of experts (moe.py: Router, MoE):
     n_expert: int = 0             # 0 = dense MLP; > 0 = mixture of experts in every block
     expert_top_k: int = 2
     moe_aux_coef: float = 0.01    # weight of the load-balancing loss in the training loss
-    # DeepSeekMoE / DeepSeek-V3 (§2.1.2) options of the same MoE:
+    # DeepSeekMoE / DeepSeek-V3 (§2.1.2) options of the same MoE (moe.py):
     n_shared_expert: int = 0      # always-on experts, run as ONE SwiGLU n_shared·ffn_dim wide
     moe_score: str = "softmax"    # router affinities: "softmax" (Switch) or "sigmoid" (V3)
     moe_routed_scale: float = 1.0  # the routed experts' weights × this (V3: 2.5)
@@ -117,6 +121,12 @@ class GPTConfig:
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
     def validate(self):
+        # 0 means "off" (or "the default width") for these; a negative one would silently
+        # mean off too (kv_lora_rank < 0 is GQA), so it is refused by name
+        for name in ("ffn_hidden", "n_expert", "n_shared_expert", "kv_lora_rank", "q_lora_rank",
+                     "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_extra_heads"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
             raise UserError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
@@ -125,8 +135,6 @@ class GPTConfig:
         if self.rope_dim % 2 or self.rope_dim < 1:
             raise UserError(f"the rotary part of each head ({self.rope_dim}) must be even and "
                             f"positive (MLA: set qk_rope_head_dim)")
-        if self.mla and self.q_lora_rank < 0:
-            raise UserError(f"q_lora_rank must be >= 0, got {self.q_lora_rank}")
         if self.n_expert and not 1 <= self.expert_top_k <= self.n_expert:
             raise UserError(f"expert_top_k={self.expert_top_k} must be in 1..n_expert="
                             f"{self.n_expert}")
@@ -298,128 +306,6 @@ def swiglu(gate, up):
     return F.silu(gate) * up
 
 
-class Router(nn.Module):
-    """The gate of a mixture of experts: each token's affinities s for the experts, and its
-    top-k experts with their weights.
-      softmax (Switch, Mixtral): s = softmax(Wx); top-k on s; weights = the chosen s
-        renormalised to sum to 1 (= Mixtral's softmax over the top-k logits);
-      sigmoid (DeepSeek-V3 eq. 13-15): s_i = σ(w_i·x), each expert judged on its own; top-k
-        on s + b; weights = the chosen s (without b) normalised over the top-k; both ×
-        routed_scale (V3: 2.5).
-    Loss-free balancing (Wang et al. 2024; V3 §2.1.2): b is a buffer, never a parameter: it
-    decides WHICH experts a token goes to (a top-k index has no gradient), never how much
-    they count, so balance costs no loss term pulling against the language model. After
-    each optimizer step the training loop calls update_bias with the step's loads.
-    The parameter is named `weight` (router.weight), as the nn.Linear it replaces."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.n_expert, cfg.n_embd))
-        self.score = cfg.moe_score
-        self.routed_scale = cfg.moe_routed_scale
-        bias = torch.zeros(cfg.n_expert) if cfg.moe_balance == "loss_free" else None
-        self.register_buffer("expert_bias", bias)     # in the checkpoint: training resumes
-
-    def forward(self, x_flat):
-        """The router logits (N, E); a module call, so hooks (quantize.py) see its input."""
-        return F.linear(x_flat, self.weight)
-
-    def gate(self, x_flat, top_k):
-        """-> (each token's affinities normalised to sum to 1 (N, E) fp32 -- the P_i of the
-        balance loss --, top-k weights (N, k), top-k expert ids (N, k))."""
-        logits = self(x_flat).float()
-        scores = logits.sigmoid() if self.score == "sigmoid" else logits.softmax(-1)
-        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
-        ids = choice.topk(top_k, dim=-1).indices
-        weights = scores.gather(-1, ids)
-        weights = weights / weights.sum(-1, keepdim=True) * self.routed_scale
-        shares = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
-        return shares, weights, ids
-
-    @torch.no_grad()
-    def update_bias(self, load, rate):
-        """Loss-free balancing, one step: b_i += γ·sign(mean load − load_i). load: (E,)
-        tokens per expert over the whole optimizer step (summed over micro-batches, and over
-        the data-parallel ranks first, so every rank's bias stays identical)."""
-        load = load.to(self.expert_bias.device).float()
-        self.expert_bias += rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
-
-
-class MoE(nn.Module):
-    """Mixture of experts: a router picks top-k of n_expert SwiGLU MLPs per token, plus
-    n_shared always-on experts (DeepSeekMoE, Dai et al. 2024).
-
-    Compute per token is k (+ shared) MLPs while parameters are n_expert (+ shared): free
-    FLOPs paid for in memory and, across devices, all-to-all. Fine-grained experts: many
-    narrow ones and a larger k at the same FLOPs, more combinations to specialise. Shared
-    experts learn once what every token needs. n_shared experts ffn_dim wide are ONE SwiGLU
-    n_shared·ffn_dim wide (the same function), as DeepSeek-V3's code runs them.
-
-    Balance loss (Switch Transformer, eq. 4): aux = E · Σ_i f_i · P_i, f_i the fraction of
-    (token, slot) pairs sent to expert i, P_i its mean normalised affinity; 1 when uniform.
-    With moe_balance="loss_free" it stays as the small complementary loss (V3: per sequence,
-    α = 1e-4; ours: over the micro-batch, the statistics expert parallelism all-reduces).
-
-    Kept from the last forward, for the loss and the training loops: `aux_loss` and `load`
-    (tokens routed to each expert, (E,))."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.top_k = cfg.expert_top_k
-        self.router = Router(cfg)
-        self.experts = nn.ModuleList(FeedForward(cfg.n_embd, cfg.ffn_dim)
-                                     for _ in range(cfg.n_expert))
-        self.shared_experts = FeedForward(cfg.n_embd, cfg.n_shared_expert * cfg.ffn_dim) \
-            if cfg.n_shared_expert else None
-        self.aux_loss = None
-        self.load = None
-
-    def gate(self, x_flat):
-        """-> (normalised affinities (N, E) fp32, top-k weights (N, k), top-k expert ids
-        (N, k)). Shared by the forwards below and by expert parallelism (parallel.py), so
-        every path routes identically (it reads only .router and .top_k)."""
-        return self.router.gate(x_flat, self.top_k)
-
-    def route(self, x_flat):
-        """-> (top-k weights (N, k), top-k expert ids (N, k), aux loss over these tokens);
-        keeps this forward's tokens per expert in self.load."""
-        probs, weights, ids = self.gate(x_flat)
-        n_expert = probs.shape[-1]
-        counts = torch.zeros(n_expert, device=x_flat.device).index_add_(
-            0, ids.flatten(), torch.ones(ids.numel(), device=x_flat.device))
-        self.load = counts
-        aux = n_expert * (counts / ids.numel() * probs.mean(0)).sum()
-        return weights.type_as(x_flat), ids, aux
-
-    def shared(self, x_flat):
-        """The shared experts' output (0 without them): every token, no routing."""
-        return 0 if self.shared_experts is None else self.shared_experts(x_flat)
-
-    def forward(self, x):
-        """Sparse computation: each expert runs only on the tokens routed to it."""
-        B, T, D = x.shape
-        x_flat = x.reshape(-1, D)
-        weights, ids, self.aux_loss = self.route(x_flat)
-        out = torch.zeros_like(x_flat)
-        for e, expert in enumerate(self.experts):
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            if token.numel():
-                out.index_add_(0, token, expert(x_flat[token]) * weights[token, slot, None])
-        return (out + self.shared(x_flat)).view(B, T, D)
-
-    def forward_dense(self, x):
-        """The reference: every expert on every token, weighted by a gate that is zero for
-        unchosen experts, plus the shared experts. Slow (n_expert MLPs per token) and
-        obviously right; MoE.forward and expert parallelism are tested against it."""
-        B, T, D = x.shape
-        x_flat = x.reshape(-1, D)
-        weights, ids, self.aux_loss = self.route(x_flat)
-        gate = torch.zeros(x_flat.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
-        gate.scatter_add_(1, ids, weights)
-        outs = torch.stack([expert(x_flat) for expert in self.experts], dim=1)  # (N, E, D)
-        return ((gate[:, :, None] * outs).sum(1) + self.shared(x_flat)).view(B, T, D)
-
-
 def latent_attention(cfg):
     """MLA lives in its own file (mla.py: the latent, the absorbed inference path); it
     imports this one, so it is imported here, when a config asks for it."""
@@ -433,7 +319,10 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attention = latent_attention(cfg) if cfg.mla else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.feed_forward = MoE(cfg) if cfg.n_expert else FeedForward(cfg.n_embd, cfg.ffn_dim)
+        if cfg.n_expert:    # moe.py; the expert class is passed in (moe.py never imports us)
+            self.feed_forward = MoE(cfg, FeedForward)
+        else:
+            self.feed_forward = FeedForward(cfg.n_embd, cfg.ffn_dim)
         # replaceable: run(fn, *args) -> fn(*args) by default; train.py's full activation
         # checkpointing sets it to its Checkpoint.apply (keep the inputs, recompute fn)
         self.run = None

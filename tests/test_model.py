@@ -193,6 +193,17 @@ def test_v3_preset_active_and_total_parameters():
         get_config("tiny", n_shared_expert=1)
 
 
+@pytest.mark.parametrize("bad", [dict(kv_lora_rank=-16),      # was silently GQA
+                                 dict(kv_lora_rank=16, qk_rope_head_dim=-4),
+                                 dict(q_lora_rank=-8),
+                                 dict(n_expert=4, n_shared_expert=-1),
+                                 dict(ffn_hidden=-64)])
+def test_negative_sizes_are_refused_by_name(bad):
+    name, value = list(bad.items())[-1]          # the negative setting comes last
+    with pytest.raises(UserError, match=f"{name} must be >= 0, got {value}"):
+        get_config("tiny", **bad)
+
+
 def test_same_seed_same_weights():
     a, b, c = GPT(tiny(), seed=5), GPT(tiny(), seed=5), GPT(tiny(), seed=6)
     torch.manual_seed(123)                   # the global RNG does not matter
