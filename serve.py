@@ -1,10 +1,11 @@
 """
 serve.py -- serving the shared GPT to many users at once: a paged-KV engine with
 continuous batching, chunked prefill, recompute preemption, prefix caching, SLO-aware
-scheduling and fault isolation; and the static-batching baseline. Split out by concept:
-the benchmark that measures the engine against the two baselines it replaces is
-serve_bench.py (`python serve.py bench` hands it the command line); the OpenAI-compatible
-HTTP server around the engine is api_server.py, the protocol it speaks openai_api.py.
+scheduling and fault isolation. Split out by concept: the benchmark that measures the
+engine against the two baselines it replaces (sequential generate(), and static batching:
+serve_bench.static_batch_generate) is serve_bench.py (`python serve.py bench` hands it
+the command line); the OpenAI-compatible HTTP server around the engine is api_server.py,
+the protocol it speaks openai_api.py.
 
     python serve.py --port 8000                 # serve out/ckpt.pt on 127.0.0.1:8000
     python serve.py bench                       # 64 requests: sequential vs static vs engine
@@ -12,10 +13,11 @@ HTTP server around the engine is api_server.py, the protocol it speaks openai_ap
 What it teaches, and what each technique saves / adds / sacrifices:
   - Sequential generate() (the reference): one request at a time. Decoding a token reads
     every weight to do 2 FLOPs per weight for ONE token: memory-bound, the hardware idles.
-  - Static batching (FasterTransformer-era): B requests padded to the longest prompt and
-    run until the longest output is done. Saves weight reads (one pass serves B tokens);
-    wastes the padded prompt tokens, every finished row's slot until the whole batch ends,
-    and reserves KV for B · (longest prompt + longest output).
+  - Static batching (FasterTransformer-era; the baseline in serve_bench.py): B requests
+    padded to the longest prompt and run until the longest output is done. Saves weight
+    reads (one pass serves B tokens); wastes the padded prompt tokens, every finished
+    row's slot until the whole batch ends, and reserves KV for B · (longest prompt +
+    longest output).
   - Continuous (iteration-level) batching (Orca, Yu et al. OSDI 2022): the batch is
     re-formed every step; a finished sequence leaves and a waiting one joins at once.
     Needs per-sequence lengths in attention (the paged cache, kvcache.py) -- no padding.
@@ -68,7 +70,7 @@ import torch
 import data
 from kvcache import (TIER_KINDS, BlockAllocator, KVTier, PagedKVCache, blocks_for,
                      extend_hash_chain)
-from model import KVCache, load_model, sample_next
+from model import load_model, sample_next
 from plumbing import ArgumentParser, UserError, pick_device, run_cli
 
 DEFAULT_CHECKPOINT = "out/ckpt.pt"
@@ -693,41 +695,6 @@ class Engine:
             st["waste_sum"] += waste
             st["waste_samples"] += 1
         st["peak_blocks"] = max(st["peak_blocks"], self.alloc.num_used)
-
-
-# ----------------------------------------------------------------------------------------
-# Static batching, the baseline: pad to the longest prompt, run to the longest output.
-
-@torch.no_grad()
-def static_batch_generate(model, prompts, max_new_tokens, on_step=None):
-    """Greedy decoding of a batch of prompts of different lengths with the contiguous
-    model.KVCache: prompts left-padded to the longest, pad keys masked out, each row with
-    its own RoPE positions (so every row computes exactly what generate() would), all rows
-    decoded for max_new_tokens steps. -> (B, max_new_tokens) list of lists."""
-    dev = model.output.weight.device
-    B, P = len(prompts), max(len(p) for p in prompts)
-    pad = torch.tensor([P - len(p) for p in prompts], device=dev)
-    idx = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], device=dev)
-    col = torch.arange(P, device=dev)
-    positions = (col[None] - pad[:, None]).clamp(min=0)
-    valid = col[None] >= pad[:, None]                                   # (B, P) real keys
-    causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-    mask = (causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)
-    cache = KVCache(model.config, B, P + max_new_tokens, device=dev,
-                    dtype=model.output.weight.dtype)
-    logits, _ = model(idx, positions=positions, mask=mask[:, None], cache=cache)
-    out = []
-    for step in range(max_new_tokens):
-        nxt = logits[:, -1].argmax(-1)
-        out.append(nxt)
-        if on_step:
-            on_step()
-        if step == max_new_tokens - 1:
-            break
-        valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)
-        logits, _ = model(nxt[:, None], positions=(P + step - pad)[:, None],
-                          mask=valid[:, None, None, :], cache=cache)
-    return torch.stack(out, 1).tolist()
 
 
 # ----------------------------------------------------------------------------------------

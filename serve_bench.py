@@ -1,8 +1,9 @@
 """
 serve_bench.py -- measuring the engine: the same seeded workload through sequential
-generate(), static batching and serve.py's engine (FCFS and SLO-aware), in one run, each
-system timed by the same clock; then what the engine's paging, preemption and prefix
-caching did with it. It is serve.py's `bench` mode:
+generate(), static batching (static_batch_generate, the baseline, here) and serve.py's
+engine (FCFS and SLO-aware), in one run, each system timed by the same clock; then what
+the engine's paging, preemption and prefix caching did with it. It is serve.py's `bench`
+mode:
 
     python serve.py bench --clock cpu --repeats 3      # 64 requests at once, CPU time
     python serve.py bench --no-baselines --policy fcfs --num-blocks 160   # forced preemption
@@ -46,9 +47,10 @@ from dataclasses import dataclass
 import torch
 
 import serve
-from plumbing import ArgumentParser, HelpFormatter, UserError, fmt_bytes, run_cli
 from kvcache import PagedKVCache
-from serve import POLICIES, SamplingParams, engine_from_args, static_batch_generate
+from model import KVCache
+from plumbing import ArgumentParser, HelpFormatter, UserError, fmt_bytes, run_cli
+from serve import POLICIES, SamplingParams, engine_from_args
 
 
 # ----------------------------------------------------------------------------------------
@@ -207,6 +209,38 @@ def run_sequential(model, reqs, clock=time.perf_counter):
     finally:
         hook.remove()
     return t0, recs
+
+
+@torch.no_grad()
+def static_batch_generate(model, prompts, max_new_tokens, on_step=None):
+    """Greedy decoding of a batch of prompts of different lengths with the contiguous
+    model.KVCache: prompts left-padded to the longest, pad keys masked out, each row with
+    its own RoPE positions (so every row computes exactly what generate() would), all rows
+    decoded for max_new_tokens steps. -> (B, max_new_tokens) list of lists."""
+    dev = model.output.weight.device
+    B, P = len(prompts), max(len(p) for p in prompts)
+    pad = torch.tensor([P - len(p) for p in prompts], device=dev)
+    idx = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], device=dev)
+    col = torch.arange(P, device=dev)
+    positions = (col[None] - pad[:, None]).clamp(min=0)
+    valid = col[None] >= pad[:, None]                                   # (B, P) real keys
+    causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+    mask = (causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)
+    cache = KVCache(model.config, B, P + max_new_tokens, device=dev,
+                    dtype=model.output.weight.dtype)
+    logits, _ = model(idx, positions=positions, mask=mask[:, None], cache=cache)
+    out = []
+    for step in range(max_new_tokens):
+        nxt = logits[:, -1].argmax(-1)
+        out.append(nxt)
+        if on_step:
+            on_step()
+        if step == max_new_tokens - 1:
+            break
+        valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)
+        logits, _ = model(nxt[:, None], positions=(P + step - pad)[:, None],
+                          mask=valid[:, None, None, :], cache=cache)
+    return torch.stack(out, 1).tolist()
 
 
 def run_static(model, reqs, batch_size, clock=time.perf_counter):

@@ -17,7 +17,8 @@ import serve_bench
 from harness import run_python
 from model import GPT, get_config
 from plumbing import UserError
-from serve import Engine, SamplingParams, decode_tokens, static_batch_generate
+from serve import Engine, SamplingParams, decode_tokens
+from serve_bench import static_batch_generate
 from api_server import make_server
 
 
