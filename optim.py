@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 import data
 from model import GPT, get_config
-from plumbing import (ArgumentParser, HelpFormatter, StepTimer, UserError, comm, model_state_bytes, pick_device,
+from plumbing import (ArgumentParser, HelpFormatter, StepTimer, UserError, comm,
+                      model_state_bytes, pick_device,
                       require_at_least_one, run_cli, warmup_cosine)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)   # Keller Jordan's quintic
@@ -430,6 +431,8 @@ class QKClip:
             raise UserError(f"unknown GQA QK-clip mode {gqa!r}: group or query")
         self.model, self.tau, self.gqa = model, tau, gqa
         self.maxima = [None] * len(model.layers)    # per layer: (H,) max logit, or None
+        self.clipped = self.heads = 0       # since take_report(): heads clipped, seen
+        self.peak = None                    # ... and the largest logit before a clip
         for i, layer in enumerate(model.layers):
             layer.attention.attn_fn = self._recorder(i, layer.attention.attn_fn)
 
@@ -456,8 +459,28 @@ class QKClip:
                 continue
             if dist.is_available() and dist.is_initialized():
                 comm.all_reduce(S, op=dist.ReduceOp.MAX, group=group)
+            self.note(S)
             factors.append(self._clip_layer(layer.attention, S, copies))
         return factors
+
+    def note(self, S):
+        """Count one layer's heads for the log: how many were above τ, the largest."""
+        self.clipped += int((S > self.tau).sum())
+        self.heads += S.numel()
+        top = float(S.max())
+        self.peak = top if self.peak is None else max(self.peak, top)
+
+    def take_report(self):
+        """-> "3/48 heads clipped, max logit 142.1 -> 100" for the steps since the
+        last call (a clipped head's max logit lands on τ when no update intervenes), or
+        None if no step clipped; then starts counting again."""
+        report = None
+        if self.clipped:
+            report = (f"{self.clipped}/{self.heads} heads clipped, max logit "
+                      f"{self.peak:.4g} -> {self.tau:.4g}")
+        self.clipped = self.heads = 0
+        self.peak = None
+        return report
 
     def _clip_layer(self, attn, S, copies):
         gamma = torch.where(S > self.tau, self.tau / S, torch.ones_like(S))  # logit factor
@@ -692,7 +715,8 @@ def parse_args(argv=None):
     g.add_argument("--n-head", type=int, default=4, help="attention heads")
     g.add_argument("--n-kv-head", type=int, default=2, help="key/value heads (GQA)")
     g.add_argument("--vocab-size", type=int, default=1024, help="tokenizer vocabulary")
-    g.add_argument("--data", default=None, help="a UTF-8 text file (not given: the built-in corpus)")
+    g.add_argument("--data", default=None,
+                   help="a UTF-8 text file (not given: the built-in corpus)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per step")

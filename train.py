@@ -58,8 +58,9 @@ from plots import svg_line_plot
 from model import GPT, GPTConfig, PRESETS, get_config
 from plumbing import (ActivationMeter, ArgumentParser, GracefulStop, HelpFormatter,
                       Interrupted, StepTimer, UserError, attempt, check_writable, comm,
-                      fmt_bytes, fmt_count, gpu_peak_flops, print0, require_at_least_one,
-                      run_cli, seed_everything, setup_runtime, warmup_cosine)
+                      fmt_bytes, fmt_count, fmt_duration, gpu_peak_flops, print0,
+                      require_at_least_one, run_cli, seed_everything, setup_runtime,
+                      warmup_cosine)
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -423,6 +424,8 @@ def build(args, rt):
     found = saved.find_resume(args, restarted)
     resume = found[0] if found else None
     model, corpus = build_model(args, rt, resume)
+    if resume is None and not restarted and args.save_interval:
+        saved.check_overwrite(args, asdict(model.config))    # another run's file: refused
     master = None
     if args.precision in LOW_PRECISION:
         if args.dp:
@@ -510,6 +513,9 @@ def log_line(args, rt, run, loss, lr, timer, state, act_bytes, sent_per_step, sk
         line += f" | scale {run.scaler.scale:g}" + (" SKIPPED" if skipped else "")
     if run.expert_loads is not None and run.expert_loads.imbalance is not None:
         line += f" | experts max/mean {run.expert_loads.imbalance:.2f}"
+    clip_report = run.qk_clip.take_report() if run.qk_clip is not None else None
+    if clip_report:                  # since the previous log line
+        line += f" | qk-clip {clip_report}"
     return line
 
 
@@ -579,16 +585,6 @@ def train(args, rt):
         sample(run.model, run.corpus.enc, args, rt.device)
     run.history["elapsed"] = elapsed
     return run.history
-
-
-def fmt_duration(seconds):
-    """12 s, 3m05s, 1h02m: the log line's time to the end of this invocation."""
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def loss_curve(args, history):
@@ -728,12 +724,18 @@ def parse_args(argv=None):
     g = p.add_argument_group("model")
     g.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: "
                    "small; with --resume the checkpoint's, and a different one is refused)")
-    g.add_argument("--n-layer", type=int, help="override the preset's layer count (not given: the preset's)")
-    g.add_argument("--n-embd", type=int, help="override the preset's width (not given: the preset's)")
-    g.add_argument("--n-head", type=int, help="override the preset's attention heads (not given: the preset's)")
-    g.add_argument("--n-kv-head", type=int, help="override the preset's key/value heads (not given: the preset's)")
-    g.add_argument("--n-expert", type=int, help="override the preset's experts (0 = dense; not given: the preset's)")
-    g.add_argument("--block-size", type=int, help="override the preset's context length (not given: the preset's)")
+    g.add_argument("--n-layer", type=int,
+                   help="override the preset's layer count (not given: the preset's)")
+    g.add_argument("--n-embd", type=int,
+                   help="override the preset's width (not given: the preset's)")
+    g.add_argument("--n-head", type=int,
+                   help="override the preset's attention heads (not given: the preset's)")
+    g.add_argument("--n-kv-head", type=int,
+                   help="override the preset's key/value heads (not given: the preset's)")
+    g.add_argument("--n-expert", type=int,
+                   help="override the preset's experts (0 = dense; not given: the preset's)")
+    g.add_argument("--block-size", type=int,
+                   help="override the preset's context length (not given: the preset's)")
     g.add_argument("--moe-balance", choices=["aux", "loss_free"], help="MoE balancing: the "
                    "Switch aux loss, or DeepSeek-V3's routing bias (default: the preset's)")
     g.add_argument("--moe-aux-coef", type=float, help="weight of the MoE balance loss "
@@ -799,6 +801,8 @@ def parse_args(argv=None):
     g.add_argument("--save-interval", type=int, default=100, help="0 = never save")
     g.add_argument("--resume", action="store_true", help="continue from --ckpt (the newest "
                    "readable of the --keep generations)")
+    g.add_argument("--overwrite", action="store_true", help="a fresh run may write over a "
+                   "--ckpt that holds another model or an unfinished run (refused otherwise)")
     g.add_argument("--keep", type=int, default=2, help="checkpoint generations kept (ckpt.pt, "
                    "ckpt.pt.1, ...; --dp: step_K folders): the fallback if the newest is "
                    "unreadable")

@@ -4,7 +4,7 @@ import torch
 import train
 from harness import run_python
 from model import GPT, get_config
-from plumbing import ActivationMeter, model_state_bytes
+from plumbing import ActivationMeter, UserError, model_state_bytes
 
 
 def tiny_args(text_file, *extra):
@@ -152,6 +152,27 @@ def test_muon_and_qk_clip_flags(text_file, tmp_path, capsys):
     out = capsys.readouterr().out
     assert hist["loss"][-1] < hist["loss"][0]
     assert "Muon 4 on" in out and "!=" not in out
+    # the clip's status in the log line: a threshold every head exceeds clips them all
+    train.main(tiny_args(text_file, "--steps", "1", "--optimizer", "muon", "--qk-clip", "1e-3",
+                         "--ckpt", str(tmp_path / "c.pt")))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")
+             and "| loss " in line]
+    heads = 2 * 4                                     # tiny: 2 layers x 4 heads
+    assert len(lines) == 1 and f"| qk-clip {heads}/{heads} heads clipped, max logit " in \
+        lines[0] and "-> 0.001 |" in lines[0], lines
+
+
+def test_a_fresh_run_does_not_write_over_another_model(text_file, tmp_path, capsys):
+    """Without --resume, train.py refuses a --ckpt that holds another configuration or an
+    unfinished run (resume.check_overwrite), and --overwrite lets it."""
+    ckpt = str(tmp_path / "o.pt")
+    train.main(tiny_args(text_file, "--steps", "2", "--ckpt", ckpt))
+    with pytest.raises(UserError, match="holds another model .*n_layer"):
+        train.main(tiny_args(text_file, "--steps", "2", "--n-layer", "1", "--ckpt", ckpt))
+    train.main(tiny_args(text_file, "--steps", "4", "--stop-after", "2", "--ckpt", ckpt,
+                         "--n-layer", "1", "--overwrite"))
+    with pytest.raises(UserError, match="unfinished run"):
+        train.main(tiny_args(text_file, "--steps", "4", "--n-layer", "1", "--ckpt", ckpt))
 
 
 def test_training_learns_below_the_unigram_baseline(text_file, tmp_path):
