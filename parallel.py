@@ -592,49 +592,6 @@ def expert_imbalance(shard):
             sum(float(load.max() / load.mean()) for load in per_rank) / len(ran))
 
 
-class DenseReference(parallel_check.DenseReferenceMoE):
-    """parallel_check's one-process MoE (every expert on every token, unchosen ones gated by
-    zero) plus the shared experts (DeepSeekMoE), which it does not hold."""
-
-    def __init__(self, moe: MoE):
-        super().__init__(moe)
-        self.shared_experts = moe.shared_experts
-
-
-def build_reference(cfg, device):
-    """--check's one process: the full model from every rank's seed, its MoE dense."""
-    ref = GPT(cfg, seed=0).to(device)
-    for block in ref.layers if cfg.n_expert else []:
-        block.feed_forward = DenseReference(block.feed_forward)
-    return ref
-
-
-def reference_loads(ref, x):
-    """The one process's tokens per expert for the step's global batch x: one no-grad
-    forward, run before its optimizer step (routing is per token, so these equal the sum
-    over its microbatches)."""
-    with torch.no_grad():
-        ref(x)
-    return ref.expert_loads()
-
-
-def check_expert_bias(step, shard, ref, loads):
-    """--check, loss-free balancing: the one process moves its bias by its own loads; every
-    MoE layer this rank holds must have seen the same loads and hold the same bias."""
-    ref.update_expert_bias(loads)
-    for i, block in enumerate(shard.model.layers):
-        moe = block.feed_forward
-        if moe.load_seen is None:           # another pipeline stage's layer
-            continue
-        bias = ref.layers[i].feed_forward.router.expert_bias
-        if not torch.equal(moe.load_seen, loads[i]) or not torch.equal(moe.router.expert_bias,
-                                                                        bias):
-            raise AssertionError(f"step {step}, layer {i}: loads {moe.load_seen.tolist()} / "
-                                 f"bias differ from one process's ({loads[i].tolist()})")
-    print0(f"CHECK step {step}: every layer's expert loads and loss-free bias equal one "
-           f"process's (max |b| {float(bias.abs().max()):.4f})")
-
-
 def train(args, rt):
     layout = layout_from(args)
     cfg = model_config(args)
@@ -649,7 +606,7 @@ def train(args, rt):
     optimizer = make_optimizer([p for _, p in shard.params], args)
     optimizers = [optimizer]
     if args.check:              # one process, same seed and batches (parallel_check.py)
-        ref = build_reference(cfg, rt.device)
+        ref = parallel_check.build_reference(cfg, rt.device)
         ref_optimizer = make_optimizer(list(ref.parameters()), args)
         optimizers.append(ref_optimizer)
     print0(f"model {args.preset}: {GPT(cfg, seed=None).num_params():,} params | layout "
@@ -663,8 +620,10 @@ def train(args, rt):
     timeline = []
     balance = []
     elapsed = 0.0
+    lr_sum = 0.0                # Σ lr so far: --check's weight tolerance grows with it
     for step in range(args.steps):
         lr = learning_rate(step, args)
+        lr_sum += lr
         for group in (g for opt in optimizers for g in opt.param_groups):
             group["lr"] = lr
         batch = data.get_batch(corpus.train, args.batch_size, args.seq_len, args.seed, step,
@@ -691,11 +650,11 @@ def train(args, rt):
                   f"{imbalance[1]:.2f}" if imbalance else ""))
         if args.check:
             loss_free = cfg.n_expert and cfg.moe_balance == "loss_free"
-            loads = reference_loads(ref, batch[0]) if loss_free else None
+            loads = parallel_check.reference_loads(ref, batch[0]) if loss_free else None
             parallel_check.check_step(step, shard, layout, ref, ref_optimizer, batch,
-                                      (loss, norm), args.grad_clip)
+                                      (loss, norm), args.grad_clip, lr_sum)
             if loss_free:
-                check_expert_bias(step, shard, ref, loads)
+                parallel_check.check_expert_bias(step, shard, ref, loads)
     print0(parallel_check.ledger(shard, layout, cfg, args, rt, optimizer))
     if args.check:
         parallel_check.check_traffic(shard, layout, cfg, args)
