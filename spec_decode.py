@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 import data
 from model import Block, KVCache, RMSNorm, load_checkpoint, load_model
-from plumbing import (ArgumentParser, UserError, fmt_bytes, print0, require_at_least_one,
-                      run_cli, warmup_cosine)
+from plumbing import (ArgumentParser, UserError, fmt_bytes, fmt_duration, print0,
+                      require_at_least_one, run_cli, warmup_cosine)
 
 METHODS = ("draft", "tree", "medusa", "mtp", "eagle", "dflash")
 DEFAULT_WIDTH = {"tree": 3, "medusa": 3}           # others draft a chain (width 1)
@@ -533,7 +533,10 @@ def train_drafters(drafters, target, pool, steps, batch, lr, seed=0):
             opts[m].step()
             losses.append(f"{m} {loss.item():.3f}")
         if step % 50 == 0 or step == steps - 1:
-            print0(f"  step {step:4d} | {' | '.join(losses)} | {time.perf_counter() - t0:.0f} s")
+            elapsed = time.perf_counter() - t0
+            left = elapsed / (step + 1) * (steps - step - 1)
+            print0(f"  step {step:4d} of {steps} | {' | '.join(losses)} | "
+                   f"{fmt_duration(elapsed)} | eta {fmt_duration(left)}")
     return {m: d.eval() for m, d in drafters.items()}
 
 
@@ -719,7 +722,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("models and drafters")
     g.add_argument("--ckpt", default="out/ckpt.pt", help="the target (train.py)")
     g.add_argument("--draft-ckpt", default="out/draft.pt", help="draft model (--preset draft)")
-    g.add_argument("--out-dir", default="out", help="where trained drafters are cached")
+    g.add_argument("--out-dir", default=os.path.join("out", "spec_decode"),
+                   help="where trained drafters are cached")
     g.add_argument("--heads", type=int, default=4, help="Medusa heads (max gamma)")
     g.add_argument("--dflash-block", type=int, default=5, help="DFlash block (max gamma + 1)")
     g.add_argument("--drafter-layers", type=int, default=1, help="MTP/EAGLE/DFlash blocks")
