@@ -22,7 +22,8 @@ import math
 
 import torch
 
-from model import MoE, RMSNorm
+from model import RMSNorm
+from moe import MoE
 from plumbing import UserError
 from quantize import (QuantLinear, check_format, dequantize, group_params, replace_module,
                       rtn, store, target_linears, to_codes)

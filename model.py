@@ -46,9 +46,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# The mixture of experts lives in moe.py, which never imports this file (no cycle); being
-# imported here, `from model import MoE, Router` keeps working for every importer.
-from moe import MoE, Router  # noqa: F401  (Router: re-exported, not used here)
+# The mixture of experts lives in moe.py, which never imports this file (no cycle): the
+# blocks below build moe.MoE with this file's FeedForward as the expert.
+from moe import MoE
 from plumbing import ArgumentParser, UserError, fmt_bytes, run_cli
 
 

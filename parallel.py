@@ -59,7 +59,8 @@ import parallel_check
 import pipeline
 import planner
 from ring_attention import cp_positions, cp_shard, make_ring_attn_fn
-from model import GPT, MoE, get_config
+from model import GPT, get_config
+from moe import MoE
 from plumbing import (ArgumentParser, UserError, all_reduce_flat, comm, decay_groups, fmt_bytes, print0,
                       require_at_least_one, run_cli, seed_everything, setup_runtime,
                       warmup_cosine)
@@ -220,7 +221,7 @@ class AttachAuxLoss(torch.autograd.Function):
 
 
 class ExpertParallelMoE(nn.Module):
-    """model.MoE with experts [r·E/e, (r+1)·E/e) on ep rank r. Dropless: every token goes
+    """moe.MoE with experts [r·E/e, (r+1)·E/e) on ep rank r. Dropless: every token goes
     to its top-k experts however unbalanced the routing (no capacity factor, nothing
     dropped; the price is uneven all-to-all sizes, exchanged first).
 
@@ -241,7 +242,7 @@ class ExpertParallelMoE(nn.Module):
         self.n_expert, self.top_k = len(moe.experts), moe.top_k
         self.local = self.n_expert // e
         self.first = r * self.local
-        self.router = moe.router                  # model.Router: scores, the bias buffer
+        self.router = moe.router                  # moe.Router: scores, the bias buffer
         self.experts = nn.ModuleList(moe.experts[self.first:self.first + self.local])
         self.shared_experts = moe.shared_experts
         self.ep_group, self.stats_group, self.aux_scale = ep_group, stats_group, aux_scale
@@ -251,7 +252,7 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x):
         B, T, D = x.shape
         x_flat = x.reshape(-1, D)
-        # routing: model.MoE's own gate (it reads only .router and .top_k, which this layer
+        # routing: moe.MoE's own gate (it reads only .router and .top_k, which this layer
         # holds), so both route identically; the balance statistics cover the microbatch
         probs, weights, ids = MoE.gate(self, x_flat)
         weights = weights.type_as(x_flat)
@@ -571,7 +572,7 @@ def train_step(shard, layout, optimizer, batch, grad_clip, timeline):
 
 
 def balance_experts(shard):
-    """Loss-free balancing after the optimizer step (DeepSeek-V3; model.Router.update_bias):
+    """Loss-free balancing after the optimizer step (DeepSeek-V3; moe.Router.update_bias):
     each MoE layer this rank holds moves its bias by the step's loads, which its forwards
     already summed over the data ranks -- identical on every rank, nothing more sent."""
     for moe in shard.expert_layers:

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pipeline
-from model import GPT, MoE
+from model import GPT
+from moe import MoE
 from plumbing import ActivationMeter, comm, fmt_bytes, model_state_bytes, print0
 from ring_attention import ring_traffic_formula
 
@@ -39,7 +40,7 @@ from ring_attention import ring_traffic_formula
 # 1. The single-process reference
 
 class DenseReferenceMoE(MoE):
-    """model.MoE computed densely (every expert on every token, unchosen ones gated by
+    """moe.MoE computed densely (every expert on every token, unchosen ones gated by
     zero): slow and obviously right. Holds the original MoE's router, routed experts and
     shared experts (DeepSeekMoE) under the same names, so its parameters line up with the
     split model's by name."""

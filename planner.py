@@ -196,7 +196,7 @@ def param_counts(args):
     of the routed experts), 'routed' (the routed experts' weights: what EP divides).
     A layer: attention + 2 norms (h each) + a SwiGLU 3·h·ffn, or, as a MoE layer, a router
     (E·h), E routed experts 3·h·f_e and the shared experts 3·h·(n_s·f_e) (one SwiGLU of
-    n_s·f_e, model.MoE). Plus the untied embedding and head (2·V·h) and the final norm.
+    n_s·f_e, moe.MoE). Plus the untied embedding and head (2·V·h) and the final norm.
     Not counted: DeepSeek-V3's MTP module (14B on top of its 671B)."""
     h = args.hidden
     moe_layers = args.layers - args.dense_layers if args.experts else 0

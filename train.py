@@ -201,7 +201,7 @@ def trained_params(model, master):
 class ExpertLoads:
     """Tokens per expert in one optimizer step, from each forward's MoE.load: loss-free
     balancing's input (DeepSeek-V3: after every step b_i += γ·sign(mean − load_i), see
-    model.Router) and the imbalance the log prints: max/mean tokens per expert, averaged
+    moe.Router) and the imbalance the log prints: max/mean tokens per expert, averaged
     over the layers (1.0 = even; top-k of E experts on one expert = E/k, the worst)."""
 
     def __init__(self):

@@ -26,7 +26,8 @@ TINY = {
     "python train.py bench":
         ("python", ["train.py", "bench", "--preset", "tiny", "--bench-steps", "1",
                     "--batch-size", "4"]),
-    "torchrun --standalone --nproc_per_node=2 train.py --dp zero2 --ckpt out/dp/ckpt.pt":
+    "torchrun --standalone --nproc_per_node=2 train.py --dp zero2 --ckpt out/dp/ckpt.pt "
+    "--steps 50":
         ("torchrun", ["train.py", "--dp", "zero2", "--ckpt", "out/dp/ckpt.pt", *TINY_MODEL,
                       "--steps", "2"]),
     "torchrun --standalone --nproc_per_node=2 parallel.py --tp 2 --check":
