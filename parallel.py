@@ -593,6 +593,26 @@ def expert_imbalance(shard):
             sum(float(load.max() / load.mean()) for load in per_rank) / len(ran))
 
 
+def log_line(step, loss, norm, lr, seconds, args, shard, optimizer, imbalance):
+    """step | loss | grad norm | lr | tok/s | state per rank | sent per step [| experts]"""
+    held = parallel_check.state_bytes(shard, optimizer)["total"]
+    line = (f"step {step:4d} | loss {loss:.4f} | grad norm {norm:.3f} | lr {lr:.2e} | "
+            f"{args.batch_size * args.seq_len / seconds / 1e3:.1f}k tok/s | state "
+            f"{fmt_bytes(held)}/rank | sent {fmt_bytes(comm.total_wire / (step + 1))}/step")
+    if imbalance:
+        line += (f" | max/mean tokens per expert {imbalance[0]:.2f}, per ep rank "
+                 f"{imbalance[1]:.2f}")
+    return line
+
+
+def balance_summary(balance, cfg):
+    """The run's mean of the per-step (per expert, per ep rank) max/mean loads."""
+    per_expert = sum(b[0] for b in balance) / len(balance)
+    per_rank = sum(b[1] for b in balance) / len(balance)
+    return (f"experts ({cfg.moe_balance}): max/mean tokens per expert {per_expert:.3f}, "
+            f"rows per ep rank {per_rank:.3f}, mean over {len(balance)} steps")
+
+
 def train(args, rt):
     layout = layout_from(args)
     cfg = model_config(args)
@@ -640,15 +660,10 @@ def train(args, rt):
         seconds = time.perf_counter() - t0
         elapsed += seconds
         loss = global_loss(local, layout, rt.device)
-        held = parallel_check.state_bytes(shard, optimizer)["total"]
         imbalance = expert_imbalance(shard)
         if imbalance:
             balance.append(imbalance)
-        print0(f"step {step:4d} | loss {loss:.4f} | grad norm {norm:.3f} | lr {lr:.2e} | "
-               f"{args.batch_size * args.seq_len / seconds / 1e3:.1f}k tok/s | state "
-               f"{fmt_bytes(held)}/rank | sent {fmt_bytes(comm.total_wire / (step + 1))}/step"
-               + (f" | max/mean tokens per expert {imbalance[0]:.2f}, per ep rank "
-                  f"{imbalance[1]:.2f}" if imbalance else ""))
+        print0(log_line(step, loss, norm, lr, seconds, args, shard, optimizer, imbalance))
         if args.check:
             loss_free = cfg.n_expert and cfg.moe_balance == "loss_free"
             loads = parallel_check.reference_loads(ref, batch[0]) if loss_free else None
@@ -663,9 +678,7 @@ def train(args, rt):
         timelines = pipeline.gather_timelines(timeline, t_pipe, shard.groups["pp"])
         print0(pipeline.format_timeline(timelines, layout.schedule, layout.microbatches))
     if balance:
-        per_expert, per_rank = (sum(b[i] for b in balance) / len(balance) for i in (0, 1))
-        print0(f"experts ({cfg.moe_balance}): max/mean tokens per expert {per_expert:.3f}, "
-               f"rows per ep rank {per_rank:.3f}, mean over {len(balance)} steps")
+        print0(balance_summary(balance, cfg))
     print0(f"trained {args.steps} steps in {elapsed:.1f} s")
     return dict(loss=loss, activation_bytes=shard.activation_bytes,
                 state_bytes=parallel_check.state_bytes(shard, optimizer)["total"],
@@ -717,15 +730,7 @@ def model_config(args):
                       block_size=max(args.seq_len, get_config(args.preset).block_size))
 
 
-def parse_args(argv=None):
-    p = ArgumentParser(
-        prog="parallel.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Train the shared GPT split along a (dp, ep, pp, cp, tp) DeviceMesh, by "
-                    "hand; --check compares every step with one process. Other modes: "
-                    "`parallel.py bench-tp` (hand TP vs DTensor TP, under torchrun) and "
-                    "`python parallel.py plan --help` (layout planner).")
-    p.add_argument("mode", nargs="?", default="train", choices=("train", "bench-tp"),
-                   help="train (default) or bench-tp")
+def add_layout_flags(p):
     g = p.add_argument_group("layout (world size = dp·ep·pp·cp·tp)")
     g.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     g.add_argument("--ep", type=int, default=1,
@@ -746,6 +751,9 @@ def parse_args(argv=None):
                         "pipeline)")
     g.add_argument("--print-schedule", action="store_true",
                    help="print each pipeline rank's action list before training")
+
+
+def add_model_flags(p):
     m = p.add_argument_group("model and data")
     m.add_argument("--preset", default="small", help="model preset from model.py")
     m.add_argument("--n-layer", type=int, help="override the preset's layer count")
@@ -767,6 +775,9 @@ def parse_args(argv=None):
                    "<|endoftext|>; when not given: the built-in corpus (see data.py)")
     m.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
     m.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+
+
+def add_training_flags(p):
     o = p.add_argument_group("training")
     o.add_argument("--steps", type=int, default=20, help="optimizer steps")
     o.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
@@ -780,6 +791,20 @@ def parse_args(argv=None):
     o.add_argument("--check", action="store_true",
                    help="also run one process on the same batches and assert that loss, "
                         "every gradient and every weight match at every step")
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(
+        prog="parallel.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train the shared GPT split along a (dp, ep, pp, cp, tp) DeviceMesh, by "
+                    "hand; --check compares every step with one process. Other modes: "
+                    "`parallel.py bench-tp` (hand TP vs DTensor TP, under torchrun) and "
+                    "`python parallel.py plan --help` (layout planner).")
+    p.add_argument("mode", nargs="?", default="train", choices=("train", "bench-tp"),
+                   help="train (default) or bench-tp")
+    add_layout_flags(p)
+    add_model_flags(p)
+    add_training_flags(p)
     args = p.parse_args(argv)
     if args.microbatches is None:
         args.microbatches = 1 if args.pp == 1 else 2 * args.pp

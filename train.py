@@ -38,7 +38,6 @@ checkpoint; a torchrun restart resumes only its own launch's saves; Ctrl-C / SIG
 finish the step, save and exit 130 / 143; --timeout bounds a collective waiting for a
 frozen rank (plumbing.py); the output folder is checked before step 1.
 """
-import argparse
 import math
 import os
 import signal
@@ -317,42 +316,6 @@ def activation_formula(seq, batch, hidden, heads, layers, bytes_per_value=2):
     GPT-3 block with dropout and a 4h MLP). Scaled by bytes_per_value/2 for fp32."""
     per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden)
     return per_layer * layers * bytes_per_value / 2
-
-
-def estimate(args):
-    n, N = parse_count(args.params), args.gpus
-    if N < 1:
-        raise UserError("--gpus must be at least 1")
-    L, h, a, s, b = (int(v) for v in args.est_shape.split(","))
-    rows = [("fp32: params 4 + grads 4 + Adam 8", 16),
-            ("mixed: bf16 params 2 + grads 2 + fp32 master 4 + Adam 8", 16),
-            ("mixed, fp32 gradient accumulation buffer (+4)", 20),
-            ("inference only, bf16 weights", 2)]
-    print(f"model state for Ψ = {fmt_count(n)} parameters (decimal units):")
-    for label, per in rows:
-        print(f"  {label:<58} {per:>2} B/param  {fmt_bytes(per * n):>10}")
-    print(f"per rank with N = {N} data-parallel ranks, mixed precision (K = 12: master + Adam):")
-    for label, per in [("DDP        (2+2+K)Ψ", 16), ("ZeRO-1     2Ψ+2Ψ+KΨ/N", 4 + 12 / N),
-                       ("ZeRO-2     2Ψ+(2+K)Ψ/N", 2 + 14 / N), ("ZeRO-3     (2+2+K)Ψ/N", 16 / N)]:
-        print(f"  {label:<58} {per:5.2f} B/param  {fmt_bytes(per * n):>10}")
-    print(f"  sent per step and rank: DDP/ZeRO-1/ZeRO-2 2Ψ = {fmt_bytes(2 * 2 * n)}, "
-          f"ZeRO-3 3Ψ = {fmt_bytes(3 * 2 * n)} (bf16 values)")
-    act = activation_formula(s, b, h, a, L)
-    print(f"activations (Korthikanti et al. 2022, 16-bit), L={L} h={h} heads={a} seq={s} "
-          f"batch={b}:")
-    print(f"  no recompute   s·b·h·(34 + 5·a·s/h)·L        {fmt_bytes(act):>10}")
-    print(f"  selective      s·b·h·34·L (scores recomputed)  "
-          f"{fmt_bytes(s * b * h * 34 * L):>10}")
-    print(f"  full recompute 2·s·b·h·L (block inputs only)   {fmt_bytes(2 * s * b * h * L):>10}")
-
-
-def parse_count(text):
-    units = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
-    try:
-        t = text.strip().upper()
-        return int(float(t[:-1]) * units[t[-1]]) if t[-1] in units else int(float(t))
-    except (ValueError, IndexError, KeyError):
-        raise UserError(f"cannot read a parameter count from {text!r} (try 7B, 124M, 1.5e9)")
 
 
 # ----------------------------------------------------------------------------------------
@@ -657,70 +620,9 @@ def sample(model, enc, args, device):
 
 
 # ----------------------------------------------------------------------------------------
-# bench: the trade-off rows, each technique against the fp32 baseline in the same run
+# The command line
 
-def bench(args, rt):
-    """Same model, same tokens per step; what each technique does to model state (per
-    rank), activations, step time and bytes sent. One process: the memory techniques vs
-    fp32 (on CPU, bf16/fp16 matmuls are emulated and slow: read their memory columns, not
-    their time). Under torchrun: every --dp mode, hand ZeRO-3 next to PyTorch's FSDP2."""
-    if rt.distributed:
-        rows = [(f"--dp {mode}", {"dp": mode}) for mode in data_parallel.MODES]
-    else:
-        rows = [("baseline fp32", {}),
-                ("selective checkpointing", {"checkpointing": "selective"}),
-                ("full checkpointing", {"checkpointing": "full"}),
-                ("grad accumulation ×4", {"grad_accum": 4, "batch_size": args.batch_size // 4}),
-                ("autocast bf16", {"precision": "autocast-bf16"}),
-                ("bf16 + fp32 master", {"precision": "bf16"}),
-                ("fp16 + master + loss scaling", {"precision": "fp16"})]
-        if args.batch_size % 4:
-            raise UserError("bench needs --batch-size divisible by 4 (for the accumulation row)")
-    results = []
-    for label, changes in rows:
-        run_args = argparse.Namespace(**{**vars(args), **changes, "steps": args.bench_steps,
-                                         "save_interval": 0, "sample_tokens": 0,
-                                         "resume": False})
-        seed_everything(run_args.seed)
-        run = build(run_args, rt)
-        times, act = [], 0
-        for step in range(run_args.steps):
-            batches = micro_batches(run.corpus, run_args, step, rt.device, rt.rank)
-            wire = comm.total_wire
-            with StepTimer(rt.device) as timer:
-                _, act, _ = train_step(run.model, run.optimizer, batches, run_args, rt.device,
-                                       run.scaler, run.master, run.sync, run.qk_clip)
-            sent = comm.total_wire - wire
-            rows = state_rows(run, rt)
-            state = rows["total"] - rows["opt_scalars"]
-            run.sync.zero_grad()
-            times.append(timer.seconds)
-        t = min(times[1:] or times)          # the first step pays one-time costs
-        results.append((label, state, act, t, sent))
-    base = results[0]
-    print0(f"bench: preset {args.preset or 'small'}, attention {args.attn}, {args.batch_size}×"
-           f"{run_args.seq_len} tokens/step/rank, {rt.world_size} rank(s), best of "
-           f"{args.bench_steps} steps, device {rt.device}")
-    print0(f"{'technique':<30} {'state/rank':>11} {'activations':>12} {'act ×':>6} "
-           f"{'step ms':>8} {'time ×':>7} {'sent/step':>10}")
-    for label, st, act, t, sent in results:
-        print0(f"{label:<30} {fmt_bytes(st):>11} {fmt_bytes(act):>12} {act / base[2]:6.2f} "
-               f"{t * 1000:8.0f} {t / base[3]:7.2f} {fmt_bytes(sent):>10}")
-    if rt.distributed:
-        t = {label: seconds for label, _, _, seconds, _ in results}
-        print0(f"hand zero3 / fsdp step time: {t['--dp zero3'] / t['--dp fsdp']:.2f} "
-               f"(fsdp's own collectives are not in 'sent')")
-    return results
-
-
-# ----------------------------------------------------------------------------------------
-
-def parse_args(argv=None):
-    p = ArgumentParser(
-        description="Train the shared GPT (single process; distributed modes: see README).",
-        formatter_class=HelpFormatter)
-    p.add_argument("mode", nargs="?", default="train", choices=["train", "bench"],
-                   help="train, or bench: measure each technique's cost against fp32")
+def add_model_flags(p):
     g = p.add_argument_group("model")
     g.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: "
                    "small; with --resume the checkpoint's, and a different one is refused)")
@@ -744,6 +646,9 @@ def parse_args(argv=None):
                    "(default: the preset's: 0.001, DeepSeek-V3's)")
     g.add_argument("--attn", default=None, choices=["sdpa", "math"],
                    help="attention kernel (default: the preset's, sdpa; bench uses math)")
+
+
+def add_data_flags(p):
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, help="a UTF-8 text file (default: the built-in "
                    "corpus, the Python standard library's top-level sources)")
@@ -753,6 +658,9 @@ def parse_args(argv=None):
     g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence "
                    "(default: the model's block size)")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+
+
+def add_optimizer_flags(p):
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=600, help="optimizer steps")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -769,6 +677,9 @@ def parse_args(argv=None):
                    help="Muon's peak lr (default: --lr; its update is scaled to AdamW's RMS)")
     g.add_argument("--qk-clip", type=float, default=0.0, metavar="TAU", help="MuonClip: after "
                    "each step rescale W_q/W_k of heads whose max logit > TAU (0 = off; K2: 100)")
+
+
+def add_memory_flags(p):
     g = p.add_argument_group("memory techniques")
     g.add_argument("--precision", default="fp32",
                    choices=["fp32", "autocast-bf16", "bf16", "fp16"],
@@ -779,6 +690,9 @@ def parse_args(argv=None):
                    help="clean steps before the fp16 loss scale doubles")
     g.add_argument("--checkpointing", default="none", choices=["none", "selective", "full"],
                    help="activation checkpointing")
+
+
+def add_data_parallel_flags(p):
     g = p.add_argument_group("data parallelism (under torchrun)")
     g.add_argument("--dp", default=None, choices=data_parallel.MODES,
                    help="ddp, zero1, zero2, zero3 (by hand) or fsdp (PyTorch's fully_shard); not "
@@ -791,6 +705,9 @@ def parse_args(argv=None):
     g.add_argument("--timeout", type=float, default=None, help="seconds a collective waits "
                    "for a silent peer before the job exits (status 3) for torchrun to restart "
                    "(default: 300 on CPU, 600 on GPU)")
+
+
+def add_run_flags(p):
     g = p.add_argument_group("run")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--seed", type=int, default=1337, help="weights, data and sampling seed")
@@ -819,6 +736,20 @@ def parse_args(argv=None):
     g.add_argument("--est-shape", default="32,4096,32,4096,1",
                    help="layers,hidden,heads,seq,batch for --estimate's activation rows")
     g.add_argument("--bench-steps", type=int, default=3, help="steps per bench row")
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(
+        description="Train the shared GPT (single process; distributed modes: see README).",
+        formatter_class=HelpFormatter)
+    p.add_argument("mode", nargs="?", default="train", choices=["train", "bench"],
+                   help="train, or bench: measure each technique's cost against fp32")
+    add_model_flags(p)
+    add_data_flags(p)
+    add_optimizer_flags(p)
+    add_memory_flags(p)
+    add_data_parallel_flags(p)
+    add_run_flags(p)
     args = p.parse_args(argv)
     require_at_least_one(args, ("steps", "batch_size", "grad_accum", "log_interval",
                                 "eval_interval", "eval_iters", "warmup_steps", "keep"))
@@ -831,8 +762,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.estimate or args.mode == "bench":
+        import train_bench      # measuring the techniques (it imports this file): at the call
     if args.estimate:
-        return estimate(args)
+        return train_bench.estimate(args)
     rt = setup_runtime(args.device, args.timeout)
     if args.dp and not rt.distributed and args.mode != "bench":
         raise UserError(f"--dp {args.dp} needs processes to talk to: launch with "
@@ -840,7 +773,7 @@ def main(argv=None):
     if rt.world_size > 1 and not args.dp and args.mode != "bench":
         raise UserError(f"{rt.world_size} processes but no --dp mode: choose one of "
                         f"{', '.join(data_parallel.MODES)}")
-    return bench(args, rt) if args.mode == "bench" else train(args, rt)
+    return train_bench.bench(args, rt) if args.mode == "bench" else train(args, rt)
 
 
 if __name__ == "__main__":

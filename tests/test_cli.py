@@ -28,7 +28,7 @@ COMMANDS = [
 ]
 # Modules that are read, not run: --help says so and names the command that runs them.
 LIBRARIES = [
-    "plumbing.py", "resume.py", "moe.py", "plots.py", "nf4.py", "openai_api.py", "planner.py",
+    "plumbing.py", "resume.py", "train_bench.py", "moe.py", "plots.py", "nf4.py", "openai_api.py", "planner.py",
     "tensor_parallel.py", "ring_attention.py", "parallel_check.py",
     "calibrated.py", "qat.py", "prune.py", "uncertainty.py", "contamination.py",
     "calibration.py", "curate_sweep.py", "curate_mix.py", "lora_estimate.py", "rl_ledger.py",
