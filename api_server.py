@@ -253,8 +253,9 @@ def render_metrics(h, loop):
                              ("steps_total", "steps", "Engine steps.")):
         metric(name, "counter", about, [("", h[key])])
     with loop.cond:
-        for name, hist, about in (("time_to_first_token_seconds", loop.ttft, "Arrival to first token."),
-                                  ("inter_token_latency_seconds", loop.itl, "Between tokens.")):
+        histograms = [("time_to_first_token_seconds", loop.ttft, "Arrival to first token."),
+                      ("inter_token_latency_seconds", loop.itl, "Between tokens.")]
+        for name, hist, about in histograms:
             out.extend([f"# HELP nanoscale_{name} {about}", f"# TYPE nanoscale_{name} histogram"])
             out.extend(hist.lines(f"nanoscale_{name}"))
     return "\n".join(out) + "\n"

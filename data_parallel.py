@@ -291,8 +291,11 @@ class ZeRO:
         full gradients (stages 2-3). Runs once per micro-step in stages 2-3: with gradient
         accumulation the shard accumulates, the full gradient never does."""
         u.done = 0
-        grads = [p.grad if p.grad is not None else torch.zeros(shape, dtype=u.dtype, device=u.device)
-                 for p, shape in zip(u.params, u.shapes)]
+        def grad_or_zeros(p, shape):
+            if p.grad is not None:
+                return p.grad
+            return torch.zeros(shape, dtype=u.dtype, device=u.device)
+        grads = [grad_or_zeros(p, shape) for p, shape in zip(u.params, u.shapes)]
         flat = u.flatten(grads)
         shard = torch.empty(u.shard_size, dtype=u.dtype, device=u.device)
         comm.reduce_scatter_tensor(shard, flat)
@@ -467,7 +470,8 @@ def ledger(mode, rt, state, n_params, sent_per_step):
     rows = [None] * rt.world_size
     mine = dict(state, sent=sent_per_step)
     if rt.distributed:
-        torch.distributed.all_gather_object(rows, mine)     # bookkeeping, outside the meter on purpose
+        # bookkeeping, outside the meter on purpose
+        torch.distributed.all_gather_object(rows, mine)
     else:
         rows = [mine]
     formula = formula_bytes(mode, n_params, rt.world_size)

@@ -320,10 +320,11 @@ def recv_results(src):
 
 
 def serve_disaggregated(rt, engine, reqs, abort_prefilled=(), abort_sent=(), tag="run"):
-    """Both ranks call this, with the same tag (it names this run's doorbell keys). -> on rank 0: ({id: dict(out, times, arrival, kv_bytes,
-    meta_bytes)} for every request -- the first token from the prefill rank, the rest
-    from the decode rank; out None for an aborted one --, the decode rank's pool
-    state); on rank 1: (None, the decode loop's stats)."""
+    """Both ranks call this, with the same tag (it names this run's doorbell keys). -> on rank
+    0: ({id: dict(out, times, arrival, kv_bytes, meta_bytes)} for every request -- the
+    first token from the prefill rank, the rest from the decode rank; out None for an
+    aborted one --, the decode rank's pool state); on rank 1: (None, the decode loop's
+    stats)."""
     check_roles(rt)
     store = dist.PrefixStore(f"disagg/{tag}", job_store("disagg", rt.timeout))
     comm.barrier()

@@ -1,7 +1,7 @@
 """
 gpu_bench.py -- one command, one table: what the scripts achieve on this machine's GPU.
 
-Run:  python gpu_bench.py                          # one GPU, ~100M parameters (sized for < 6 min; unmeasured)
+Run:  python gpu_bench.py               # one GPU, ~100M parameters (sized for < 6 min; unmeasured)
       python gpu_bench.py --device cpu --tiny      # the same code at toy size (its test)
 
 Every figure the README explains on 2 CPU cores, measured where the users run:
@@ -43,8 +43,8 @@ import serve
 import spec_decode as sd
 import train
 from model import GPT, KVCache, get_config
-from plumbing import (ArgumentParser, HelpFormatter, StepTimer, UserError, fmt_bytes, fmt_count, gpu_peak_flops,
-                      model_state_bytes, pick_device, run_cli, seed_everything)
+from plumbing import (ArgumentParser, HelpFormatter, StepTimer, UserError, fmt_bytes, fmt_count,
+                      gpu_peak_flops, model_state_bytes, pick_device, run_cli, seed_everything)
 
 # Peak HBM/GDDR bandwidth (bytes/s) from the vendors' data sheets; the first key found in
 # torch.cuda.get_device_name() wins (so the specific names come before the general ones).

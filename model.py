@@ -163,13 +163,14 @@ PRESETS = {
     "moe": dict(block_size=256, n_layer=4, n_head=6, n_kv_head=2, n_embd=192, n_expert=8,
                 expert_top_k=2, ffn_hidden=256),
     # DeepSeek-V3's ideas at moe's size: fine-grained experts (16 routed experts 64 wide,
-    # top-4, where moe has 8 × 256, top-2) + 1 shared expert, sigmoid affinities,
-    # loss-free balancing with V3's tiny complementary aux loss (α = 1e-4), one MTP head,
-    # and multi-head latent attention (mla.py) in V3's proportions: d_c = 4·d_h, d_R = d_h/2,
-    # queries through their own latent. V3's MTP module is sequential: depth k joins the previous depth's state
-    # with the embedding of token t+k and runs a full Transformer block through the shared
-    # output head; our extra head (ExtraHead) sees only the final hidden state and has its
-    # own output matrix -- the same seam (head 1 predicts t+2; spec_decode.py drafts with it).
+    # top-4, where moe has 8 × 256, top-2) + 1 shared expert, sigmoid affinities, loss-free
+    # balancing with V3's tiny complementary aux loss (α = 1e-4), one MTP head, and
+    # multi-head latent attention (mla.py) in V3's proportions: d_c = 4·d_h, d_R = d_h/2,
+    # queries through their own latent. V3's MTP module is sequential: depth k joins the
+    # previous depth's state with the embedding of token t+k and runs a full Transformer
+    # block through the shared output head; our extra head (ExtraHead) sees only the final
+    # hidden state and has its own output matrix -- the same seam (head 1 predicts t+2;
+    # spec_decode.py drafts with it).
     "v3": dict(block_size=256, n_layer=4, n_head=6, n_kv_head=2, n_embd=192, n_expert=16,
                expert_top_k=4, ffn_hidden=64, n_shared_expert=1, moe_score="sigmoid",
                moe_balance="loss_free", moe_aux_coef=1e-4, moe_bias_rate=0.001,

@@ -113,4 +113,5 @@ class NF4Matmul(torch.autograd.Function):
 
 if __name__ == "__main__":
     print(__doc__.strip())
-    print("\nnf4.py is a library: QLoRA runs as `python lora.py --method qlora` (see lora.py --help).")
+    print("\nnf4.py is a library: QLoRA runs as `python lora.py --method qlora` "
+          "(see lora.py --help).")

@@ -61,8 +61,8 @@ import planner
 from ring_attention import cp_positions, cp_shard, make_ring_attn_fn
 from model import GPT, get_config
 from moe import MoE
-from plumbing import (ArgumentParser, UserError, all_reduce_flat, comm, decay_groups, fmt_bytes, print0,
-                      require_at_least_one, run_cli, seed_everything, setup_runtime,
+from plumbing import (ArgumentParser, UserError, all_reduce_flat, comm, decay_groups, fmt_bytes,
+                      print0, require_at_least_one, run_cli, seed_everything, setup_runtime,
                       warmup_cosine)
 from tensor_parallel import (GatheredInputs, SavedActivations, VocabParallelCrossEntropy,
                              apply_tensor_parallel, summed_over)

@@ -399,4 +399,5 @@ def bench_against_dtensor(hand, hand_loss, cfg, tp_mesh, batches, device):
 
 if __name__ == "__main__":
     print(__doc__.strip())
-    print("\nparallel_check.py is a library: it runs under `parallel.py --check` and `parallel.py bench-tp` (see parallel.py --help).")
+    print("\nparallel_check.py is a library: it runs under `parallel.py --check` and "
+          "`parallel.py bench-tp` (see parallel.py --help).")

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from model import GPT, get_config
-from plumbing import (ArgumentParser, HelpFormatter, UserError, comm, fmt_bytes, print0, require_at_least_one, run_cli,
-                      setup_runtime)
+from plumbing import (ArgumentParser, HelpFormatter, UserError, comm, fmt_bytes, print0,
+                      require_at_least_one, run_cli, setup_runtime)
 
 SCHEDULES = ("gpipe", "1f1b", "zb", "dualpipev")
 

@@ -16,25 +16,23 @@ sent per optimizer step. Then the Ultra-Scale Playbook's three-step cheat sheet:
      rejected, so a short batch of long sequences pushes DP into CP;
   3. the layout.
 
-Memory per GPU, mixed precision with Adam (2 + 2 + 12 B/param: Rajbhandari et al. 2020, ZeRO), in decimal
-GB against --gpu-mem: an "80 GB" H100 has 80 GiB = 85.9 GB, the rest is the room for what
-is not counted (logits, temporaries, CUDA/NCCL buffers). A GPU holds a shard
-Ψ_s = Ψ/(tp·pp): stages balanced by parameters, as Llama 3's uneven split intends (one
-layer less on the first and last stage, see stage_layers: pp need not divide L). ZeRO
+Memory per GPU, mixed precision with Adam (2 + 2 + 12 B/param: Rajbhandari et al. 2020,
+ZeRO), in decimal GB against --gpu-mem: an "80 GB" H100 has 80 GiB = 85.9 GB, the rest is
+the room for what is not counted (logits, temporaries, CUDA/NCCL buffers). A GPU holds a
+shard Ψ_s = Ψ/(tp·pp): stages balanced by parameters, as Llama 3's uneven split intends
+(one layer less on the first and last stage, see stage_layers: pp need not divide L). ZeRO
 shards over the n = dp·cp ranks holding the same shard (CP ranks share the weights and
-average gradients with DP):
-  weights 2Ψ_s (÷n at ZeRO-3), grads 2Ψ_s (÷n from ZeRO-2), optimizer 12Ψ_s (÷n from 1).
-Default ZeRO-2: Llama 3's FSDP sharded optimizer states and gradients but kept the
-weights whole between forward and backward; it sends what ZeRO-1 sends.
-Activations per layer and microbatch (Korthikanti et al. 2022, 16-bit; TP always with
-sequence parallelism, so every term ÷t; CP keeps s/c of the tokens on each GPU):
-  none       (s/c)·b·h/t·(34 + 5·a·s/h)   the a·(s/c)·s attention scores are stored
-  selective  (s/c)·b·h·34/t               scores recomputed: what FlashAttention does,
-                                          so Llama 3's "no activation checkpointing"
-  full       2·(s/c)·b·h/t                only each layer's input is kept
-1F1B (Narayanan et al. 2021): stage i runs pp−i warm-up forwards before its first
-backward, so it holds min(pp−i, m) microbatches: stage 0 holds pp × L/pp = all L layers'
-worth. PP divides the weights, never the activations: only CP (or TP) does.
+average gradients with DP): weights 2Ψ_s (÷n at ZeRO-3), grads 2Ψ_s (÷n from ZeRO-2),
+optimizer 12Ψ_s (÷n from 1). Default ZeRO-2: Llama 3's FSDP sharded optimizer states and
+gradients but kept the weights whole between forward and backward; it sends what ZeRO-1
+sends. Activations per layer and microbatch (Korthikanti et al. 2022, 16-bit; TP always
+with sequence parallelism, so every term ÷t; CP keeps s/c of the tokens on each GPU): none
+(s/c)·b·h/t·(34 + 5·a·s/h) the a·(s/c)·s attention scores are stored selective
+(s/c)·b·h·34/t scores recomputed: what FlashAttention does, so Llama 3's "no activation
+checkpointing" full 2·(s/c)·b·h/t only each layer's input is kept 1F1B (Narayanan et al.
+2021): stage i runs pp−i warm-up forwards before its first backward, so it holds min(pp−i,
+m) microbatches: stage 0 holds pp × L/pp = all L layers' worth. PP divides the weights,
+never the activations: only CP (or TP) does.
 
 Sent per GPU per step, bf16 (a ring all-gather/reduce-scatter of N bytes over n ranks
 sends N·(n−1)/n from each), per layer and microbatch unless said:

@@ -99,7 +99,8 @@ class QATLinear(nn.Module):
 
     @torch.no_grad()
     def export(self):
-        """-> a quantize.QuantLinear whose dequantized weight is exactly this layer's forward weight."""
+        """-> a quantize.QuantLinear whose dequantized weight is exactly this layer's
+        forward weight."""
         w, g = self.weight, self.group_size
         if not self.lsq:
             return Q.QuantLinear(Q.rtn(w, self.bits, g), w.shape, self.bits, g)

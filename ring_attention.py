@@ -332,4 +332,5 @@ def ring_traffic_formula(b, n_kv_head, s, head_dim, C):
 
 if __name__ == "__main__":
     print(__doc__.strip())
-    print("\nring_attention.py is a library: context parallelism runs as `torchrun --standalone --nproc_per_node=2 parallel.py --cp 2 --check` (see parallel.py --help).")
+    print("\nring_attention.py is a library: context parallelism runs as `torchrun "
+          "--standalone --nproc_per_node=2 parallel.py --cp 2 --check` (see parallel.py --help).")

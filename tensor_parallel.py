@@ -306,4 +306,5 @@ def apply_tensor_parallel(model, group, gathered=None):
 
 if __name__ == "__main__":
     print(__doc__.strip())
-    print("\ntensor_parallel.py is a library: tensor parallelism runs as `torchrun --standalone --nproc_per_node=2 parallel.py --tp 2 --check` (see parallel.py --help).")
+    print("\ntensor_parallel.py is a library: tensor parallelism runs as `torchrun "
+          "--standalone --nproc_per_node=2 parallel.py --tp 2 --check` (see parallel.py --help).")
