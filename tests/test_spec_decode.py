@@ -298,6 +298,9 @@ V3_TINY = dict(n_expert=4, expert_top_k=2, n_shared_expert=1, moe_score="sigmoid
 
 @pytest.mark.slow
 def test_mtp_drafting_on_a_v3_target_equals_plain_greedy():
+    # the drafter's initialisation draws from the global RNG: seeded here, so what it
+    # accepts does not depend on which tests ran before (on this random target, 2 of 36)
+    torch.manual_seed(0)
     target = tiny(seed=2, **V3_TINY)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():          # a trained-looking bias: it changes some tokens' experts
