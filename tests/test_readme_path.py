@@ -81,11 +81,14 @@ TINY = {
 }
 
 
+def readme():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
 def readme_commands():
     """The commands of the README's "how to run" table, in order."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        text = f.read()
-    table = text.split("| command | what it shows | time |", 1)[1].split("\n\n", 1)[0]
+    table = readme().split("| command | what it shows | time |", 1)[1].split("\n\n", 1)[0]
     return re.findall(r"^\| `([^`]+)` \|", table, flags=re.M)
 
 
@@ -117,14 +120,13 @@ def module_imports(name):
 def test_reading_paths_never_need_a_later_file():
     """Each README reading path is ordered so that every file imports only files before
     it on the same path."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        section = f.read().split("## Reading paths", 1)[1].split("\n## ", 1)[0]
+    section = readme().split("## Reading paths", 1)[1].split("\n## ", 1)[0]
     paths = re.findall(r"^- \*\*(.+?):\*\* (.+?)(?=^- \*\*|\Z)", section, flags=re.M | re.S)
     assert len(paths) >= 5
     for title, text in paths:
         order = list(dict.fromkeys(re.findall(r"`(\w+)\.py`", text)))
         for i, name in enumerate(order):
-            needed = module_imports(name) - {(b) for a, b in NAMED_EXCEPTIONS if a == name}
+            needed = module_imports(name) - {b for a, b in NAMED_EXCEPTIONS if a == name}
             assert needed <= set(order[:i]), (title, name, needed - set(order[:i]))
 
 
