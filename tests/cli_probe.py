@@ -37,7 +37,6 @@ def flag_entries(help_text):
 
 
 def main():
-    os.chdir(ROOT)
     sys.path.insert(0, ROOT)
     for spec in sys.argv[1:]:
         argv = spec.split()

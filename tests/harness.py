@@ -8,6 +8,11 @@ The harness the distributed tests share: launch real processes with torchrun on 
 `sys.executable -m torch.distributed.run` rather than a `torchrun` on PATH, so the
 processes use this interpreter and its packages. GLOO_SOCKET_IFNAME=lo: in a sandbox gloo
 may fail to pick a network interface on its own.
+
+Hermetic: a script is named relative to the repo (`"train.py"`) and found there, but it
+runs in the test session's working folder, a temporary folder that tests/conftest.py moves
+the session into. So a script's default outputs (`out/ckpt.pt`, `out/serve/...`) land
+there, never in the reader's `out/`.
 """
 import os
 import signal
@@ -24,16 +29,22 @@ class Result:
     output: str          # stdout and stderr together, in order
 
 
-def run_python(script, args=(), timeout=120, env=None, cwd=ROOT):
-    """`python script args...` as a user would type it."""
-    return _run([sys.executable, script, *map(str, args)], timeout, env, cwd)
+def in_repo(script):
+    """A script named relative to the repo root -> its absolute path (absolute stays)."""
+    return os.path.join(ROOT, script)
 
 
-def torchrun(script, args=(), nproc=2, timeout=180, env=None, cwd=ROOT, extra=()):
+def run_python(script, args=(), timeout=120, env=None, cwd=None):
+    """`python script args...` as a user would type it. cwd None: the session's working
+    folder (a temporary one, see the module docstring)."""
+    return _run([sys.executable, in_repo(script), *map(str, args)], timeout, env, cwd)
+
+
+def torchrun(script, args=(), nproc=2, timeout=180, env=None, cwd=None, extra=()):
     """`torchrun --standalone --nproc_per_node=nproc script args...` on the CPU.
     extra: more torchrun flags (e.g. --max-restarts=1)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", *extra, script, *map(str, args)]
+           f"--nproc_per_node={nproc}", *extra, in_repo(script), *map(str, args)]
     return _run(cmd, timeout, env, cwd)
 
 

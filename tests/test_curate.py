@@ -97,8 +97,8 @@ def test_hashes_are_the_same_in_another_process():
     here = curate.shingle_set(curate.word_ids(text), 3).tolist()
     code = (f"import curate; print(curate.shingle_set(curate.word_ids({text!r}), 3).tolist()); "
             f"print(curate.stable_unit('a', 1))")
-    env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     lines = out.stdout.strip().splitlines()
     assert lines[0] == str(here) and float(lines[1]) == curate.stable_unit("a", 1)
 

@@ -15,7 +15,7 @@ import torch
 import data_parallel
 import resume as saved
 import train
-from harness import ROOT, run_python, torchrun
+from harness import ROOT, in_repo, run_python, torchrun
 from model import GPT, get_config
 
 
@@ -36,7 +36,7 @@ class Live:
     def __init__(self, cmd, env=None):
         full = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT, **(env or {})}
-        self.p = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=subprocess.PIPE,
+        self.p = subprocess.Popen(cmd, env=full, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines = []
 
@@ -68,13 +68,13 @@ class Live:
             pass
 
 
-def python_cmd(*args):
-    return [sys.executable, *map(str, args)]
+def python_cmd(script, *args):
+    return [sys.executable, in_repo(script), *map(str, args)]
 
 
-def torchrun_cmd(nproc, *args, extra=()):
+def torchrun_cmd(nproc, script, *args, extra=()):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", *extra, *map(str, args)]
+            f"--nproc_per_node={nproc}", *extra, in_repo(script), *map(str, args)]
 
 
 def losses(ckpt):
@@ -239,7 +239,7 @@ print("not reached", flush=True)
 def test_second_signal_exits_at_once(first):
     """The first SIGINT / SIGTERM is only a request; a second SIGINT a second later exits
     130 at once, without saving."""
-    r = subprocess.run([sys.executable, "-c", SECOND_SIGNAL.format(first=first)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-c", SECOND_SIGNAL.format(first=first)],
                        env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
                        timeout=60)
     number = int(getattr(signal, f"SIG{first}"))

@@ -44,7 +44,7 @@ import rl                                                         # noqa: E402
 import serve                                                      # noqa: E402
 import spec_decode as sd                                          # noqa: E402
 import train                                                      # noqa: E402
-from harness import ROOT, run_python, torchrun                    # noqa: E402
+from harness import ROOT, in_repo, run_python, torchrun                    # noqa: E402
 from kvcache import BlockAllocator, PagedKVCache, paged_logits    # noqa: E402
 from model import (GPT, KVCache, get_config, load_model, math_attention,  # noqa: E402
                    sdpa_attention)
@@ -439,8 +439,8 @@ def test_http_server_on_device_answers_like_generate(device, tmp_path):
     socket == generate() of the same checkpoint on the same device; SIGTERM stops it."""
     ckpt = tiny_checkpoint(tmp_path / "t.pt")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
-    p = subprocess.Popen([sys.executable, "serve.py", "--checkpoint", ckpt, "--device", device,
-                          "--port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, in_repo("serve.py"), "--checkpoint", ckpt,
+                          "--device", device, "--port", "0"], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:
         seen, port = "", None

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import data
 import llama_format as lf
-from harness import ROOT
+from harness import in_repo
 from model import GPT, get_config, load_model
 from plumbing import UserError
 
@@ -374,9 +374,9 @@ def test_export_command_line(enc, tmp_path):
     model = tiny_model(enc, seed=5)
     torch.save({"config": asdict(model.config), "model": model.state_dict(),
                 "tokenizer": data.encoding_to_state(enc)}, tmp_path / "ckpt.pt")
-    r = subprocess.run([sys.executable, "model.py", "export", "--checkpoint",
+    r = subprocess.run([sys.executable, in_repo("model.py"), "export", "--checkpoint",
                         str(tmp_path / "ckpt.pt"), "--to", str(tmp_path / "hf")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "model.safetensors" in r.stdout
     back, _ = load_model(str(tmp_path / "hf"))
