@@ -53,12 +53,19 @@ import torch
 import torch.distributed as dist
 
 from kvcache import blocks_for
-from model import GPT, get_config, load_model
-from plumbing import (ArgumentParser, UserError, comm, fmt_bytes, job_store, run_cli,
-                      setup_runtime)
+from core.checkpoint import load_model
+from model import GPT, get_config
+from core.plumbing import (ArgumentParser, UserError, comm, fmt_bytes, job_store, run_cli,
+                           setup_runtime)
 from serve import FINISHED, PREFILLED, Engine, PoolFull, SamplingParams
-from serve_bench import length_range, mixed_workload
+from serving.workloads import length_range, mixed_workload
 
+# Every message starts with a header of exactly HEADER int64s (control messages pad it
+# with zeros), so the receiver can always post the same first irecv: a point-to-point
+# receive must be posted with the size of the send it pairs with, and the sizes of the
+# rest of a message are only known once its header is read. 8 · 8 = 64 bytes of header
+# per message: all a control message costs (tests/dist_disagg_check.py counts HEADER * 8
+# on the meter for each abort and for DONE).
 PREFILL, DECODE = 0, 1                  # the ranks' roles
 KV, ABORT, DONE, RESULTS = 1, 2, 3, 4   # message kinds (the header's first field)
 HEADER = 8                              # int64 fields: kind, request id, then per kind
@@ -72,10 +79,16 @@ def kv_formula(cfg, kv_dtype, n_tokens):
     """Bytes of n tokens' KV: n · L · heads · (key width + value width) · bytes, + n · L ·
     heads · 2 · 4 bytes of float32 scales when int8. GQA: heads = H_kv, both widths D
     (2·L·H_kv·D·bytes per token); MLA: one "head" holding d_c + d_R."""
+    # (H_kv, D, D) for GQA, (1, d_c, d_R) for MLA: the same dims the pool is built from,
+    # so tests/test_disagg.py can check this against PagedKVCache.bytes_per_token
     heads, k_dim, v_dim = cfg.kv_cache_dims
     if kv_dtype == "int8":
+        # 1 byte per code, plus one float32 scale per (layer, head, token) for the key and
+        # one for the value (the pool's k_scale/v_scale have width 1): + 2 · 4 bytes. So
+        # int8 moves (k + v + 8) / (4 · (k + v)) of fp32's bytes, a bit more than 1/4
         per_token = cfg.n_layer * heads * (k_dim + v_dim + 2 * 4)
     else:
+        # the pool's dtype by name ("float32", "bfloat16"): itemsize 4 or 2
         per_token = cfg.n_layer * heads * (k_dim + v_dim) * getattr(torch, kv_dtype).itemsize
     return n_tokens * per_token
 
@@ -84,18 +97,35 @@ def encode(exported, rid):
     """export_kv's dict -> the tensors to send, in order: header, token ids, JSON
     metadata, the sampler state (if seeded), the payload parts trimmed to the computed
     slots (a block's unfilled tail is not sent). -> (tensors, KV payload bytes)."""
+    # n = num_computed = the prompt's length: the first sampled token has no K/V yet (the
+    # decode rank's first step computes them), so n slots travel, not n + 1
     n = exported["num_computed"]
+    # JSON, never pickle: unpickling a peer's bytes can run arbitrary code, and these
+    # fields are plain numbers, lists and strings (SamplingParams as a dict)
     meta = json.dumps(dict(params=exported["params"], logprobs=exported["logprobs"],
                            prompt_logprobs=exported["prompt_logprobs"],
                            block_size=exported["block_size"],
                            kv_dtype=exported["kv_dtype"])).encode()
+    # a seeded sampler's torch.Generator state (a uint8 tensor of a few KB): the decode
+    # rank continues the same random stream, so a seeded request samples the same tokens
+    # disaggregated or not; None when greedy
     gen = exported["generator"]
+    # read_blocks gave whole blocks, (n_layer, heads, blocks · block_size, width): keep the
+    # first n slots. That slice is a strided view (the slot axis is not the outermost), and
+    # a send needs one dense buffer, so .contiguous() makes the copy that goes on the wire.
+    # The order of the parts (k, v[, k_scale, v_scale]) is PagedKVCache.parts()' order,
+    # the same on both ranks: receive() reads them back in that order
     parts = [t[:, :, :n].contiguous() for t in exported["kv"].values()]
+    # after kind and id, what receive() needs to size each irecv that follows: tokens
+    # (prompt + first token), prompt length, computed slots, JSON bytes, generator bytes
+    # (0 = no generator tensor follows), number of KV parts (2, or 4 with int8 scales)
     header = torch.tensor([KV, rid, len(exported["tokens"]), exported["num_prompt"], n,
                            len(meta), 0 if gen is None else gen.numel(), len(parts)])
+    # bytearray, not bytes: frombuffer shares the buffer and warns on a read-only one
     tensors = [header, torch.tensor(exported["tokens"]),
                torch.frombuffer(bytearray(meta), dtype=torch.uint8)]
     tensors += ([] if gen is None else [gen]) + parts
+    # only the KV parts count as payload; the caller books the rest as metadata
     return tensors, sum(t.numel() * t.element_size() for t in parts)
 
 
@@ -103,10 +133,15 @@ def send(tensors, dst):
     """Blocking point-to-point sends, in order (gloo pairs them with the receives in
     order), counted by the communication meter."""
     for t in tensors:
+        # .cpu(): gloo moves CPU tensors; waiting on each send before the next keeps the
+        # (possibly temporary) copy alive until its bytes are out. Used only for the
+        # results and step logs at the end, where nothing else needs to run meanwhile
         comm.isend(t.cpu(), dst).wait()
 
 
 def recv(shape, dtype, src):
+    """One blocking receive of a tensor whose shape and dtype the caller already knows
+    (from a header): the receiver allocates the buffer, nothing on the wire describes it."""
     t = torch.empty(shape, dtype=dtype)
     comm.irecv(t, src).wait()
     return t
@@ -118,23 +153,34 @@ def receive(engine, take):
     test hands the tensors of `encode` directly). The payload is padded back to whole
     blocks (the tail slots are never read: they lie past the sequence's length until the
     decode overwrites them)."""
+    # .tolist(): plain Python ints, usable as shapes below
     header = take((HEADER,), torch.int64).tolist()
     kind, rid = header[0], header[1]
-    if kind != KV:
+    if kind != KV:                      # a control message is its header alone
         return kind, rid, None
+    # The takes below mirror encode's list exactly, in order: take one out of turn and
+    # every later tensor is read with the wrong size or dtype: at best an error from the
+    # transport, at worst (same byte count) silently wrong numbers
     n_tokens, num_prompt, n, meta_len, gen_len, n_parts = header[2:]
     tokens = take((n_tokens,), torch.int64).tolist()
     meta = json.loads(bytes(take((meta_len,), torch.uint8).tolist()).decode())
     gen = take((gen_len,), torch.uint8) if gen_len else None
+    # The payload's shapes come from this rank's own pool: both ranks build it from the
+    # same flags. A different --kv-dtype shows up as 2 parts against 4 (or as a dtype
+    # import_kv refuses): refused here by name, before reading with the wrong shapes
     parts = engine.cache.parts()
     if n_parts != len(parts):
         raise UserError(f"the prefill rank sends {n_parts} KV parts, this pool has "
                         f"{len(parts)}: both ranks need the same --kv-dtype")
+    # import_kv -> PagedKVCache.write_blocks wants whole blocks: ceil(n / bs) · bs slots
     slots = blocks_for(n, engine.block_size) * engine.block_size
     kv = {}
     for name, pool in parts.items():
+        # the wire's dtype is the pool's (int8 codes, float32 scales, bf16): no cast on the
+        # way, so the imported KV is bit for bit the prefill rank's
         n_layer, heads, _, width = pool.shape
         x = take((n_layer, heads, n, width), pool.dtype)
+        # fewer than bs zero slots of padding; the cat is one more copy of the payload
         kv[name] = torch.cat([x, x.new_zeros(n_layer, heads, slots - n, width)], 2)
     exported = dict(tokens=tokens, num_prompt=num_prompt, num_computed=n, kv=kv,
                     generator=gen, **meta)
@@ -142,6 +188,7 @@ def receive(engine, take):
 
 
 def control(kind, rid):
+    """A control message (ABORT, DONE): a header alone, zero-padded to HEADER fields."""
     return [torch.tensor([kind, rid] + [0] * (HEADER - 2))]
 
 
@@ -156,11 +203,19 @@ class Outbox:
 
     def post(self, tensors):
         for t in tensors:
+            # keep the tensor with its Work: one freed before its send completes could have
+            # its memory reused under the transfer
             self.pending.append((comm.isend(t, DECODE), t))
+        # the doorbell after the sends are posted: the decode rank posts its irecvs only
+        # once it sees msg/<n>, so none of them waits on a send not yet started. The keys
+        # number the messages in posting order, the order the irecvs must follow
         self.store.set(f"msg/{self.n}", "1")
         self.n += 1
 
     def flush(self):
+        # Called once, at the end (prefill_loop): until then every message's tensors stay
+        # referenced, i.e. all the KV this rank ever sent. A long-running server would
+        # wait on the oldest sends as it goes to bound that memory
         for work, _ in self.pending:
             work.wait()
         self.pending.clear()
@@ -181,10 +236,15 @@ class Inbox:
     def get(self, block=True):
         key = f"msg/{self.n}"
         if block:
+            # nothing to step and nothing waiting: sleep in the store until the doorbell
+            # rings; past rt.timeout store.wait raises, so a dead prefill rank is an error
+            # here, not a hang
             self.store.wait([key], self.timeout)
         elif not self.store.check([key]):
+            # the poll between decode steps: one store round trip, no tensor touched
             raise queue.Empty
         self.n += 1
+        # the sends were posted before the key was set: these irecvs pair with them at once
         return receive(self.engine, lambda shape, dtype: recv(shape, dtype, PREFILL))
 
 
@@ -192,6 +252,9 @@ class Inbox:
 # The prefill rank
 
 def add(engine, req, t0, prefill_only):
+    """One workload request into `engine`, greedy and ignore_eos: every system then makes
+    exactly out_len tokens, the same work, and outputs comparable token for token. The
+    arrival is stamped on this rank's clock (t0 + the request's offset), not 'now'."""
     return engine.add_request(req["prompt"], SamplingParams(
         max_tokens=req["out_len"], temperature=0, ignore_eos=True),
         arrival=t0 + req["arrival"], seq_id=req["id"], prefill_only=prefill_only)
@@ -205,12 +268,19 @@ def prefill_loop(engine, outbox, reqs, t0, abort_prefilled=(), abort_sent=()):
     -> per request: first token, its time, KV bytes sent, metadata bytes sent."""
     pending, out = sorted(reqs, key=lambda r: r["arrival"]), {}
     while pending or engine.has_work():
+        # admit every request whose arrival time has passed (the client, replayed)
         while pending and t0 + pending[0]["arrival"] <= time.perf_counter():
             add(engine, pending.pop(0), t0, prefill_only=True)
         if not engine.has_work():
+            # idle: sleep until the next arrival (pending is not empty here, else the loop
+            # had ended; parked PREFILLED sequences do not count as work)
             time.sleep(max(0.0, t0 + pending[0]["arrival"] - time.perf_counter()))
             continue
+        # step() returns the sequences that sampled a token in this step: here, the ones
+        # whose prompt just finished (their first token), now PREFILLED or FINISHED
         for seq in engine.step():
+            # the first token is sampled on this rank: TTFT holds no transfer (Splitwise's
+            # prompt machine answers the client at once); the transfer delays token 2
             rec = out[seq.id] = dict(first=seq.tokens[seq.num_prompt],
                                      t_first=seq.token_times[0], kv_bytes=0, meta_bytes=0,
                                      arrival=seq.arrival,
@@ -218,14 +288,22 @@ def prefill_loop(engine, outbox, reqs, t0, abort_prefilled=(), abort_sent=()):
             if seq.status != PREFILLED:     # max_tokens=1: done here, nothing to send
                 continue
             if seq.id in abort_prefilled:
-                engine.abort(seq.id)
+                engine.abort(seq.id)        # cancelled before the transfer: freed here
                 continue
+            # Export at once, in the step that parked it: a PREFILLED sequence keeps its
+            # blocks, and enough parked ones make the next step raise PoolFull
+            # (serve.Engine.step). release=True: the KV is copied out and the blocks go
+            # back to this pool now, so the prefill pool only holds prompts in progress
             tensors, rec["kv_bytes"] = encode(engine.export_kv(seq.id), seq.id)
+            # everything on the wire but the KV: header, token ids, JSON, generator state
             rec["meta_bytes"] = sum(t.numel() * t.element_size() for t in tensors) - \
                 rec["kv_bytes"]
             outbox.post(tensors)
             if seq.id in abort_sent:
+                # the abort rides the same ordered channel behind the KV: the decode rank
+                # always has the KV (waiting or imported) when the abort reaches it
                 outbox.post(control(ABORT, seq.id))
+    # DONE: nothing more will come; the decode rank finishes what it holds, then returns
     outbox.post(control(DONE, -1))
     outbox.flush()
     return out
@@ -238,34 +316,51 @@ def prefill_loop(engine, outbox, reqs, t0, abort_prefilled=(), abort_sent=()):
 def decode_loop(engine, inbox):
     """Rank 1: import what arrived (PoolFull: it waits in line until a step frees
     blocks), apply aborts, step. -> ({id: (output tokens, token times)}, stats)."""
+    # waiting: (id, exported) received but not yet imported, in arrival order; done: DONE
+    # seen, nothing more will arrive
     waiting, done, results = [], False, {}
     stats = dict(imported=0, aborted_imported=0, aborted_waiting=0, import_waits=0)
     while True:
+        # Block on the inbox only when there is nothing else to do. Otherwise poll: a
+        # running decode never waits for a message not yet sent; it pays one store check
+        # per step, plus the receive of whatever has arrived
         block = not (engine.has_work() or waiting or done)
-        while True:
+        while True:                     # drain what has arrived, then step
             try:
                 kind, rid, exported = inbox.get(block=block)
             except queue.Empty:
                 break
-            block = False
+            block = False               # after the first message: only what is there
             if kind == KV:
                 waiting.append((rid, exported))
             elif kind == DONE:
                 done = True
             elif kind == ABORT:
                 _abort(engine, waiting, rid, stats)
+            # import as soon as it arrives: it then rides in the very next decode step
             _import(engine, waiting, stats)
+        # again with an empty inbox: the last step may have freed the blocks the head needs
         _import(engine, waiting, stats)
         if engine.has_work():
             for seq in engine.step():
                 if seq.status == FINISHED:     # the tokens made here (not the first)
+                    # output_ids starts with the prefill rank's first token; token_times
+                    # holds this engine's tokens only (import_kv), hence the slice
                     made = seq.output_ids[len(seq.output_ids) - len(seq.token_times):]
+                    # arrival nan: rank 0 knows it (prefill_loop's record)
                     results[seq.id] = (made, seq.token_times, math.nan)
         elif done and not waiting:
             return results, stats
+        # (no work yet something waiting cannot last: with nothing running the pool is all
+        # free or cached, and serve.Engine refuses a pool too small for one max-length
+        # sequence, so the head's import succeeds. Build the pool without that check and
+        # this loop could spin: PoolFull does not tell "later" from "never")
 
 
 def _import(engine, waiting, stats):
+    """Import the waiting sequences in arrival order until one does not fit (PoolFull: no
+    free blocks or no running slot; import_kv then changed nothing, so it is retried after
+    a step). Strict FIFO: letting a smaller one pass the head could starve a long prompt."""
     while waiting:
         rid, exported = waiting[0]
         try:
@@ -278,10 +373,14 @@ def _import(engine, waiting, stats):
 
 
 def _abort(engine, waiting, rid, stats):
+    """The client cancelled `rid` after its KV was sent: imported -> abort it here; still
+    in line for blocks -> drop it from the line; already finished -> too late, nothing."""
     if rid in engine.live:
         engine.abort(rid)               # its imported blocks go back to the pool
         stats["aborted_imported"] += 1
     elif any(r == rid for r, _ in waiting):
+        # waiting[:] =, not waiting =: decode_loop holds this same list; rebinding a local
+        # would leave the request in the caller's line, to be imported and decoded anyway
         waiting[:] = [(r, e) for r, e in waiting if r != rid]
         stats["aborted_waiting"] += 1
 
@@ -292,11 +391,17 @@ def _abort(engine, waiting, rid, stats):
 # sender's pool state (the tests check that the decode rank ends with every block free).
 
 def send_results(engine, results, dst, stats=None):
+    # two flat tensors for all requests: three sends in all, not three per request
     flat, times = [], []
     for rid, (toks, ts, arrival) in sorted(results.items()):
-        flat += [rid, len(toks)] + list(toks)
+        flat += [rid, len(toks)] + list(toks)   # n lets the receiver cut the list apart
+        # float64: perf_counter counts seconds since boot (Linux), and at ~1e5 s float32's
+        # 24-bit mantissa resolves only ~8 ms -- coarser than an inter-token latency
         times += [arrival] + list(ts)
     stats = stats or {}
+    # kind, the two lengths, then five numbers of the sender's pool in the header's free
+    # fields (free blocks, live sequences, references held, aborted / imported counts):
+    # the leak check of tests/dist_disagg_check.py costs no extra message
     header = [RESULTS, len(flat), len(times), engine.alloc.num_free, len(engine.live),
               sum(engine.alloc.refcount), stats.get("aborted_imported", 0),
               stats.get("imported", 0)]
@@ -309,6 +414,8 @@ def recv_results(src):
     header = recv((HEADER,), torch.int64, src).tolist()
     flat = recv((header[1],), torch.int64, src).tolist()
     times = recv((header[2],), torch.float64, src).tolist()
+    # i walks the [id, n, tokens...] records, j the [arrival, times...] ones: each record
+    # is n long plus its prefix (2 fields, 1 field)
     out, i, j = {}, 0, 0
     while i < len(flat):
         rid, n = flat[i], flat[i + 1]
@@ -326,16 +433,27 @@ def serve_disaggregated(rt, engine, reqs, abort_prefilled=(), abort_sent=(), tag
     aborted one --, the decode rank's pool state); on rank 1: (None, the decode loop's
     stats)."""
     check_roles(rt)
+    # the doorbell keys under a prefix of this run: store keys outlive the run, so a
+    # second run under the same tag (the bench runs several) would find the previous
+    # run's msg/<i> already set -- the doorbell rings for messages not sent yet, and the
+    # decode rank blocks inside an irecv, its running decodes stalled, instead of polling
     store = dist.PrefixStore(f"disagg/{tag}", job_store("disagg", rt.timeout))
+    # both ranks start together: the arrivals are offsets from t0
     comm.barrier()
     t0 = time.perf_counter()
     if rt.rank == PREFILL:
         pre = prefill_loop(engine, Outbox(store), reqs, t0, abort_prefilled, abort_sent)
+        # blocks until the decode rank has seen DONE and finished every sequence it holds
         decoded, pool = recv_results(DECODE)
         out = {}
         for rid, rec in pre.items():
+            # delivered: finished here (max_tokens = 1) or reported by the decode rank;
+            # an aborted request is neither, and its out is None
             delivered = rec["finished"] or rid in decoded
             toks, ts, _ = decoded.get(rid, ([], [], None))
+            # the first token's time is rank 0's clock, the rest rank 1's: comparable only
+            # because both processes share one host (perf_counter is CLOCK_MONOTONIC on
+            # Linux, system-wide). Across hosts the 1st->2nd gap would need a clock offset
             out[rid] = dict(out=[rec["first"]] + toks if delivered else None,
                             times=[rec["t_first"]] + ts, arrival=rec["arrival"],
                             kv_bytes=rec["kv_bytes"], meta_bytes=rec["meta_bytes"])
@@ -348,7 +466,8 @@ def serve_disaggregated(rt, engine, reqs, abort_prefilled=(), abort_sent=(), tag
 def serve_colocated(rt, engine, reqs, replicas):
     """The baseline: `replicas` ordinary engines (prefill and decode in the same steps),
     rank r serving requests r, r + replicas, ...; replicas=1 leaves rank 1 idle.
-    -> on rank 0 {id: dict(out, times, arrival)} for all requests; on rank 1 None."""
+    -> on rank 0 {id: dict(out, times, arrival)} for all requests; on rank 1 None (an
+    empty dict when replicas=1: it served nothing)."""
     comm.barrier()
     t0 = time.perf_counter()
     mine = reqs[rt.rank::replicas] if rt.rank < replicas else []
@@ -359,6 +478,8 @@ def serve_colocated(rt, engine, reqs, replicas):
             while pending and t0 + pending[0]["arrival"] <= time.perf_counter():
                 seqs.append(add(engine, pending.pop(0), t0, prefill_only=False))
             if engine.has_work():
+                # one step packs prefill chunks with the running decodes (chunked prefill,
+                # --max-num-batched-tokens per step): the interference being measured
                 engine.step()
             else:
                 time.sleep(max(0.0, t0 + pending[0]["arrival"] - time.perf_counter()))
@@ -372,6 +493,8 @@ def serve_colocated(rt, engine, reqs, replicas):
 
 
 def check_roles(rt):
+    """Exactly two ranks, refused on every rank before any message: with a third, rank 2
+    would wait forever for messages no role sends."""
     if rt.world_size != 2:
         raise UserError(f"disaggregation needs exactly 2 ranks (rank 0 prefills, rank 1 "
                         f"decodes): run `torchrun --standalone --nproc_per_node=2 "
@@ -382,6 +505,8 @@ def check_roles(rt):
 # Measuring
 
 def pct(xs, p):
+    """Nearest-rank percentile: the ceil(p/100 · n)-th smallest, no interpolation (so the
+    p99 of fewer than 100 samples is their maximum); nan for no samples."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, math.ceil(p / 100 * len(xs)) - 1))] if xs else math.nan
 
@@ -397,10 +522,12 @@ def latency(results, reqs):
         rec = results[r["id"]]
         t, kind = rec["times"], "long" if r["long"] else "short"
         row[f"ttft_{kind}"].append(t[0] - rec["arrival"])
+        # gaps t[i+1] - t[i] from i = 1 on: the 1st->2nd gap goes to gap2 alone
         row[f"itl_{kind}"] += [b - a for a, b in zip(t[1:], t[2:])]
         row["gap2"] += [t[1] - t[0]] if len(t) > 1 else []
         row["tokens"] += len(t)
         end = max(end, t[-1])
+    # throughput over the whole run: first arrival to last token, all requests' tokens
     start = min(results[r["id"]]["arrival"] for r in reqs)
     row["tok_s"] = row["tokens"] / (end - start)
     return row
@@ -411,6 +538,8 @@ def gather_steps(rt, engine):
     step_log: seconds, tokens, decodes, context, sequences per step --, their preemptions
     together); on rank 1 None."""
     if rt.rank == DECODE:
+        # reshape(-1, 5): an empty log (rank 1 idle, colocated x1) is (0, 5), not (0,);
+        # the row count goes first, so rank 0 can allocate the (n, 5) buffer
         log = torch.tensor(engine.step_log, dtype=torch.float64).reshape(-1, 5)
         send([torch.tensor([log.shape[0], engine.stats["preemptions"]]), log], PREFILL)
         return None
@@ -423,6 +552,10 @@ def step_stats(steps, preemptions):
     """The interference, step by step: the durations of decode-only steps and of steps
     that carried a prefill chunk, and how many decode tokens rode in the latter (each of
     them waited for the prefill's compute: what disaggregation removes)."""
+    # a row: (seconds, tokens, decodes, context, sequences). Decode-only: every token is a
+    # decode; mixed: at least one prefill token (a pure prefill step is "mixed" but delays
+    # no decode). serve.Engine._account counts any 1-token row as a decode, so a prefill
+    # chunk of exactly one token is booked as a decode
     dec = [st for st in steps if st[1] == st[2] and st[2] > 0]
     mixed = [st for st in steps if st[1] > st[2]]
     return dict(dec_s=[st[0] for st in dec], mixed_s=[st[0] for st in mixed],
@@ -438,6 +571,8 @@ def make_engine(model, args):
 
 
 def build_model(args):
+    """Both ranks build their copy: from the checkpoint, or random-init from the same
+    seed -- the decode rank must continue with the very weights that made the KV."""
     if args.checkpoint:
         model, _ = load_model(args.checkpoint)
     else:
@@ -446,7 +581,7 @@ def build_model(args):
 
 
 def workload(args, cfg):
-    """serve_bench.mixed_workload: short and long prompts mixed, Poisson arrivals. ->
+    """serving/workloads.mixed_workload: short and long prompts mixed, Poisson arrivals. ->
     plain dicts (id, prompt, out_len, arrival, long)."""
     reqs = mixed_workload(args.num_requests,
                           length_range(args.short_len, "short-len"),
@@ -480,12 +615,16 @@ def run(rt, args):
         rec = out[r["id"]]
         print(f"{r['id']:>8}{len(r['prompt']):>8}{rec['kv_bytes']:>11}"
               f"{kv_formula(cfg, kv_dtype, len(r['prompt'])):>11}{rec['meta_bytes']:>12}")
+    # equal by construction: encode sends exactly the n computed slots. Send the padded
+    # blocks instead (t[:, :, :slots]) and the total reads DIFFERENT
     kv = sum(out[r["id"]]["kv_bytes"] for r in reqs)
     want = sum(kv_formula(cfg, kv_dtype, len(r["prompt"])) for r in reqs)
     meta = sum(out[r["id"]]["meta_bytes"] for r in reqs)
     print(f"total: KV {kv} B sent, formula {want} B ({'equal' if kv == want else 'DIFFERENT'})"
           f"; metadata {meta} B ({meta / max(kv, 1):.2%} of it)")
     print(comm.report("rank 0 point-to-point (the meter)"))
+    # the reference: one ordinary engine on rank 0, all prompts at once; greedy, so the
+    # disaggregated tokens must match one for one (the KV crossed unchanged)
     ref = make_engine(model, args).generate(
         [r["prompt"] for r in reqs],
         [SamplingParams(max_tokens=r["out_len"], temperature=0, ignore_eos=True) for r in reqs])
@@ -511,6 +650,7 @@ def bench(rt, args):
         for i in range(args.repeats):   # the fastest run: the least disturbed by neighbours
             engine = make_engine(model, args)
             results = serve_all(engine, i)
+            # both ranks call it (a send/recv pair), whatever the system: rank 1 idle too
             steps = gather_steps(rt, engine)
             if rt.rank == PREFILL:
                 row = latency(results, reqs)
@@ -549,6 +689,7 @@ def print_bench(rows, reqs, args, cfg):
     same = sum(outs[0][k] == outs[1][k] == outs[2][k] for k in outs[0])
     print(f"greedy outputs identical in the three systems: {same}/{len(reqs)}")
     kv = sum(rec["kv_bytes"] for rec in rows[2][2].values())
+    # a request with out_len 1 finishes on the prefill rank: no KV of it travels
     want = sum(kv_formula(cfg, kv_dtype, len(r["prompt"])) for r in reqs if r["out_len"] > 1)
     print(f"KV moved by disaggregation: {fmt_bytes(kv)} ({kv} B = the formula's {want} B), "
           f"{fmt_bytes(kv / sum(r['out_len'] > 1 for r in reqs))} per request")
@@ -590,7 +731,7 @@ def build_parser():
         e.add_argument("--max-num-seqs", type=int, default=32, help="running sequences at most")
         e.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "int8"],
                        help="KV pool dtype; None = the model's")
-        w = m.add_argument_group("workload (serve_bench.mixed_workload)")
+        w = m.add_argument_group("workload (serving/workloads.mixed_workload)")
         w.add_argument("--num-requests", type=int, default=48 if mode == "bench" else 12,
                        help="requests")
         w.add_argument("--short-len", default="8:32", help="short prompts, LO:HI tokens")
@@ -617,6 +758,8 @@ def main(argv=None):
                             f"{getattr(args, name)}")
     if not 0 <= args.long_frac <= 1 or args.rate <= 0:
         raise UserError("--long-frac must be in [0, 1] and --rate > 0")
+    # the engines run on the CPU and every tensor sent is a CPU tensor: gloo. On NCCL
+    # each one, headers included, would have to live on the GPU
     rt = setup_runtime("cpu")
     check_roles(rt)
     torch.set_num_threads(args.threads)

@@ -54,10 +54,11 @@ from dataclasses import dataclass
 import torch
 
 from kvcache import extend_hash_chain
-from model import GPT, get_config, load_model
-from plumbing import ArgumentParser, UserError, run_cli
+from core.checkpoint import load_model
+from model import GPT, get_config
+from core.plumbing import ArgumentParser, UserError, run_cli
 from serve import FINISHED, Engine, SamplingParams
-from serve_bench import AgentSessions, BenchRequest, length_range
+from serving.workloads import AgentSessions, BenchRequest, length_range
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
@@ -86,15 +87,23 @@ class Replica:
         self.vtime = 0.0
         self._cpu0 = None
         self.known = set()          # the hashes the router was last told about
+        # the engine's clock is this replica's virtual one: its token and finish times are
+        # simulated device seconds, on the timeline the arrivals (passed in) live on
         self.engine = make_engine(self.now)
 
     def now(self):
-        if self._cpu0 is None:
+        if self._cpu0 is None:      # between steps the clock stands still
             return self.vtime
+        # process_time, not perf_counter: this process's CPU seconds only, so a neighbour
+        # on a shared core does not stretch the step. It sums every thread of the process,
+        # though: with --threads > 1 a step is charged its total CPU, more than its wall time
         return self.vtime + time.process_time() - self._cpu0
 
     def wake(self, t):
         """An idle replica's clock jumps to the arrival of its next request."""
+        # only an idle one moves: a busy replica's clock is already >= t (simulate handles
+        # an event only once every busy clock has reached it); max: an idle replica whose
+        # last step ended after t cannot start the new request before that end
         if not self.engine.has_work():
             self.vtime = max(self.vtime, t)
 
@@ -102,8 +111,11 @@ class Replica:
         """One engine step, timed; -> the message for the router."""
         self._cpu0 = time.process_time()
         out = self.engine.step()
+        # the step's CPU time is charged to this replica alone, as if it had run on a
+        # device of its own while the others waited their turn for the one CPU
         self.vtime = self.now()
         self._cpu0 = None
+        # step() returns every sequence that sampled a token: only the FINISHED ones end
         return self.report([s.id for s in out if s.status == FINISHED])
 
     def report(self, finished):
@@ -112,6 +124,9 @@ class Replica:
         production engine emits these events as it registers and evicts blocks; diffing
         the set once per step costs O(pool) here and leaves the engine untouched."""
         now = self.engine.alloc.cached_hashes()
+        # 16 bytes per block (kvcache.block_hash), not its tokens; the two lists are
+        # disjoint (the differences of the same two sets), so Router.apply may apply them
+        # in either order
         event = CacheEvent(self.vtime, self.id, list(now - self.known),
                            list(self.known - now), finished)
         self.known = now
@@ -124,6 +139,9 @@ class Replica:
 def prompt_chain(tokens, block_size):
     """The chain hashes a replica could hit for this prompt: its full blocks, the last
     token left out (BlockAllocator.match_prefix always recomputes the last token)."""
+    # (n - 1) // bs: the count match_prefix looks up, so a router match of m blocks is what
+    # the replica would hit, had its cache not changed since its last message. A 16-token
+    # prompt with bs = 16 has an empty chain: it can never hit, whatever the route
     return extend_hash_chain([], tokens, (len(tokens) - 1) // block_size, block_size)
 
 
@@ -147,9 +165,13 @@ class Router:
         self.policy, self.max_queue = policy, max_queue
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
         self.cache_threshold = cache_threshold
+        # per replica, the chain hashes it reported: 16 bytes per cached block per replica
+        # (+ the set's overhead), whatever the block size
         self.index = [set() for _ in range(n_replicas)]
+        # the router's own count: +1 at routing, -1 when the message of the step that
+        # finished the request arrives (the replica's queue is never read directly)
         self.load = [0] * n_replicas
-        self.next_rr = 0
+        self.next_rr = 0            # round_robin: the replica whose turn is next
         self.messages = 0           # received, and hashes carried by them
         self.hashes_moved = 0
         self.waits = 0              # times the head request found every replica full
@@ -158,6 +180,8 @@ class Router:
     def apply(self, event):
         """A replica's message: its cached hashes gained and lost, its finished requests."""
         index = self.index[event.replica]
+        # in place: after every message is delivered the index equals the replica's
+        # cached_hashes() exactly (tests/test_kv_router.py checks it through evictions)
         index.difference_update(event.evicted)
         index.update(event.added)
         self.load[event.replica] -= len(event.finished)
@@ -166,6 +190,9 @@ class Router:
 
     def match(self, replica, chain):
         """Blocks of the prompt's prefix the index says `replica` holds."""
+        # Stop at the first miss: block i's hash names blocks 0..i, and match_prefix on the
+        # replica stops there too -- a later block still cached after an earlier one was
+        # evicted is recomputed with it, so counting it would overstate the hit
         n = 0
         for h in chain:
             if h not in self.index[replica]:
@@ -176,12 +203,15 @@ class Router:
     def choose(self, chain):
         """-> the replica for a prompt with this hash chain, or None when every replica's
         queue is full (the request then waits here)."""
+        # a replica at --max-queue is no candidate, under any policy
         open_ = [r for r in range(len(self.load)) if self.load[r] < self.max_queue]
         if not open_:
             self.waits += 1
             return None
-        least = min(open_, key=lambda r: (self.load[r], r))
+        least = min(open_, key=lambda r: (self.load[r], r))     # ties: the lowest id
         if self.policy == "round_robin":        # the next open replica in turn
+            # scan n replicas from next_rr on: open_ is not empty, so one is found; full
+            # ones are skipped and keep their turn for the next round
             n = len(self.load)
             pick = next(r % n for r in range(self.next_rr, self.next_rr + n) if r % n in open_)
             self.next_rr = pick + 1
@@ -191,23 +221,33 @@ class Router:
         # a new prefix: the least loaded, ties to the smallest cache (SGLang sends it to
         # the smallest tree), which spreads the sessions' caches over the replicas
         least = min(open_, key=lambda r: (self.load[r], len(self.index[r]), r))
+        # SGLang's rule needs both gaps: the absolute one keeps small loads (2 vs 0) from
+        # counting as imbalance; the relative one scales with the load. With an idle open
+        # replica (min 0) the relative test holds for any max > 0: balance_abs alone
+        # decides. Turn it to 0 and --balance-rel to 1 and any difference balances: the
+        # cache is followed only when the loads are all equal, close to least_loaded
         loads = [self.load[r] for r in open_]
         if max(loads) - min(loads) > self.balance_abs and \
                 max(loads) > self.balance_rel * min(loads):
             return least                        # imbalanced: balance first
+        # the longest match; ties to the less loaded, then the lower id
         best = max(open_, key=lambda r: (self.match(r, chain), -self.load[r], -r))
         hit = self.match(best, chain)
+        # `hit and`: a zero match is no match, even with --cache-threshold 0 -- the request
+        # goes to `least` (ties to the smallest cache), not to `best` among equal zeros.
+        # --cache-threshold 1: only a match of every full block counts
         if hit and hit >= self.cache_threshold * len(chain):
             return best
         return least
 
     def dispatched(self, replica):
+        """The request went to `replica`: its load counts it until its finish is reported."""
         self.load[replica] += 1
         self.peak_load = max(self.peak_load, self.load[replica])
 
 
 # ----------------------------------------------------------------------------------------
-# Workloads: serve_bench.AgentSessions (multi-turn agent sessions: each turn re-sends the
+# Workloads: serving/workloads.AgentSessions (multi-turn agent sessions: each turn re-sends the
 # whole conversation), or the constructed case below; both speak AgentSessions'
 # interface: first_turns() -> [BenchRequest], next_turn(request, output ids, finish).
 
@@ -224,7 +264,9 @@ class PrefixGroups:
                     for _ in range(n_groups)]
         self.requests = []
         for i in range(n_groups * per_group):
+            # group i % n_groups: interleaved, so consecutive requests never share a prefix
             prompt = prefixes[i % n_groups] + [rng.randrange(vocab) for _ in range(suffix_len)]
+            # session=i: every request a one-turn session of its own (next_turn: None)
             self.requests.append(BenchRequest(prompt, out_len, i * gap, True, session=i))
 
     def first_turns(self):
@@ -243,7 +285,9 @@ class Routed:
     req: BenchRequest
     chain: list
     replica: int = -1
-    ideal_hit: int = 0              # tokens whose KV was in some replica's cache when routed
+    # prompt tokens whose KV some replica had cached before this arrival -- evictions not
+    # subtracted (simulate's `seen` only grows): one shared, unbounded cache's hit
+    ideal_hit: int = 0
     seq: object = None              # the engine's Sequence
 
 
@@ -253,15 +297,24 @@ def simulate(replicas, router, workload):
     first). A turn's follow-up is asked for when the message reporting its answer
     arrives (the client has the answer when the step that finished it ends), and comes
     the workload's think time later. -> [Routed] in arrival order."""
+    # one block size for all: a chain hash names a prefix cut at this block size only
     bs = replicas[0].engine.block_size
+    # queue: requests waiting at the router for an open replica (FIFO); done: every Routed
+    # in arrival order (its index is its id and the engine's seq_id); seen: every hash any
+    # replica has reported, for ideal_hit
     events, order, queue, done, seen = [], 0, deque(), [], set()
 
     def push(t, kind, payload):
         nonlocal order
+        # `order`, unique, breaks ties before the payload: heapq would otherwise compare
+        # two payloads (dataclasses without an ordering: TypeError), and events of equal
+        # time and kind keep their push order: the run is deterministic
         heapq.heappush(events, (t, kind, order, payload))
         order += 1
 
     def dispatch(t):
+        # head first: None means every replica is full (whatever the chain), so nothing
+        # behind the head could go either -- FIFO costs no throughput here
         while queue:
             r = router.choose(queue[0].chain)
             if r is None:                   # every replica full: wait for a finish
@@ -269,7 +322,10 @@ def simulate(replicas, router, workload):
             item = queue.popleft()
             item.replica = r
             router.dispatched(r)
-            replicas[r].wake(t)
+            replicas[r].wake(t)             # before add_request: the clock the engine reads
+            # arrival=t, the dispatch time: a request that waited at the router has that
+            # wait left out of its TTFT (summarize measures from seq.arrival); pass
+            # item.req.arrival to count it
             item.seq = replicas[r].engine.add_request(
                 item.req.prompt, SamplingParams(max_tokens=item.req.out_len, temperature=0,
                                                 ignore_eos=True), arrival=t, seq_id=item.id)
@@ -277,11 +333,16 @@ def simulate(replicas, router, workload):
     for req in workload.first_turns():
         push(req.arrival, 1, req)
     while events or queue or any(r.engine.has_work() for r in replicas):
+        # The next thing to happen: the earliest event, or the step of the busy replica
+        # whose clock is earliest. `<=`: an event at the very time a step would start goes
+        # first, so that step already sees the message or the new request
         busy = [r for r in replicas if r.engine.has_work()]
         t_step = min((r.vtime for r in busy), default=math.inf)
         if events and events[0][0] <= t_step:
             t, kind, _, payload = heapq.heappop(events)
             if kind == 0:
+                # the router learns a step's registrations, evictions and finishes only
+                # now, at the step's end: the staleness of its index
                 router.apply(payload)
                 for rid in payload.finished:        # the client's next turn
                     item = done[rid]
@@ -289,6 +350,7 @@ def simulate(replicas, router, workload):
                     if nxt is not None:
                         push(nxt.arrival, 1, nxt)
             else:
+                # hashing the prompt at the router: one sha256 per full block, per request
                 chain = prompt_chain(payload.prompt, bs)
                 item = Routed(len(done), payload, chain)
                 item.ideal_hit = bs * sum(1 for _ in _leading(chain, seen))
@@ -299,6 +361,8 @@ def simulate(replicas, router, workload):
             rep = min(busy, key=lambda r: (r.vtime, r.id))
             event = rep.step()
             seen.update(event.added)
+            # delivered when the step ends, no network delay modelled: push it at
+            # event.time + d instead to see stale routes turn into misses
             push(event.time, 0, event)
         else:                                # only possible if a request can never fit
             raise RuntimeError("requests wait at the router but no replica has work")
@@ -306,6 +370,7 @@ def simulate(replicas, router, workload):
 
 
 def _leading(chain, hashes):
+    """The leading run of `chain` found in `hashes`: Router.match's first-miss rule."""
     for h in chain:
         if h not in hashes:
             return
@@ -326,10 +391,17 @@ def summarize(reqs, replicas, router):
     cached on some replica when the request was routed, TTFT percentiles (from each
     request's arrival, on its replica's clock), preemptions, requests per replica."""
     prompt = sum(len(r.req.prompt) for r in reqs)
+    # num_cached_tokens: prompt tokens taken from the replica's prefix cache at its first
+    # admission, whole blocks (a readmission after a preemption is not counted again)
     hit = sum(r.seq.num_cached_tokens for r in reqs)
     ideal = sum(r.ideal_hit for r in reqs)
+    # both stamps on the serving replica's clock (seq.arrival = the dispatch time)
     ttft = [r.seq.token_times[0] - r.seq.arrival for r in reqs]
     per_replica = [sum(r.replica == i for r in reqs) for i in range(len(replicas))]
+    # recomputed: max(0, ...) per request, since a request admitted after its arrival
+    # (it waited at the router or in the engine's queue) can find more cached than `seen`
+    # held when it arrived. computed: all tokens run through the model on every replica
+    # (prefill chunks + decodes) -- what the hits save
     return dict(requests=len(reqs), prompt=prompt, hit=hit, hit_rate=hit / prompt,
                 ideal_rate=ideal / prompt,
                 recomputed=sum(max(0, r.ideal_hit - r.seq.num_cached_tokens) for r in reqs),
@@ -347,6 +419,8 @@ def run_policy(model, workload, policy, args):
         return Engine(model, block_size=args.block_size, num_blocks=args.num_blocks,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       max_num_seqs=args.max_num_seqs, clock=clock)
+    # fresh for every policy: each starts from empty caches and zero clocks, and the
+    # workload replays the same seeded conversations (as long as the outputs agree)
     replicas = [Replica(i, make_engine) for i in range(args.replicas)]
     router = Router(args.replicas, policy, args.max_queue, args.balance_abs,
                     args.balance_rel, args.cache_threshold)
@@ -399,7 +473,7 @@ def bench(args):
     print(f"greedy outputs equal across the three policies: {same}/{len(outs['cache_aware'])}"
           f"; router messages (cache_aware) {rows[0][1]['messages']}, hashes carried "
           f"{rows[0][1]['hashes']}")
-    ca, rr = rows[0][1], rows[2][1]
+    ca, rr = rows[0][1], rows[2][1]          # POLICIES order: cache_aware ... round_robin
     print("\nledger row:")
     print(f"  cache-aware routing | prefix hit rate {ca['hit_rate']:.0%} vs {rr['hit_rate']:.0%}"
           f" round-robin, {rr['recomputed'] - ca['recomputed']} fewer tokens recomputed, TTFT "
@@ -440,7 +514,7 @@ def build_parser():
     r.add_argument("--balance-rel", type=float, default=1.5, help="... and max > this x min")
     r.add_argument("--cache-threshold", type=float, default=0.1,
                    help="least fraction of the prompt's blocks the best match must cover")
-    w = b.add_argument_group("workload (serve_bench.AgentSessions)")
+    w = b.add_argument_group("workload (serving/workloads.AgentSessions)")
     w.add_argument("--sessions", type=int, default=16, help="agent sessions")
     w.add_argument("--turns", type=int, default=6, help="turns per session at most")
     w.add_argument("--system-len", type=int, default=32,

@@ -53,8 +53,9 @@ from collections import OrderedDict, deque
 import numpy
 import torch
 
-from model import ATTENTION_FUNCTIONS, GPT, get_config, load_model
-from plumbing import ArgumentParser, HelpFormatter, UserError, run_cli
+from core.checkpoint import load_model
+from model import ATTENTION_FUNCTIONS, GPT, get_config
+from core.plumbing import ArgumentParser, HelpFormatter, UserError, run_cli
 
 
 # ----------------------------------------------------------------------------------------
@@ -66,8 +67,13 @@ def block_hash(parent, tokens):
     silently serve another prompt's keys -- practically impossible (vLLM added sha256
     for this reason in v0.8.3, vllm-project/vllm#15297, and made it the default in
     v0.10.2). Hits are also checked token by token."""
+    # The parent goes in first: hashing a block's tokens alone would give one name to the
+    # same tokens after two different prefixes, whose K/V differ (every key attended
+    # to its whole prefix). The first block's parent is the empty string.
     h = hashlib.sha256(parent or b"")
+    # fixed 8 bytes per id ("q" = int64): [1, 2] and [258] cannot serialise alike
     h.update(array("q", tokens).tobytes())
+    # 128 bits: a collision becomes likely only after ~2^64 blocks (the birthday bound)
     return h.digest()[:16]
 
 
@@ -82,6 +88,7 @@ def extend_hash_chain(hashes, tokens, n_blocks, block_size):
 
 
 def blocks_for(n_tokens, block_size):
+    """ceil(n_tokens / block_size) in integers: the blocks n_tokens occupy."""
     return -(-n_tokens // block_size)
 
 
@@ -127,12 +134,17 @@ class BlockAllocator:
         return self.num_blocks - self.num_free
 
     def allocate(self):
+        """-> a block id with refcount 1, its old contents about to be overwritten."""
+        # Never-hashed blocks first: a cached block is a possible future hit, so it is
+        # kept until the pool has nothing else to give.
         if self.free:
             block = self.free.popleft()
         elif self.evictable:
             block, _ = self.evictable.popitem(last=False)   # least recently used
             if self.tier is not None:                       # copy out before reuse
                 self.tier.put(self.hash_of[block], self.tokens_of[block], block)
+            # unregister before the caller writes new K/V into it: a lookup must never
+            # find a block whose contents are no longer that prefix
             del self.block_of[self.hash_of[block]]
             self.hash_of[block] = self.tokens_of[block] = None
             self.evictions += 1
@@ -148,10 +160,13 @@ class BlockAllocator:
         self.refcount[block] += 1
 
     def release(self, block):
+        """One block table fewer points at `block`; at 0 it is cached or freed."""
         if self.refcount[block] <= 0:
             raise RuntimeError(f"double free of block {block}")
         self.refcount[block] -= 1
         if self.refcount[block] == 0:
+            # Only full, registered blocks can be hit again; a sequence's partial last
+            # block (and every block with prefix caching off) goes straight back to free.
             if self.hash_of[block] is not None:
                 self.evictable[block] = None                # keep the contents, LRU
             else:
@@ -170,6 +185,8 @@ class BlockAllocator:
         """The block holding the prefix with chain hash h, or None. No reference taken."""
         self.queries += 1
         block = self.block_of.get(h)
+        # Token-by-token check as well as the hash: even a collision cannot serve another
+        # prompt's keys. Costs block_size comparisons per hit, nothing next to a forward.
         if block is None or self.tokens_of[block] != tuple(tokens):
             return None
         self.hits += 1
@@ -196,10 +213,14 @@ class BlockAllocator:
         if not self.prefix_caching:
             return []
         bs, found = self.block_size, []
+        # (len - 1) // bs, not len // bs: 12 tokens in blocks of 4 reuse 2 blocks, not 3
+        # (tests/test_kvcache.py, test_prefix_match_leaves_the_last_token_to_compute)
         n = (len(tokens) - 1) // bs
         extend_hash_chain(hashes, tokens, n, bs)
         for i in range(n):
             block = self.lookup(hashes[i], tokens[i * bs:(i + 1) * bs])
+            # The first miss ends the match: the cached part of a table must be a prefix,
+            # since the prefill then starts at position len(found)·bs and runs to the end.
             if block is None:
                 break
             found.append(block)
@@ -238,13 +259,18 @@ class BlockAllocator:
     def can_allocate(self, n_new, hits=()):
         """Room for n_new fresh blocks after taking references on `hits` (a hit that sits
         in the evictable LRU stops being evictable once acquired)."""
+        # a hit with refcount 0 is counted in num_free (evictable) but will not be free
+        # once acquired: without the subtraction the pool could come up short mid-step
         return self.num_free - sum(self.refcount[b] == 0 for b in hits) >= n_new
 
     def grow(self, table, n_tokens):
         """Extend a block table to hold n_tokens; False (nothing allocated) if no room."""
         need = blocks_for(n_tokens, self.block_size) - len(table)
+        # All or nothing: checked before the first allocate, so a refusal leaves no
+        # half-grown table for the scheduler to unwind before it preempts.
         if need > self.num_free:
             return False
+        # need <= 0: the table already covers n_tokens (e.g. inside the last block)
         table.extend(self.allocate() for _ in range(max(need, 0)))
         return True
 
@@ -253,6 +279,7 @@ class BlockAllocator:
         blocks the LRU evicts the tail before the shared head (as vLLM does)."""
         for block in reversed(table):
             self.release(block)
+        # emptied, so releasing the same table twice is a no-op, not a double free
         table.clear()
 
     def check(self, tables=None):
@@ -357,6 +384,9 @@ class KVTier:
             self.drops += 1
         slot = self.free.popleft()
         for name, x in self.cache.read_blocks([block]).items():
+            # .cpu(): the device -> host copy (PCIe on a GPU). Reinterpreted as raw bytes,
+            # which needs a contiguous tensor: bf16 and int8 codes land in the uint8 store
+            # bit for bit, no cast.
             self.store[name][slot] = x.cpu().contiguous().view(-1).view(torch.uint8)
             self.bytes_in += x.numel() * x.element_size()
         self.entries[h] = slot, tuple(tokens)
@@ -367,6 +397,8 @@ class KVTier:
         slot, _ = self.entries.pop(h)
         out = {}
         for name, (shape, dtype) in self.shapes.items():
+            # clone first: the slot is freed below and the next put overwrites it (for a
+            # file tier, the clone is also the read from the memmap into memory)
             out[name] = self.store[name][slot].clone().view(dtype).view(shape)
             self.bytes_out += self.store[name].shape[1]
         self.free.append(slot)
@@ -391,7 +423,10 @@ class KVTier:
 def quantize_int8(x):
     """x (..., D) float -> (int8 codes, float32 scale (..., 1)); x ≈ codes · scale.
     Error per element ≤ scale/2 = absmax/254."""
+    # /127, not /128: a symmetric range, so -x quantizes to exactly -codes, and -128 is
+    # never used. The clamp keeps an all-zero vector (scale 0) from giving 0/0 = NaN.
     scale = x.detach().abs().amax(-1, keepdim=True).float().clamp(min=1e-8) / 127.0
+    # D int8 codes + one fp32 scale = D + 4 bytes, vs 4·D in fp32: 3.6x less at D = 32
     return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale
 
 
@@ -401,6 +436,26 @@ def dequantize_int8(codes, scale, dtype=torch.float32):
 
 # ----------------------------------------------------------------------------------------
 # The pool and paged attention
+
+@dataclasses.dataclass(frozen=True)
+class Int8Pool:
+    """One layer's int8 keys (or values) as `update` hands them to `attention`: the codes
+    (H_kv, slots, d) and one float32 scale per (head, slot), (H_kv, slots, 1). A named type,
+    so `gather` knows what it holds without guessing from a tuple's shape."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionGroup:
+    """The sequences of one step that attend together (prepare() builds them; attention()
+    reads them): their queries padded to the group's longest chunk, S rows of Tmax."""
+    q_index: torch.Tensor     # (S·Tmax,) packed index of each padded query row
+    keep: torch.Tensor        # positions in that list that are real (not padding)
+    dest: torch.Tensor        # packed index each real row is written back to
+    key_blocks: torch.Tensor  # (S·n_blocks,) block ids of the group's block tables
+    mask: torch.Tensor        # (S, 1, Tmax, n_blocks·bs) causal + length mask
+
 
 class PagedKVCache:
     """The KV pool of every layer: (n_layer, n_kv_head, num_blocks·block_size slots, D),
@@ -539,8 +594,9 @@ class PagedKVCache:
             kpos = torch.arange(n_kb * self.block_size, device=dev)
             mask = kpos <= q_pos[:, :, None]                     # causal, in absolute pos
             keep = valid.flatten().nonzero()[:, 0]               # real (not padded) queries
-            self.groups.append((q_index.flatten(), keep, q_index.flatten()[keep],
-                                tables[rows, :n_kb].flatten(), mask[:, None]))
+            self.groups.append(AttentionGroup(
+                q_index=q_index.flatten(), keep=keep, dest=q_index.flatten()[keep],
+                key_blocks=tables[rows, :n_kb].flatten(), mask=mask[:, None]))
         return self
 
     @staticmethod
@@ -563,13 +619,19 @@ class PagedKVCache:
         """k, v: (1, n_kv_head, T, D), the packed step. Write them to their slots; return
         the layer's pools (what `attention` reads)."""
         k, v, slots = k[0], v[0], self.write_slots                # (H_kv, T, D)
+        # Written before `attention` reads the pools: the step's queries must see the
+        # step's own keys (the causal mask includes the diagonal). index_copy_ along the
+        # slot dimension scatters each token to the slot prepare() mapped it to.
         if self.k_scale is not None:
+            # Quantized on write: the step's queries already read their own keys as int8,
+            # so a prefill and the later decodes attend to exactly the same values.
             (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
             self.k[layer].index_copy_(1, slots, kq)
             self.k_scale[layer].index_copy_(1, slots, ks)
             self.v[layer].index_copy_(1, slots, vq)
             self.v_scale[layer].index_copy_(1, slots, vs)
-            return (self.k[layer], self.k_scale[layer]), (self.v[layer], self.v_scale[layer])
+            return (Int8Pool(self.k[layer], self.k_scale[layer]),
+                    Int8Pool(self.v[layer], self.v_scale[layer]))
         self.k[layer].index_copy_(1, slots, k.to(self.k.dtype))
         self.v[layer].index_copy_(1, slots, v.to(self.v.dtype))
         return self.k[layer], self.v[layer]
@@ -580,9 +642,13 @@ class PagedKVCache:
         per head), far cheaper on the CPU than indexing token by token."""
         def take(t):     # (H_kv, slots, d) -> (H_kv, S·n_blocks·bs, d)
             h, _, d = t.shape
+            # (h, num_blocks, bs·d): a block of one head is one row, so index_select copies
+            # whole blocks -- the copy a fused kernel avoids by reading through the table
             return t.view(h, self.num_blocks, -1).index_select(1, blocks).view(h, -1, d)
-        x = dequantize_int8(take(pool[0]), take(pool[1]), self.dtype) if isinstance(
-            pool, tuple) else take(pool).to(self.dtype)
+        if isinstance(pool, Int8Pool):
+            x = dequantize_int8(take(pool.codes), take(pool.scale), self.dtype)
+        else:
+            x = take(pool).to(self.dtype)
         return x.view(x.shape[0], S, -1, x.shape[-1]).transpose(0, 1)
 
     def attention(self, q, k_pool, v_pool, mask=None, attn_fn=None):
@@ -594,15 +660,20 @@ class PagedKVCache:
         inner = self.inner or attn_fn or ATTENTION_FUNCTIONS[self.cfg.attn]
         out = None
         H, D = q.shape[1], q.shape[3]
-        for q_index, keep, dest, key_blocks, group_mask in self.groups:
-            S = group_mask.shape[0]
-            qg = q[0].index_select(1, q_index).view(H, S, -1, D).transpose(0, 1)
-            k, v = self.gather(k_pool, key_blocks, S), self.gather(v_pool, key_blocks, S)
-            og = inner(qg, k, v, group_mask)                         # (S, H, Tmax, D_out)
-            og = og.transpose(0, 1).reshape(H, -1, og.shape[-1]).index_select(1, keep)
+        for group in self.groups:
+            S = group.mask.shape[0]
+            # (H, S·Tmax, D) -> (S, H, Tmax, D): a padded query row picks packed index 0,
+            # attends to key 0 only (its mask row is never empty: no NaN), and is dropped
+            # by `keep` below
+            qg = q[0].index_select(1, group.q_index).view(H, S, -1, D).transpose(0, 1)
+            k = self.gather(k_pool, group.key_blocks, S)
+            v = self.gather(v_pool, group.key_blocks, S)
+            og = inner(qg, k, v, group.mask)                         # (S, H, Tmax, D_out)
+            og = og.transpose(0, 1).reshape(H, -1, og.shape[-1]).index_select(1, group.keep)
+            # allocated at the first group, the one place the output width is known
             if out is None:
                 out = q.new_empty(1, H, q.shape[2], og.shape[-1])
-            out[0].index_copy_(1, dest, og)
+            out[0].index_copy_(1, group.dest, og)
         return out
 
 
@@ -621,11 +692,15 @@ def paged_attention_blockwise(q, k_pool, v_pool, table, context_len, block_size)
     q: (H, Tq, D), the last Tq positions of a context of context_len tokens; pools in the
     PagedKVCache layout (H_kv, slots, D). Returns (H, Tq, D)."""
     H, Tq, D = q.shape
+    # GQA: query head h reads KV head h // rep (model.py's repeat_interleave order)
     rep = H // k_pool.shape[0]
     q_pos = torch.arange(context_len - Tq, context_len)
     m = torch.full((H, Tq, 1), float("-inf"))
     l, acc = torch.zeros(H, Tq, 1), torch.zeros(H, Tq, D)
+    # Block 0 always holds key 0, visible to every query, so m is finite after the first
+    # iteration; were a row's first block all masked, exp(-inf - -inf) would be NaN.
     for i in range(blocks_for(context_len, block_size)):
+        # the last block may be partial: only its first context_len - i·bs slots are keys
         kpos = torch.arange(i * block_size, min((i + 1) * block_size, context_len))
         slots = table[i] * block_size + kpos % block_size
         k = k_pool[:, slots].float().repeat_interleave(rep, 0)         # (H, b, D)
@@ -634,6 +709,8 @@ def paged_attention_blockwise(q, k_pool, v_pool, table, context_len, block_size)
         s = s.masked_fill(kpos[None, None, :] > q_pos[None, :, None], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         p = torch.exp(s - m_new)
+        # exp(m - m_new) <= 1 rescales what was summed under the old max; every exp
+        # argument is <= 0, so nothing overflows however large the scores
         correction = torch.exp(m - m_new)
         l = l * correction + p.sum(-1, keepdim=True)
         acc = acc * correction + p @ v
@@ -658,6 +735,9 @@ def paged_logits(model, cache, alloc, seqs, chunk):
         cache.prepare([(tables[i], done[i], n) for i, n in step])
         idx = torch.tensor([[t for i, n in step for t in seqs[i][done[i]:done[i] + n]]],
                            device=cache.device)
+        # Explicit positions: in a packed row, token j is not at position j. Without them
+        # GPT.forward would number the row 0..T-1 from cache.length (0), and RoPE would
+        # rotate every sequence but the first at the wrong positions.
         logits, _ = model(idx, positions=cache.positions[None], cache=cache)
         at = 0
         for i, n in step:
@@ -676,6 +756,8 @@ def check_paged_vs_dense(model, args, rng):
     seqs = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in lens]
     with torch.no_grad():
         dense = [model(torch.tensor([s]))[0][0] for s in seqs]
+    # exactly the blocks the sequences need: a miscount in grow() or blocks_for shows up
+    # here as "pool too small" rather than as wrong numbers
     n_blocks = sum(blocks_for(n, bs) for n in lens)
     print(f"\n{args.num_seqs} ragged sequences (lengths {lens}) packed in one row, prefilled in "
           f"chunks of {args.chunk}, block size {bs}: paged vs dense forward")
@@ -706,6 +788,8 @@ def fragmentation(cfg, bs, rng):
     for t, n in zip(tables, lens):
         assert alloc.grow(t, n)
     slots = sum(map(len, tables)) * bs
+    # Lengths uniform on 1..C: a max-length reservation wastes about 1 - (C + 1)/2C ≈ 50%,
+    # while paging wastes only the unused tail of each last block, ≈ (bs - 1)/2 slots.
     contiguous_waste = 1 - sum(lens) / (256 * cfg.block_size)
     print(f"\nfragmentation, 256 sequences of 1..{cfg.block_size} tokens ({sum(lens)} tokens):")
     print(f"  contiguous, reserve the context ({cfg.block_size}) each: "
@@ -725,6 +809,8 @@ def prefix_sharing(cfg, bs, rng):
         toks = shared + [rng.randrange(cfg.vocab_size) for _ in range(32)]
         hashes = []
         hits = alloc.match_prefix(toks, hashes)
+        # the references are taken before grow(): an evictable hit must leave the LRU
+        # before allocate() could evict it (the engine's order too)
         for b in hits:
             alloc.acquire(b)
         t = list(hits)
@@ -748,6 +834,8 @@ def gather_cost(cfg, bs):
     if cfg.mla:          # the gather is the same; the shapes below are GQA's
         cfg = dataclasses.replace(cfg, kv_lora_rank=0)
     cache = PagedKVCache(cfg, S * blocks_for(L, bs) + 1, bs)
+    # Block tables drawn as a random permutation: a long-running pool hands out scattered
+    # blocks, so the gather reads them from all over memory, not in order.
     perm = torch.randperm(cache.num_blocks - 1)[:S * blocks_for(L, bs)].view(S, -1).tolist()
     cache.prepare([(t, L - 1, 1) for t in perm])
     q = torch.randn(1, cfg.n_head, S, cfg.head_dim)
@@ -788,6 +876,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.block_size < 1 or args.chunk < 1 or args.num_seqs < 1:
         raise UserError("--block-size, --chunk and --num-seqs must be >= 1")
+    # one thread: the paged/dense time ratio is then a per-core figure, steadier on a
+    # shared machine than one that depends on how many cores were idle
     torch.set_num_threads(1)
     if os.path.exists(args.checkpoint):
         model, _ = load_model(args.checkpoint)

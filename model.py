@@ -7,7 +7,7 @@ A Llama-style decoder (Touvron et al. 2023), small enough to train on two CPU co
   - grouped-query attention (GQA, Ainslie et al. 2023): n_kv_head ≤ n_head key/value heads,
     each shared by n_head/n_kv_head query heads -- the KV cache shrinks by that factor;
   - SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x);
-  - optionally a mixture-of-experts MLP (moe.py: top-k softmax router + the Switch
+  - optionally a mixture-of-experts MLP (core/moe.py: top-k softmax router + the Switch
     Transformer load-balancing loss, Fedus et al. 2021, with a dense reference that expert
     parallelism in parallel.py must reproduce exactly; as options, DeepSeek-V3's
     fine-grained experts with always-on shared experts, sigmoid affinities and loss-free
@@ -16,13 +16,15 @@ A Llama-style decoder (Touvron et al. 2023), small enough to train on two CPU co
     and multi-token prediction in spec_decode.py build on;
   - an untied output head by default (the embedding and the head are separate matrices).
 
-The attention math is ONE replaceable function per layer (`Attention.attn_fn`, signature
-`attn_fn(q, k, v, mask) -> out`), so ring attention (ring_attention.py), paged attention
-(kvcache.py) and tree attention (spec_decode.py) plug in without copying the block.
+  - optionally multi-head latent attention (core/mla.py, DeepSeek-V2/V3): keys and
+    values from one low-rank latent per token, which is all the cache keeps.
 
-Checkpoints (end of file) are data only: torch.load(weights_only=True), so opening one
-never runs code; a folder in the Hugging Face Llama layout loads too (llama_format.py),
-and `python model.py export|convert` writes that layout / converts an old pickle.
+The attention math is ONE replaceable function per layer (`Attention.attn_fn`, signature
+`attn_fn(q, k, v, mask) -> out`), so ring attention (parallelism/ring_attention.py), paged
+attention (kvcache.py) and tree attention (spec_decode.py) plug in without copying the block.
+
+This file is the model only. Opening a checkpoint (train.py's file, a quantized one, a
+Hugging Face folder) is core/checkpoint.py's `load_model`; nothing here reads a file.
 
 Costs to keep in mind while reading (Ψ = parameters, L layers, d width, T tokens):
   - parameters: ≈ L·(4d² · (1+g)/2 + 3·d·ffn) + 2·V·d with g = n_kv_head/n_head;
@@ -31,25 +33,20 @@ Costs to keep in mind while reading (Ψ = parameters, L layers, d width, T token
   - the KV cache costs 2·L·n_kv_head·head_dim·bytes per token of context: it is what
     makes decoding fast (no recomputation) and what serving runs out of.
 """
-import argparse
 import math
-import os
-import pickle
-import re
-import warnings
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
-
-import numpy as np
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# The mixture of experts lives in moe.py, which never imports this file (no cycle): the
-# blocks below build moe.MoE with this file's FeedForward as the expert.
-from moe import MoE
-from plumbing import ArgumentParser, UserError, fmt_bytes, run_cli
+# The model's two options live in the foundation folder and never import this file: the
+# blocks below hand them this file's pieces (the expert MLP to core/moe.py; the norm, the
+# rotary embedding and the attention function to core/mla.py), so the imports run one way.
+from core.mla import LatentAttention
+from core.moe import MoE
+from core.plumbing import UserError
 
 
 # ----------------------------------------------------------------------------------------
@@ -57,7 +54,7 @@ from plumbing import ArgumentParser, UserError, fmt_bytes, run_cli
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 4096        # must match the tokenizer (data.py: 256 bytes + merges + 1)
+    vocab_size: int = 4096        # must match the tokenizer (core/data.py: 256 bytes + merges + 1)
     block_size: int = 256         # longest context the model accepts (RoPE table length)
     n_layer: int = 6
     n_head: int = 6
@@ -67,11 +64,11 @@ class GPTConfig:
     multiple_of: int = 32
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    # Mixture of experts (moe.py: Router, MoE):
+    # Mixture of experts (core/moe.py: Router, MoE):
     n_expert: int = 0             # 0 = dense MLP; > 0 = mixture of experts in every block
     expert_top_k: int = 2
     moe_aux_coef: float = 0.01    # weight of the load-balancing loss in the training loss
-    # DeepSeekMoE / DeepSeek-V3 (§2.1.2) options of the same MoE (moe.py):
+    # DeepSeekMoE / DeepSeek-V3 (§2.1.2) options of the same MoE (core/moe.py):
     n_shared_expert: int = 0      # always-on experts, run as ONE SwiGLU n_shared·ffn_dim wide
     moe_score: str = "softmax"    # router affinities: "softmax" (Switch) or "sigmoid" (V3)
     moe_routed_scale: float = 1.0  # the routed experts' weights × this (V3: 2.5)
@@ -82,7 +79,7 @@ class GPTConfig:
     tie_embeddings: bool = False
     attn: str = "sdpa"            # "sdpa" (fused kernel) or "math" (explicit softmax(QKᵀ)V)
     init_std: float = 0.02
-    # Multi-head latent attention (mla.py; DeepSeek-V2 §2.1): keys and values come from
+    # Multi-head latent attention (core/mla.py; DeepSeek-V2 §2.1): keys and values come from
     # one low-rank latent per token, which is all the cache keeps (with the rope key).
     kv_lora_rank: int = 0         # d_c; 0 = GQA as above, > 0 = MLA
     q_lora_rank: int = 0          # MLA queries through their own latent of this rank; 0 = not
@@ -165,7 +162,7 @@ PRESETS = {
     # DeepSeek-V3's ideas at moe's size: fine-grained experts (16 routed experts 64 wide,
     # top-4, where moe has 8 × 256, top-2) + 1 shared expert, sigmoid affinities, loss-free
     # balancing with V3's tiny complementary aux loss (α = 1e-4), one MTP head, and
-    # multi-head latent attention (mla.py) in V3's proportions: d_c = 4·d_h, d_R = d_h/2,
+    # multi-head latent attention (core/mla.py) in V3's proportions: d_c = 4·d_h, d_R = d_h/2,
     # queries through their own latent. V3's MTP module is sequential: depth k joins the
     # previous depth's state with the embedding of token t+k and runs a full Transformer
     # block through the shared output head; our extra head (ExtraHead) sees only the final
@@ -203,6 +200,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        # Zhang & Sennrich 2019: no mean subtraction and no bias (LayerNorm has both); the
+        # scale g starts at 1. eps keeps a zero vector from dividing by zero; Llama uses
+        # 1e-5 (cfg.norm_eps), and its export to Hugging Face carries the same value.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).type_as(x)
@@ -210,6 +210,9 @@ class RMSNorm(nn.Module):
 
 def rope_table(head_dim, length, theta):
     """cos and sin of position·θ_i for i < head_dim/2, θ_i = theta^(-2i/head_dim)."""
+    # float64 for the table itself: position · θ_i reaches 10^4 rad at long contexts, and in
+    # fp32 its rounding error alone would move the angle by ~1e-3 rad. Low i rotates fast
+    # (θ_0 = 1 rad per position), high i barely moves: the pairs span many wavelengths.
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
@@ -221,6 +224,9 @@ def apply_rope(x, cos, sin):
     distance between the two positions."""
     if cos.dim() == 3:                       # (B, T, D/2) -> (B, 1, T, D/2)
         cos, sin = cos[:, None], sin[:, None]
+    # Pairs are ADJACENT channels (Su et al.'s interleaved layout). Hugging Face's Llama
+    # rotates the two halves instead (x_i with x_{i+D/2}); core/llama_format.py permutes the
+    # rows of wq/wk on export and import so both layouts give the same logits.
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return out.type_as(x)
@@ -242,6 +248,8 @@ def math_attention(q, k, v, mask=None):
     if mask is None:
         T = q.shape[-2]
         mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    # -inf, not a large negative number: exp(-inf) is exactly 0, so a masked key gets no
+    # weight at all; the softmax runs in fp32 so bf16 scores do not lose the small ones.
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), dim=-1).type_as(q) @ v
 
@@ -308,10 +316,11 @@ def swiglu(gate, up):
 
 
 def latent_attention(cfg):
-    """MLA lives in its own file (mla.py: the latent, the absorbed inference path); it
-    imports this one, so it is imported here, when a config asks for it."""
-    from mla import LatentAttention
-    return LatentAttention(cfg)
+    """Multi-head latent attention (core/mla.py: the latent, the absorbed inference path),
+    built from this file's RMSNorm, RoPE and attention function -- the same pieces
+    Attention uses, so an MLA model and a GQA model differ only in this layer."""
+    return LatentAttention(cfg, norm=RMSNorm, rope=apply_rope,
+                           attn_fn=ATTENTION_FUNCTIONS[cfg.attn])
 
 
 class Block(nn.Module):
@@ -320,7 +329,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attention = latent_attention(cfg) if cfg.mla else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        if cfg.n_expert:    # moe.py; the expert class is passed in (moe.py never imports us)
+        if cfg.n_expert:    # core/moe.py; the expert class is passed in (moe never imports us)
             self.feed_forward = MoE(cfg, FeedForward)
         else:
             self.feed_forward = FeedForward(cfg.n_embd, cfg.ffn_dim)
@@ -372,7 +381,7 @@ class KVCache:
         are not (B, H_kv, T, D) tensors does its own attention (kvcache.PagedKVCache:
         gathers through the block tables, then runs the layer's attn_fn on the result).
     Shapes come from `cfg.kv_cache_dims`: (heads, key width, value width) -- for MLA
-    (mla.py) the "keys" are the latents and the "values" the rope keys."""
+    (core/mla.py) the "keys" are the latents and the "values" the rope keys."""
 
     attention = None              # this cache's keys are plain tensors: the layer attends
 
@@ -440,7 +449,7 @@ class GPT(nn.Module):
         """Parameters in all (the memory), or active=True: those one token's forward
         touches -- of the routed experts only top_k of n_expert per layer (the shared
         experts, the router and everything else always). DeepSeek-V3: 671B in all, 37B
-        active; planner.py's moe_params says the same from the shape (tested)."""
+        active; parallelism/planner.py's moe_params says the same from the shape (tested)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.tok_embeddings.weight.numel()
@@ -586,158 +595,3 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-# ----------------------------------------------------------------------------------------
-# Checkpoints: one file with everything needed to rebuild the model anywhere, holding data
-# only (dicts, lists, numbers, strings, tensors), so that torch.load(weights_only=True)
-# reads it. A pickle may name any Python callable and unpickling calls it: a checkpoint
-# from someone else, opened with weights_only=False, can run anything.
-
-CONVERT_HINT = "python model.py convert {path} NEW.pt"
-
-
-def load_checkpoint(path, map_location="cpu", what="checkpoint", fix=None):
-    """torch.load(path, weights_only=True), every failure one UserError naming the file.
-    Shared by every script that opens a .pt file a user named (or a cache it wrote).
-    fix: what to tell the user when the file holds objects (default: the convert command)."""
-    if not os.path.exists(path):
-        raise UserError(f"{what} {path!r} not found")
-    if os.path.isdir(path):
-        raise UserError(f"{what} {path!r} is a folder, not a file")
-    try:
-        with warnings.catch_warnings():      # "pickle protocol 4" chatter from plain pickles
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        if refused:
-            raise UserError(
-                f"{path} asks to run {refused[1]} when opened, which safe loading refuses "
-                f"(weights_only=True). " + (fix or "If it is an older checkpoint of this repo "
-                f"and you trust its source, convert it once: {CONVERT_HINT.format(path=path)}")
-            ) from None
-        raise UserError(f"{path} is not a PyTorch checkpoint of plain data (safe loading, "
-                        "weights_only=True, cannot read it)") from None
-    except KeyError:           # torch.load's "invalid load key": not a pickle at all
-        raise UserError(f"{path} is not a PyTorch checkpoint (text, or another format)") \
-            from None
-    except EOFError:
-        raise UserError(f"{path} is empty or truncated (not a PyTorch checkpoint)") from None
-    except (RuntimeError, ValueError, OSError) as e:
-        first = (str(e).splitlines() or [type(e).__name__])[0][:120]
-        raise UserError(f"{path} is not a readable PyTorch checkpoint (truncated or another "
-                        f"format: {first})") from None
-
-
-def load_model(path, device="cpu"):
-    """-> (model, checkpoint dict). The checkpoint carries its config (a plain dict) and its
-    tokenizer (`ckpt["tokenizer"]`, rebuilt with data.encoding_from_state), so no corpus is
-    needed. `path` may also be a Hugging Face Llama folder (config.json, model.safetensors,
-    tokenizer.json): the same (model, ckpt) comes back, so every script runs on it."""
-    if not os.path.exists(path):
-        raise UserError(f"checkpoint {path!r} not found (train one first: python train.py)")
-    if os.path.isdir(path):
-        # The seam for the Hugging Face layout; imported here because it imports this file.
-        import llama_format
-        model, ckpt = llama_format.load_folder(path, device)
-        return model, ckpt
-    ckpt = load_checkpoint(path, map_location=device)
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("config"), dict) \
-            or not isinstance(ckpt.get("model"), dict):
-        kind = type(ckpt).__name__ if not isinstance(ckpt, dict) else "a dict without " \
-            "'config' and 'model'"
-        raise UserError(f"{path} holds {kind}, not a checkpoint of this repo (train.py writes "
-                        "one dict with 'config', 'model', 'tokenizer')")
-    if "quantization" in ckpt:
-        # A checkpoint written by `quantize.py --save` stores integer codes + scales, a format
-        # only quantize.py knows: it rebuilds a plain GPT with the dequantized weights.
-        import quantize
-        return quantize.model_from_checkpoint(ckpt, device), ckpt
-    try:
-        cfg = GPTConfig(**ckpt["config"]).validate()
-    except TypeError as e:
-        raise UserError(f"{path}: its config does not fit this GPTConfig ({e})") from None
-    model = GPT(cfg, seed=None).to(device)
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        first = str(e).splitlines()[0] if str(e) else "mismatch"
-        raise UserError(f"{path}: the weights do not match its config ({first[:160]})") from None
-    return model, ckpt
-
-
-# ----------------------------------------------------------------------------------------
-# `python model.py export | convert`
-
-def plain(obj, where="checkpoint"):
-    """An old checkpoint's contents as plain data: dataclasses and argparse namespaces to
-    dicts, numpy arrays to tensors, numpy scalars to numbers; anything else is refused."""
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.Tensor)):
-        return obj
-    if isinstance(obj, dict):
-        return {k: plain(v, f"{where}[{k!r}]") for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)
-    if is_dataclass(obj):
-        return plain(asdict(obj), where)
-    if isinstance(obj, argparse.Namespace):
-        return plain(vars(obj), where)
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(obj.astype(np.int64) if obj.dtype == np.uint32 else obj.copy())
-    if isinstance(obj, np.generic):
-        return obj.item()
-    raise UserError(f"cannot convert {where}: a {type(obj).__module__}.{type(obj).__name__}")
-
-
-def convert(old, new):
-    """Rewrite a trusted old checkpoint as plain data. The ONE place in this repo that
-    unpickles with weights_only=False, and only because the user typed this command."""
-    if not os.path.isfile(old):
-        raise UserError(f"checkpoint {old!r} not found")
-    print(f"convert: opening {old} with weights_only=False -- this runs whatever code the "
-          "file contains; do it only for a file you trust")
-    try:
-        ckpt = torch.load(old, map_location="cpu", weights_only=False)
-    except Exception as e:      # any failure of an arbitrary pickle: report it, one line
-        raise UserError(f"{old} could not be read at all ({type(e).__name__}: {e})") from None
-    converted = plain(ckpt)
-    tmp = new + ".tmp"
-    os.makedirs(os.path.dirname(new) or ".", exist_ok=True)
-    torch.save(converted, tmp)
-    torch.load(tmp, weights_only=True)           # the point of it: prove it reads safely
-    os.replace(tmp, new)
-    print(f"convert: wrote {new} ({os.path.getsize(new) / 1e6:.1f} MB), loadable with "
-          "weights_only=True")
-
-
-def main(argv=None):
-    p = ArgumentParser(description="Checkpoint formats of the shared GPT: export to the "
-                       "Hugging Face Llama layout, convert an old pickle.")
-    sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="checkpoint -> Hugging Face Llama folder",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    e.add_argument("--checkpoint", default="out/ckpt.pt",
-                   help="a checkpoint of this repo (train.py, quantize.py) or a folder")
-    e.add_argument("--to", default="out/model/hf", help="folder to write")
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the exported weights")
-    c = sub.add_parser("convert", help="old checkpoint (pickled objects) -> plain data; "
-                       "unpickles OLD with weights_only=False: only for files you trust")
-    c.add_argument("old", help="the old checkpoint")
-    c.add_argument("new", help="where to write the converted one")
-    args = p.parse_args(argv)
-    if args.command == "convert":
-        return convert(args.old, args.new)
-    import llama_format            # imports this file: a top-level import would be a cycle
-    model, ckpt = load_model(args.checkpoint)
-    if "tokenizer" not in ckpt:
-        raise UserError(f"{args.checkpoint} carries no tokenizer to export")
-    sizes = llama_format.export_model(model, ckpt["tokenizer"], args.to, args.dtype)
-    for name, n in sizes.items():
-        print(f"{os.path.join(args.to, name)}: {fmt_bytes(n)}")
-
-
-if __name__ == "__main__":
-    run_cli(main)

@@ -14,7 +14,7 @@ What each optimizer keeps per parameter (fp32 state) and what it adds to a step:
   nano scale (d=128, 2k tokens: ~30%), < 1% in real runs (d=4096, millions of tokens).
 MuonClip (Kimi K2) adds a per-head max-logit recorder (one extra QKᵀ per layer in our
 unfused form; a flash-attention kernel has the row max for free) and a rescale of W_q,
-W_k rows after the step (for multi-head latent attention, mla.py: only the head-specific
+W_k rows after the step (for multi-head latent attention, core/mla.py: only the head-specific
 rows, never the shared rotary key): no state; under data parallelism one
 all-reduce(max) of n_head floats per layer.
 
@@ -41,12 +41,16 @@ import time
 import torch
 import torch.distributed as dist
 
-import data
+from core import data
 from model import GPT, get_config
-from plumbing import (ArgumentParser, HelpFormatter, StepTimer, UserError, comm,
-                      model_state_bytes, pick_device,
-                      require_at_least_one, run_cli, warmup_cosine)
+from core.plumbing import (ArgumentParser, HelpFormatter, StepTimer, UserError, comm,
+                           model_state_bytes, pick_device,
+                           require_at_least_one, run_cli, warmup_cosine)
 
+# (a, b, c) of p(X) = aX + b(XXᵀ)X + c(XXᵀ)²X (newton_schulz). The textbook cubic
+# (1.5, -0.5, 0.0) converges to exactly 1 but grows a small σ only 1.5× per step (5 steps:
+# ~7.6×); this quintic's slope 3.4445 gives ~485× (while σ is still small), landing in a
+# band around 1 instead of on it.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)   # Keller Jordan's quintic
 
 
@@ -59,9 +63,12 @@ class HandOptimizer(torch.optim.Optimizer):
     that updates it; the others receive it by broadcast after the step."""
 
     def __init__(self, params, defaults):
+        # list(): model.parameters() is a generator, always truthy -- the check needs a list
         params = list(params)
         if not params:
             raise UserError("the optimizer got an empty parameter list")
+        # Checked on the defaults (what every constructor below passes); values set in an
+        # explicit param-group dict (build_optimizer's groups) are not checked here.
         for key in ("lr", "eps", "weight_decay"):
             if key in defaults and not defaults[key] >= 0:
                 raise UserError(f"{key} must be >= 0, got {defaults[key]}")
@@ -70,20 +77,30 @@ class HandOptimizer(torch.optim.Optimizer):
             if not 0.0 <= v < 1.0:
                 raise UserError(f"{key} must lie in [0, 1), got {defaults[key]}")
         super().__init__(params, defaults)
+        # owner: {parameter: rank}, filled by shard() for sharded Muon only; empty means
+        # every rank updates every parameter (one process, or replicated AdamW)
         self.owner, self.rank = {}, 0
 
+    # no_grad: the updates are in-place ops on leaves that require grad, which autograd
+    # refuses ("a leaf Variable that requires grad is being used in an in-place operation")
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
-        if closure is not None:
+        if closure is not None:           # torch's protocol (LBFGS re-evaluates the loss)
             with torch.enable_grad():
                 loss = closure()
         if self.owner and not dist.is_initialized():
             raise UserError("a sharded optimizer (world_size > 1) needs torchrun")
+        # Only the owner computes; a non-owner never touches self.state[p], so a matrix's
+        # momentum lives on one rank: Muon's ZeRO-1, 4/N B/param.
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and self.owner.get(p, self.rank) == self.rank:
                     self.update(p, p.grad, self.state[p], group)
+        # The dict's order is shard()'s insertion order, the same on every rank (same params,
+        # same stable sort): collectives must be issued in the same order everywhere, or
+        # they pair up wrongly and hang. One broadcast per matrix; a real implementation
+        # buckets them. Parameters are contiguous, as a collective needs.
         for p, src in self.owner.items():       # sharded Muon: owners send their matrices
             comm.broadcast(p.data, src=src)
         return loss
@@ -91,6 +108,8 @@ class HandOptimizer(torch.optim.Optimizer):
     def shard(self, rank, world_size, params):
         """Give each of `params` (whole matrices) one owner rank, largest first onto the
         least-loaded rank (LPT scheduling): rank r then holds state for ≈ 1/world of them."""
+        # LPT (Graham 1969) is within 4/3 of the best possible largest load. world_size 1:
+        # no owners at all, so step() broadcasts nothing and needs no process group.
         load, self.rank = [0] * world_size, rank
         for p in sorted(params, key=lambda p: -p.numel()) if world_size > 1 else ():
             r = min(range(world_size), key=lambda i: load[i])
@@ -109,11 +128,13 @@ class HandOptimizer(torch.optim.Optimizer):
 
 def sgd_update(p, g, state, group):
     lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-    if wd:
+    if wd:                  # coupled: g + wd·p, so the decay goes through momentum as well
         g = g.add(p, alpha=wd)
     if mu:
         buf = state.get("momentum_buffer")
         if buf is None:
+            # a copy: without decay g IS p.grad, which zero_grad or the next backward
+            # changes in place
             buf = state["momentum_buffer"] = g.detach().clone()
         else:
             buf.mul_(mu).add_(g, alpha=1 - group["dampening"])
@@ -142,6 +163,9 @@ class SGD(HandOptimizer):
 
 def rmsprop_update(p, g, state, group):
     lr, alpha, eps, mu = group["lr"], group["alpha"], group["eps"], group["momentum"]
+    # Lazily on the first step (torch's Optimizer hands in an empty dict until then). s
+    # starts at 0 with no bias correction: step 1 divides g by √((1−α)·g²) = 0.1·|g| at
+    # α = 0.99, a step of 10·lr per coordinate -- the start-up kick Adam's correction removes.
     if not state:
         state["square_avg"] = torch.zeros_like(p)
         if mu > 0:
@@ -155,11 +179,13 @@ def rmsprop_update(p, g, state, group):
     if group["centered"]:
         g_avg = state["grad_avg"]
         g_avg.lerp_(g, 1 - alpha)
-        avg = sq.addcmul(g_avg, g_avg, value=-1).sqrt_()
+        avg = sq.addcmul(g_avg, g_avg, value=-1).sqrt_()   # √(s − ḡ²), a fresh tensor
     else:
         avg = sq.sqrt()
+    # ε outside the root, as torch does (some libraries add it under the root: the same
+    # name, a different number to tune)
     avg.add_(eps)
-    if mu > 0:
+    if mu > 0:              # torch's form: momentum over the normalised step g/(√s + ε)
         buf = state["momentum_buffer"]
         buf.mul_(mu).addcdiv_(g, avg)
         p.add_(buf, alpha=-lr)
@@ -191,27 +217,36 @@ class RMSprop(HandOptimizer):
 def adam_update(p, g, state, group):
     (beta1, beta2), lr, wd, eps = group["betas"], group["lr"], group["weight_decay"], group["eps"]
     if not state:
+        # a Python int; torch keeps a 0-dim tensor per parameter: the "opt_scalars" that
+        # train.py's ledger reports apart from the 8 B/param of m and v
         state["step"] = 0
         state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
         if group["amsgrad"]:
             state["max_exp_avg_sq"] = torch.zeros_like(p)
     state["step"] += 1
     t, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
+    # AdamW, with torch's parametrisation: × (1 − lr·wd) with this step's lr, so the decay
+    # follows the schedule and wd is relative to lr (the paper multiplies its λ by the
+    # schedule multiplier η_t only). lr = 3e-3, wd = 0.1: weights shrink 3e-4 per step.
     if wd and group["decoupled_weight_decay"]:
         p.mul_(1 - lr * wd)
     elif wd:
         g = g.add(p, alpha=wd)
     m.lerp_(g, 1 - beta1)                                # m ← β1·m + (1−β1)·g
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)        # v ← β2·v + (1−β2)·g²
-    if group["amsgrad"]:
+    if group["amsgrad"]:    # out=: the running max is updated in place, in the state
         v = torch.maximum(state["max_exp_avg_sq"], v, out=state["max_exp_avg_sq"])
+    # Bias corrections as scalars, in torch's single-tensor order of float ops: 1/(1−β1^t)
+    # folded into the step size, √(1−β2^t) into the denominator, ε added after it (so ε
+    # is in gradient units). The same ops in the same order is why the tests can demand
+    # bit equality with torch.optim (tests/test_optim.py, atol=0).
     denom = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
     p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
 
 
 class Adam(HandOptimizer):
     """= torch.optim.Adam (coupled L2 weight_decay, amsgrad)."""
-    decoupled = False
+    decoupled = False       # AdamW flips it; adam_update reads it from the group
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False):
@@ -252,7 +287,12 @@ def newton_schulz(G, steps=5, coefficients=NS_COEFFICIENTS, eps=1e-7, dtype=torc
     a, b, c = coefficients
     tall = G.size(0) > G.size(1)   # iterate on the wide side: X Xᵀ is the smaller Gram
     X = G.to(dtype).T if tall else G.to(dtype)
+    # ‖X‖_F ≥ σ_max, so every σ lands in [0, 1], where the polynomial's band holds. The
+    # clamp: a zero matrix (a weight whose gradients were all 0) stays 0 instead of 0/0.
     X = X / X.norm().clamp(min=eps)      # (Keller's reference: X / (‖X‖ + eps))
+    # Per step for X m×n (m ≤ n): X Xᵀ 2m²n FLOPs, A·A 2m³, B·X 2m²n: the header's
+    # 4m²n + 2m³. ns_steps is the knob: fewer leave the smallest σ below the band, more
+    # cost linearly (10 steps: 2× the FLOPs).
     for _ in range(steps):
         A = X @ X.T
         B = torch.addmm(A, A, A, beta=b, alpha=c)      # b·A + c·A², one fused op
@@ -265,7 +305,7 @@ def muon_lr_scale(shape, adjust_lr_fn):
     1/√max(A,B): wide or tall matrices would get smaller steps. "original" (Keller):
     × √max(1, A/B) (A = fan-out); "match_rms_adamw" (Moonlight): × 0.2·√max(A,B), an RMS
     of 0.2 like a typical AdamW update, so Muon can reuse AdamW's lr and weight decay."""
-    A, B = shape[:2]
+    A, B = shape[:2]         # nn.Linear's weight is (out, in): A = fan-out, B = fan-in
     if adjust_lr_fn in (None, "original"):
         return math.sqrt(max(1, A / B))
     if adjust_lr_fn == "match_rms_adamw":
@@ -277,6 +317,8 @@ def muon_update(p, g, state, group):
     if g.dim() != 2:
         raise UserError(f"Muon updates 2-D matrices only, got shape {tuple(g.shape)}")
     lr, mu = group["lr"], group["momentum"]
+    # Starts at 0, no bias correction (torch.optim.Muon's convention): step 1's buffer is
+    # (1−μ)·g, 20× too small at μ = 0.95 -- harmless, Newton–Schulz divides the scale away.
     if "momentum_buffer" not in state:
         state["momentum_buffer"] = torch.zeros_like(g)
     buf = state["momentum_buffer"]
@@ -284,11 +326,14 @@ def muon_update(p, g, state, group):
     u = g.lerp(buf, mu) if group["nesterov"] else buf    # Nesterov: (1−μ)·g + μ·m
     o = newton_schulz(u, group["ns_steps"], group["ns_coefficients"], group["eps"])
     p.mul_(1 - lr * group["weight_decay"])               # decoupled, with the plain lr
+    # the shape factor scales the orthogonal update only, never the decay above
     p.add_(o, alpha=-lr * muon_lr_scale(p.shape, group["adjust_lr_fn"]))
 
 
 def _muon_defaults(lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps,
                    adjust_lr_fn):
+    """One Muon group's settings, checked: shared by Muon and build_optimizer's hybrid, so
+    both fail the same way on a bad name or step count."""
     muon_lr_scale((1, 1), adjust_lr_fn)                 # validates the name
     if ns_steps < 1:
         raise UserError(f"ns_steps must be at least 1, got {ns_steps}")
@@ -307,6 +352,7 @@ class Muon(HandOptimizer):
                  rank=0, world_size=1):
         super().__init__(params, _muon_defaults(lr, weight_decay, momentum, nesterov,
                                                 ns_coefficients, eps, ns_steps, adjust_lr_fn))
+        # read back from the groups: `params` may have been a list of group dicts
         params = [p for g in self.param_groups for p in g["params"]]
         if any(p.dim() != 2 for p in params):
             raise UserError(f"Muon takes 2-D matrices only, got shapes "
@@ -325,15 +371,20 @@ class MuonAdamW(HandOptimizer):
     """One optimizer, groups with algo "muon" or "adamw": one step(), one state_dict()."""
 
     def __init__(self, groups, rank=0, world_size=1):
+        # the defaults only fill keys a group lacks; build_optimizer's groups carry their own
         super().__init__(groups, dict(lr=1e-3, weight_decay=0.0))
         self.shard(rank, world_size, [p for g in self.param_groups if g["algo"] == "muon"
                                       for p in g["params"]])
 
     def update(self, p, g, state, group):
+        # One optimizer, two algorithms by group: one step(), one state_dict() to save and
+        # resume (tests/test_optim.py), one set_lr for the loop.
         (muon_update if group["algo"] == "muon" else adam_update)(p, g, state, group)
 
 
 def is_hidden_matrix(name, p):     # Muon's share: 2-D maps from hidden state to hidden state
+    # By name: the extra heads' output.weight is excluded too; every other 2-D weight is
+    # "hidden", an MoE router.weight (n_expert × d) and MLA's latent projections included.
     return p.dim() == 2 and not name.endswith(("tok_embeddings.weight", "output.weight"))
 
 
@@ -408,10 +459,14 @@ def set_lr(optimizer, lr):
 
 def max_logit_per_head(q, k, mask=None):
     """max over batch, queries and allowed keys of q·k/√d, per query head: (H,) fp32."""
+    # GQA: KV head j serves query heads j·r … j·r + r − 1 (model.repeat_kv's layout)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    # fp32, and the whole (B, H, Tq, Tk) score tensor: B·H·T²·4 bytes for a moment -- the
+    # "one extra QKᵀ per layer" of the header, which a fused kernel would not pay
     scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if mask is None:                                     # causal, Tq == Tk
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    # -inf: a key the query may not see cannot be its max
     return scores.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
 
 
@@ -422,7 +477,7 @@ class QKClip:
     optimizer step, rescales the offending heads' W_q / W_k. Its state (τ, the GQA mode,
     the maxima) lives here, not on the model's modules. MLA layers (mla.LatentAttention,
     recognised by their wkv_b) use the same seam: their attn_fn receives queries and keys
-    whose q·k/√(width) are the real logits, in both of mla.py's paths."""
+    whose q·k/√(width) are the real logits, in both of core/mla.py's paths."""
 
     def __init__(self, model, tau=100.0, gqa="group"):
         if not tau > 0:
@@ -438,6 +493,9 @@ class QKClip:
 
     def _recorder(self, i, inner):
         def attn_fn(q, k, v, mask=None):
+            # no_grad: nothing enters the graph, nothing counts as an activation. A running
+            # max: micro-batches combine, and full activation checkpointing's replay in
+            # backward sees the same values again (a max of equals changes nothing).
             with torch.no_grad():
                 s = max_logit_per_head(q, k, mask)
                 prev = self.maxima[i]
@@ -455,6 +513,8 @@ class QKClip:
         factors = []
         for i, layer in enumerate(self.model.layers):
             S, self.maxima[i] = self.maxima[i], None
+            # A layer with no forward since the last clip is skipped -- on every rank alike,
+            # or the MAX all-reduces below would pair up wrongly and hang.
             if S is None:
                 continue
             if dist.is_available() and dist.is_initialized():
@@ -486,15 +546,20 @@ class QKClip:
         gamma = torch.where(S > self.tau, self.tau / S, torch.ones_like(S))  # logit factor
         if hasattr(attn, "wkv_b"):
             return self._clip_latent(attn, gamma, copies)
+        # head counts from the weights, as model.Attention does: under tensor parallelism
+        # wq/wk hold the local heads only
         n_q, hd = S.numel(), attn.head_dim
         n_kv = attn.wk.weight.shape[0] // hd
         if self.gqa == "group":
             g = gamma.view(n_kv, n_q // n_kv).amin(dim=1)             # τ / (group's max)
+            # √g on the group's Q rows and √g on its K rows: every logit of the group × g
             q_scale, k_scale = g.sqrt().repeat_interleave(n_q // n_kv), g.sqrt()
             factor = g.repeat_interleave(n_q // n_kv)
         else:
             q_scale, k_scale = gamma, torch.ones(n_kv, device=S.device)
             factor = gamma
+        # per head -> per row: head h owns rows h·hd … (h+1)·hd − 1 of wq and wk (the
+        # .view(B, T, -1, head_dim) in model.Attention)
         scale_rows(attn.wq.weight, q_scale.repeat_interleave(hd), copies)
         scale_rows(attn.wk.weight, k_scale.repeat_interleave(hd), copies)
         return factor
@@ -518,6 +583,10 @@ class QKClip:
 
 def scale_rows(w, scale, copies=None):
     """w (out, in) *= scale (out,) row by row, and the same on w's entry in copies."""
+    # The factor is rounded to w's dtype once, and that same value scales the copy: a
+    # 16-bit weight and its fp32 master stay the rounding of one another (a bf16 factor
+    # is off by at most ~0.4%, far inside QK-clip's slack). copies is keyed by the
+    # Parameter object itself (tensors hash by identity).
     rows = scale.to(w.dtype)[:, None]
     w.mul_(rows)
     if copies is not None and w in copies:
@@ -530,7 +599,7 @@ def scale_rows(w, scale, copies=None):
 def spectrum(M):
     """stable rank ‖M‖_F²/σ_max² (how many directions carry the energy; at most min(m,n)),
     and σ_max/σ_median (the spread)."""
-    s = torch.linalg.svdvals(M.float())
+    s = torch.linalg.svdvals(M.float())       # descending: s[0] = σ_max
     return (s.pow(2).sum() / s[0] ** 2).item(), (s[0] / s.median()).item()
 
 
@@ -569,6 +638,8 @@ def evaluate(model, corpus, args, device):
 
 def train_run(cfg, corpus, args, device, name, lr, muon_lr=None):
     """One run: (step, val loss) curve, wall seconds, and the model and optimizer at the end."""
+    # The same --seed for every run: the same initial weights and (below) the same batches,
+    # so two runs differ in their optimizer only -- a paired comparison.
     model = GPT(cfg, seed=args.seed).to(device)
     opt = build_optimizer(model.named_parameters(), name, lr=lr, muon_lr=muon_lr,
                           weight_decay=args.weight_decay, adjust_lr_fn=args.adjust_lr_fn)
@@ -581,6 +652,8 @@ def train_run(cfg, corpus, args, device, name, lr, muon_lr=None):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        # (after the step: a NaN loss has already poisoned the weights; recording inf makes
+        # min() in compare rank the run last instead of crashing the sweep)
         if not math.isfinite(loss.item()):                # diverged: stop, rank it last
             curve.append((step + 1, float("inf")))
             break
@@ -596,6 +669,8 @@ def train_run(cfg, corpus, args, device, name, lr, muon_lr=None):
 def tokens_to_target(curve, target, tokens_per_step):
     """Tokens at which the val loss first reaches target, linearly interpolated between
     evaluations; None if never."""
+    # the first evaluation at or below target; frac: where the straight line from l0 to l1
+    # crosses it (0 when l0 was already there)
     for (s0, l0), (s1, l1) in zip(curve, curve[1:]):
         if l1 <= target:
             frac = (l0 - target) / (l0 - l1) if l0 > target else 0.0
@@ -604,6 +679,7 @@ def tokens_to_target(curve, target, tokens_per_step):
 
 
 def model_config(args, vocab_size):
+    # block_size = seq_len: the RoPE table exactly as long as the training sequences
     return get_config("small", n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
                       n_kv_head=args.n_kv_head, block_size=args.seq_len, vocab_size=vocab_size)
 
@@ -611,7 +687,7 @@ def model_config(args, vocab_size):
 def compare(args, device):
     corpus = data.load_corpus(args.data, vocab_size=args.vocab_size)
     cfg, tps = model_config(args, corpus.enc.n_vocab), args.batch_size * args.seq_len
-    probe = GPT(cfg, seed=None)
+    probe = GPT(cfg, seed=None)           # only to count parameters: seed=None skips init
     n_hidden = sum(p.numel() for n, p in probe.named_parameters() if is_hidden_matrix(n, p))
     print(f"model: {cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head} heads / {cfg.n_kv_head} "
           f"kv, vocab {cfg.vocab_size}: {probe.num_params():,} params ({n_hidden:,} in hidden "
@@ -622,6 +698,8 @@ def compare(args, device):
     for mlr in args.muon_lrs:   # Muon's matrices at mlr; the rest keeps AdamW's best lr
         runs.append(train_run(cfg, corpus, args, device, "muon", adamw["lr"], mlr))
     muon = min(runs[len(args.lrs):], key=lambda r: r["final"])
+    # the worse of the two best final losses: a level both best runs reach, so "tokens to
+    # target" is defined for both
     target = args.target or max(adamw["final"], muon["final"])
     print(f"\n{'run':<30} {'final val':>9} {'tokens to ' + format(target, '.3f'):>17}  wall s")
     for r in runs:
@@ -651,6 +729,8 @@ def why(adamw, muon):
         name = f"layers.{mid}.{suffix}.weight"
         pm, pa = (dict(r["model"].named_parameters())[name] for r in (muon, adamw))
         m, sa = muon["opt"].state[pm]["momentum_buffer"], adamw["opt"].state[pa]
+        # Adam's update direction without the bias corrections: scalars, and both measures
+        # (stable rank, σ_max/σ_median) ignore a matrix's overall scale
         adam_u = sa["exp_avg"] / (sa["exp_avg_sq"].sqrt() + 1e-8)
         cols = [spectrum(m), spectrum(adam_u), spectrum(newton_schulz(m))]
         print(f"{name:<32} {str(tuple(m.shape)):>10} " +
@@ -664,10 +744,14 @@ def bench(args, device):
     cfg = model_config(args, args.vocab_size)
     model = GPT(cfg, seed=args.seed).to(device)
     x = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), device=device)
+    # One forward+backward: its gradients feed every row below, so the rows time the
+    # optimizer's update alone (x as its own target: random tokens, any loss will do).
     with StepTimer(device) as fwd_bwd:
         model(x, x)[1].backward()
     every = list(model.parameters())
     hidden = [p for n, p in model.named_parameters() if is_hidden_matrix(n, p)]
+    # foreach=False: torch's single-tensor loop, the algorithm the hand versions follow;
+    # its default on GPUs, the foreach (multi-tensor) kernels, would time another code.
     T = torch.optim
     rows = [("SGD", every, lambda ps: SGD(ps), lambda ps: T.SGD(ps, 1e-3, foreach=False)),
             ("momentum (Nesterov)", every, lambda ps: SGD(ps, 1e-3, 0.9, nesterov=True),
@@ -685,6 +769,8 @@ def bench(args, device):
           f"torch alternating, same gradients, {torch.get_num_threads()} thread(s)")
     print(f"{'optimizer':<24} {'state B/param':>13} {'hand ms':>8} {'torch ms':>9} hand/torch")
     for label, ps, hand, ref in rows:
+        # Hand and torch step the SAME tensors, alternately: the weights drift, which the
+        # timing does not mind; the best of N (min) drops a busy machine's noise.
         opts, times = [hand(ps), ref(ps)], [[], []]
         for _ in range(args.bench_steps):
             for opt, ts in zip(opts, times):

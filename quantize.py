@@ -50,149 +50,66 @@ import time
 from dataclasses import asdict
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-import data
-from model import GPT, GPTConfig, get_config, load_model
-from plumbing import (ArgumentParser, HelpFormatter, UserError, fmt_bytes, print0,
-                      require_at_least_one, run_cli, seed_everything, tensor_bytes)
+from compression import calibrated, prune, qat
+from compression.calibrated import calibration
+from compression.qat import finetune
+from core import data
+from core.checkpoint import load_model
+from core.quant_format import (FORMAT_VERSION, SUPPORTED_BITS, QuantLinear, check_format,
+                               default_group, fmt_name,
+                               quantize_model, stored_nbytes, target_linears)
+from model import GPT, get_config
+from core.plumbing import (ArgumentParser, HelpFormatter, UserError, fmt_bytes, print0,
+                           require_at_least_one, run_cli, seed_everything, tensor_bytes)
 
-SUPPORTED_BITS = (3, 4, 8)
-FORMAT_VERSION = 1
+# train.py's default output. Absent on a clean clone: load_base then trains a fresh tiny
+# model, so every mode runs with no setup (the tests pass --ckpt to a fixture instead).
 DEFAULT_CKPT = "out/ckpt.pt"
-SCALE_BITS = 16               # scales are stored as fp16, as GPTQ's and AWQ's kernels use
-ZERO_BITS = 8                 # zero points as uint8 (int3/int4 only; int8 is symmetric)
-
-
 # ----------------------------------------------------------------------------------------
-# Formats, stored for real
-
-def check_format(bits, group_size, in_features):
-    """group_size 0 = one group per output row (the per-channel case)."""
-    if bits not in SUPPORTED_BITS:
-        raise UserError(f"--bits {bits} is not supported: choose one of {SUPPORTED_BITS}")
-    if group_size < 0 or (group_size and in_features % group_size):
-        raise UserError(f"--group-size {group_size} does not divide the input dimension "
-                        f"{in_features} (groups run along the input of each row)")
-    return group_size or in_features
-
-
-def code_range(bits):
-    """int8: signed codes, symmetric, no zero point. int3/int4: unsigned, asymmetric."""
-    return (-127, 127) if bits == 8 else (0, 2 ** bits - 1)
-
-
-def group_params(w, bits, group_size):
-    """Scale and zero of every (row, group) of w (out, in), from the group's range. The
-    range always holds 0 (so 0 stays exact, as in GPTQ's quantizer). Scales are rounded to
-    fp16 here, because that is what is stored and what dequantization will multiply by."""
-    groups = w.reshape(w.shape[0], -1, group_size)
-    if bits == 8:
-        scale = groups.abs().amax(-1) / 127
-    else:
-        lo = groups.amin(-1).clamp(max=0)
-        hi = groups.amax(-1).clamp(min=0)
-        scale = (hi - lo) / (2 ** bits - 1)
-    scale = scale.clamp(min=1e-5).half().to(w.dtype)
-    if bits == 8:
-        return scale, torch.zeros_like(scale)
-    zero = torch.round(-lo / scale).clamp(0, 2 ** bits - 1)
-    return scale, zero
-
-
-def to_codes(w, scale, zero, bits):
-    """q = clamp(round(w/scale) + zero); scale/zero: one per element of w (expanded)."""
-    qmin, qmax = code_range(bits)
-    return torch.clamp(torch.round(w / scale) + zero, qmin, qmax)
-
-
-def expand(per_group, group_size):
-    return per_group.repeat_interleave(group_size, dim=1)
-
-
-def pack_codes(codes, bits):
-    """Eight b-bit codes -> b bytes: code i of eight sits at bits [b(7-i), b(8-i)) of a
-    big-endian word, so for int4 the first code is the high nibble (as bitsandbytes).
-    Pads to a multiple of 8 codes; -> 1-D uint8 of ceil(n·b/8) bytes."""
-    flat = codes.flatten().to(torch.int64)
-    flat = F.pad(flat, (0, (-flat.numel()) % 8)).view(-1, 8)
-    word = (flat << (bits * torch.arange(7, -1, -1))).sum(1)
-    byte_shift = 8 * torch.arange(bits - 1, -1, -1)
-    return ((word[:, None] >> byte_shift) & 0xFF).to(torch.uint8).flatten()
-
-
-def unpack_codes(packed, bits, n):
-    word = (packed.view(-1, bits).to(torch.int64) << (8 * torch.arange(bits - 1, -1, -1))).sum(1)
-    codes = (word[:, None] >> (bits * torch.arange(7, -1, -1))) & (2 ** bits - 1)
-    return codes.flatten()[:n]
-
-
-def store(codes, scale, zero, bits):
-    """The tensors a checkpoint holds for one weight: int8 codes as they are; int3/int4
-    codes packed, fp16 scales, uint8 zeros."""
-    if bits == 8:
-        return {"codes": codes.to(torch.int8), "scales": scale.half()}
-    return {"codes": pack_codes(codes, bits), "scales": scale.half(),
-            "zeros": zero.to(torch.uint8)}
-
-
-def dequantize(stored, shape, bits, group_size):
-    """w_hat = (code - zero) · scale, per group along the input."""
-    out_f, in_f = shape
-    g = group_size or in_f
-    if bits == 8:
-        codes = stored["codes"].float()
-        zero = 0.0
-    else:
-        codes = unpack_codes(stored["codes"], bits, out_f * in_f).view(out_f, in_f).float()
-        zero = expand(stored["zeros"].float(), g)
-    return (codes - zero) * expand(stored["scales"].float(), g)
-
-
-def rtn(w, bits, group_size):
-    """Round-to-nearest: each weight to its nearest level, nothing else."""
-    g = group_size or w.shape[1]
-    scale, zero = group_params(w, bits, g)
-    return store(to_codes(w, expand(scale, g), expand(zero, g), bits), scale, zero, bits)
-
-
-def format_bits_per_param(bits, group_size, in_features):
-    """The formula: b + (scale bits + zero bits) / g."""
-    g = group_size or in_features
-    return bits + (SCALE_BITS + (0 if bits == 8 else ZERO_BITS)) / g
-
-
-def stored_nbytes(stored):
-    return sum(t.numel() * t.element_size() for t in stored.values())
-
-
-# ----------------------------------------------------------------------------------------
-# The quantized layer: holds the codes, dequantizes in every forward
+# The stored format (codes, scales, zeros; QuantLinear, which dequantizes them in every
+# forward) lives in core/quant_format.py, which core/checkpoint.py reads too. What follows
+# measures the int8 matmul that SmoothQuant's W8A8 layers may use.
 
 def measure_int_mm(in_features, out_features, rows=(1, 16, 64, 256), repeats=20):
     """Time torch._int_mm (int8 x int8 -> int32) against the fp32 matmul it would replace.
     -> (smallest row count from which int8 wins at every measured size, or None; lines)."""
+    # torch._int_mm is a private op (the leading underscore): a build may lack it, and
+    # W8A8 must then fall back to the fp32 path, which gives the same numbers.
     if not hasattr(torch, "_int_mm"):
         return None, ["torch._int_mm: not in this torch build"]
     lines, wins = [], []
+    # Random codes in [-127, 127], the symmetric int8 range of code_range(8): timing depends
+    # on dtype and shape only. w is (out, in) as QuantLinear.codes is, so x @ w.t() is the
+    # very call QuantLinear.w8a8 makes (w.t() a strided view, no copy).
     w = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
     for m in rows:
+        # m = tokens in one forward: 1 is a decode step of one sequence, 256 a prefill.
         x = torch.randint(-127, 128, (m, in_features), dtype=torch.int8)
         try:
             t_int = _best_time(lambda: torch._int_mm(x, w.t()), repeats)
         except RuntimeError as e:
+            # a backend without a kernel for this shape (CUDA's has wanted more than 16 rows
+            # and sizes in multiples of 8): "never use it" is the safe decision.
             return None, [f"torch._int_mm fails here: {str(e).splitlines()[0]}"]
+        # The fp32 copies are made outside the timed call. The real fallback also pays a
+        # codes.float() per call, so this baseline is a little faster than it: int8 has to
+        # beat the stronger opponent before W8A8 switches to it.
         xf, wf = x.float(), w.float()
         t_fp = _best_time(lambda: xf @ wf.t(), repeats)
         wins.append(t_int < t_fp)
         lines.append(f"  rows {m:4d} x {in_features}x{out_features}: int8 {t_int * 1e6:7.1f} us"
                      f" | fp32 {t_fp * 1e6:7.1f} us")
+    # The smallest m from which int8 wins at every larger measured size too: a win that
+    # flips back at a bigger m (cache effects) would otherwise route prefills to the
+    # slower kernel. None when int8 loses at the largest size.
     first = next((m for i, m in enumerate(rows) if all(wins[i:])), None)
     return first, lines
 
 
 def _best_time(fn, repeats):
+    """The fastest of `repeats` calls of fn, in seconds. The minimum, not the mean: on a
+    shared machine noise only ever adds time, so the minimum is the least noisy estimate."""
     best = math.inf
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -201,114 +118,22 @@ def _best_time(fn, repeats):
     return best
 
 
-class QuantLinear(nn.Module):
-    """A bias-free linear whose weight lives as codes + scales (+ zeros). Weight-only: the
-    weight is dequantized to fp32 in every forward (the cost of saving the bytes). act_bits
-    = 8 (SmoothQuant W8A8): activations are quantized per token at run time and the matmul
-    runs on integers; int_mm_rows: from this many rows torch._int_mm does it (measured)."""
-
-    def __init__(self, stored, shape, bits, group_size, act_bits=0, int_mm_rows=None):
-        super().__init__()
-        self.shape, self.bits, self.group_size = tuple(shape), bits, group_size
-        self.act_bits, self.int_mm_rows = act_bits, int_mm_rows
-        if act_bits and (bits != 8 or group_size not in (0, shape[1])):
-            raise UserError("W8A8 needs int8 weights with one scale per output row")
-        for name, t in stored.items():
-            self.register_buffer(name, t)
-        self.in_features, self.out_features = shape[1], shape[0]
-
-    def stored(self):
-        return {name: t for name, t in self.named_buffers()}
-
-    def dequantized(self):
-        return dequantize(self.stored(), self.shape, self.bits, self.group_size)
-
-    def forward(self, x):
-        if self.act_bits:
-            return self.w8a8(x)
-        return F.linear(x, self.dequantized().to(x.dtype))
-
-    def w8a8(self, x):
-        """y = (x_q @ W_qᵀ) · s_x · s_w, with x_q = round(x / s_x), s_x = max|x_t|/127 per token.
-        The integer accumulate is exact in fp32 too (|sums| ≤ 127²·in < 2^24 for in ≤ 1040),
-        so the int_mm path and the fp32 path give the same numbers."""
-        flat = x.reshape(-1, self.in_features).float()
-        s_x = flat.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
-        x_q = torch.round(flat / s_x).clamp(-127, 127)
-        if self.int_mm_rows is not None and flat.shape[0] >= self.int_mm_rows:
-            acc = torch._int_mm(x_q.to(torch.int8), self.codes.t()).float()
-        else:
-            acc = x_q @ self.codes.float().t()
-        y = acc * s_x * self.scales.float().t()
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
-
-
-def target_linears(model):
-    """The linears inside the blocks (attention, MLP, experts); the MoE router stays fp32
-    (n_expert outputs: nothing to save)."""
-    out = []
-    for name, m in model.named_modules():
-        if name.startswith("layers.") and isinstance(m, nn.Linear) and not name.endswith("router"):
-            out.append((name, m))
-    return out
-
-
-def replace_module(model, name, new):
-    parent, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent), attr, new)
-
-
-def quantize_model(model, bits, group_size):
-    """RTN on every target linear, in place; -> model."""
-    for name, lin in target_linears(model):
-        g = check_format(bits, group_size, lin.in_features)
-        w = lin.weight.detach()
-        replace_module(model, name, QuantLinear(rtn(w, bits, g), w.shape, bits, g))
-    return model
-
-
 def model_bytes(model):
     """-> (stored bytes of the quantized linears, their weights' count, all bytes). Counted
     from the tensors the model holds: parameters and stored buffers (the state_dict)."""
     q_bytes = q_params = 0
     for m in model.modules():
         if isinstance(m, QuantLinear):
+            # codes + fp16 scales (+ uint8 zeros): bits/weight = 8·q_bytes/q_params comes
+            # out as b + (16 + 8)/g, e.g. 4 + 24/32 = 4.75 for int4 g32, which
+            # tests/test_quantize.py asserts from the CLI's ledger row.
             q_bytes += stored_nbytes(m.stored())
             q_params += m.shape[0] * m.shape[1]
+    # keep_vars=True hands back the Parameters themselves, not fresh detached tensors, so
+    # tensor_bytes' id() de-duplication counts a tied embedding/head (tie_embeddings) once.
+    # A pruned model's masks are non-persistent buffers: not counted, as not stored.
     return q_bytes, q_params, tensor_bytes(model.state_dict(keep_vars=True).values())
 
-
-# ----------------------------------------------------------------------------------------
-# Swapping layers and fine-tuning: shared by qat.py (quantization-aware training) and
-# prune.py (pruning with masks), which are split out of this file by concept
-
-def swap_linears(model, make):
-    """Replace every target linear by make(linear); -> model."""
-    for name, lin in target_linears(model):
-        replace_module(model, name, make(lin))
-    return model
-
-
-def finetune(model, corpus, steps, lr, batch_size, seq_len, seed):
-    """AdamW on the training split (no weight decay: a pruned weight stays exactly 0).
-    -> the last training loss."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    model.train()
-    loss = torch.tensor(float("nan"))
-    for step in range(steps):
-        # ten warm-up steps, then cosine down to lr/10
-        cosine = 0.55 + 0.45 * math.cos(math.pi * step / max(steps - 1, 1))
-        for group in opt.param_groups:
-            group["lr"] = lr * min((step + 1) / 10, cosine)
-        x, y = data.get_batch(corpus.train, batch_size, seq_len, seed, step)
-        loss = model(x, y)[1]
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-    model.eval()
-    return loss.item()
 
 
 # ----------------------------------------------------------------------------------------
@@ -319,47 +144,70 @@ class Evaluator:
     continuations of held-out prompts (windows of the validation split), decode ms/token."""
 
     def __init__(self, fp32, corpus, args):
+        # The model cannot attend past block_size: --seq-len is capped to it.
         seq = min(fp32.config.block_size, args.seq_len)
+        # Drawn once and reused for every row, so two rows differ by their method only,
+        # never by the sample. Seed + 1 on the validation split; calibration draws seed + 2
+        # on the train split and fine-tuning seed + 3: no method ever sees these tokens.
         self.batches = [data.get_batch(corpus.val, args.batch_size, seq, args.seed + 1, i)
                         for i in range(args.eval_batches)]
         gen = torch.Generator().manual_seed(args.seed)
+        # the high end is exclusive, so s + prompt_len <= len(val): every prompt is whole
         starts = torch.randint(0, len(corpus.val) - args.prompt_len, (args.prompts,),
                                generator=gen).tolist()
+        # val is a uint16 memmap; generate() wants a list of Python ints
         self.prompts = [corpus.val[s:s + args.prompt_len].astype("int64").tolist()
                         for s in starts]
         self.args, self.fp32 = args, fp32
         self.ref_loss, self.ref_top1 = self.loss_and_top1(fp32)
+        # temperature 0 = argmax (model.sample_next): deterministic, so any difference
+        # from these continuations is the quantization's, not the sampler's.
         self.ref_greedy = [fp32.generate(p, args.new_tokens, temperature=0) for p in self.prompts]
 
     @torch.no_grad()
     def loss_and_top1(self, model):
+        """-> (mean validation cross-entropy, the (B, T) next-token argmax of every batch)."""
         losses, top1 = [], []
         for x, y in self.batches:
             logits, loss = model(x, y)
             losses.append(loss.item())
+            # keep the argmax only: B·T int64s instead of B·T·V floats of logits
             top1.append(logits.argmax(-1))
+        # every batch has B·T tokens, so the mean of batch means is the mean over tokens
         return sum(losses) / len(losses), top1
 
     def decode_ms(self, model):
         """ms per new token of model and of fp32: best of --repeats greedy generations of one
         prompt each, alternated, so both see the same load on a shared machine."""
         n, best = self.args.new_tokens, [math.inf, math.inf]
+        # The fp32 row times itself once; any other row is timed against a fresh fp32
+        # run, so "× fp32" is a ratio of two measurements taken under the same load.
         pair = (model,) if model is self.fp32 else (model, self.fp32)
         for _ in range(self.args.repeats):
             for i, m in enumerate(pair):
+                # One generate = one prefill + n decode steps. A QuantLinear dequantizes
+                # its whole weight in every forward, i.e. at every token: out·in work per
+                # layer per step, no less than the batch-1 matmul itself -- hence 1.6-8x.
                 best[i] = min(best[i], _best_time(
                     lambda: m.generate(self.prompts[0], n, temperature=0), 1))
+        # the prefill is spread over the n tokens (short prompts: a small share)
         ms = [1000 * b / n for b in best]
         return ms[0], (ms[0] if model is self.fp32 else ms[1])
 
     def row(self, model, method, fmt, seconds=0.0, passes=0, note=""):
+        """One ledger row (a dict; ledger_lines prints it, compare.json stores it)."""
         model.eval()
         loss, top1 = self.loss_and_top1(model)
+        # top-1: the share of validation positions whose argmax is fp32's -- a finer
+        # measure than Δ loss when the loss barely moves (int8)
         agree = sum(int((a == b).sum()) for a, b in zip(top1, self.ref_top1))
         greedy = [model.generate(p, self.args.new_tokens, temperature=0) for p in self.prompts]
+        # greedy: the share of each continuation produced before the first divergence
         same = [_prefix(a, b) / len(b) for a, b in zip(greedy, self.ref_greedy)]
         q_bytes, q_params, total = model_bytes(model)
         ms, ref_ms = self.decode_ms(model)
+        # No QuantLinear (fp32, pruned, fine-tuned rows): 32 bits, as the weights stay
+        # dense fp32. ppl = e^loss, the loss being in nats.
         return dict(method=method, format=fmt,
                     bits_per_weight=8 * q_bytes / q_params if q_params else 32.0,
                     model_bytes=total, val_loss=loss, d_loss=loss - self.ref_loss,
@@ -382,6 +230,9 @@ LEDGER_HEAD = ("| method | format | bits/weight | model bytes | val loss | Δ lo
 
 
 def ledger_lines(rows):
+    """Markdown lines: the head and its separator, then one line per row."""
+    # 14 = the cells of LEDGER_HEAD: add a column to one and not the other and markdown
+    # renders no table at all
     lines = [LEDGER_HEAD, "|" + "---|" * 14]
     for r in rows:
         lines.append(f"| {r['method']} | {r['format']} | {r['bits_per_weight']:.3f} | "
@@ -398,40 +249,35 @@ def ledger_lines(rows):
 def save_checkpoint(path, model, enc, meta, data_path):
     """A file torch.load(weights_only=True) reads: plain dicts, strings, numbers, tensors.
     With quantized layers: "quantization" (format + per-layer metadata) and "quantized"
-    (name -> stored tensors); model.load_model hands such a file to model_from_checkpoint."""
+    (name -> stored tensors); core/checkpoint.py's load_model hands such a file to
+    core/quant_format.py's model_from_checkpoint."""
     quantized, layers = {}, {}
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):
+            # clone: torch.save writes a tensor's whole underlying storage, so a copy keeps
+            # the file to exactly the bytes the ledger counted
             quantized[name] = {k: v.clone() for k, v in m.stored().items()}
+            # what model_from_checkpoint needs to dequantize without the quantizer's code;
+            # act_bits = 8 marks W8A8, which it can only run weight-only
             layers[name] = dict(shape=list(m.shape), bits=m.bits, group_size=m.group_size,
                                 act_bits=m.act_bits)
+    # Everything but the quantized layers' buffers ("layers.0.attention.wq.codes" has the
+    # module prefix "layers.0.attention.wq"): model_from_checkpoint loads "model" into a
+    # plain GPT with a strict load_state_dict, which would refuse those keys as unexpected,
+    # and they are in "quantized" already.
     plain = {k: v.clone() for k, v in model.state_dict().items()
              if k.rpartition(".")[0] not in quantized}
+    # args.data: load_base (and serve.py) find the corpus the model was trained on from it
     ckpt = dict(config=asdict(model.config), model=plain, tokenizer=data.encoding_to_state(enc),
                 args={"data": data_path})
     if quantized:
         ckpt["quantization"] = dict(format=FORMAT_VERSION, layers=layers, **meta)
         ckpt["quantized"] = quantized
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    # Write, then rename: os.replace is atomic on POSIX, so a crash mid-write leaves the old
+    # checkpoint whole, never a truncated one that torch.load fails on.
     torch.save(ckpt, path + ".tmp")
     os.replace(path + ".tmp", path)
-
-
-def model_from_checkpoint(ckpt, device="cpu"):
-    """A plain model.GPT whose weights are the dequantized values (what serve.py and
-    spec_decode.py run). Activation quantization (W8A8) is not part of a plain GPT: such a
-    checkpoint runs weight-only here."""
-    q = ckpt["quantization"]
-    if q.get("format") != FORMAT_VERSION:
-        raise UserError(f"quantized checkpoint format {q.get('format')!r} is not "
-                        f"{FORMAT_VERSION}: re-run quantize.py --save")
-    model = GPT(GPTConfig(**ckpt["config"]).validate(), seed=None)
-    state = dict(ckpt["model"])
-    for name, meta in q["layers"].items():
-        state[name + ".weight"] = dequantize(ckpt["quantized"][name], meta["shape"],
-                                             meta["bits"], meta["group_size"])
-    model.load_state_dict(state)
-    return model.to(device).eval()
 
 
 # ----------------------------------------------------------------------------------------
@@ -445,76 +291,82 @@ def load_base(args):
         corpus = data.load_corpus(args.data, cfg.vocab_size)
         model = GPT(cfg, seed=args.seed)
         t0 = time.perf_counter()
+        # lr 3e-3, 10x the QAT default: this trains from scratch, not a few steps of a
+        # trained model. A barely trained model says little about what rounding costs.
         loss = finetune(model, corpus, args.base_steps, 3e-3, 16, cfg.block_size, args.seed)
         print0(f"no {DEFAULT_CKPT}: trained a fresh tiny model instead ({args.base_steps} steps"
                f" in {time.perf_counter() - t0:.0f} s, train loss {loss:.3f})")
         return model, corpus, f"fresh tiny model ({args.base_steps} steps)"
     path = args.ckpt or DEFAULT_CKPT
     model, ckpt = load_model(path, "cpu")          # a missing file: one clear UserError
+    # load_model would hand back the dequantized weights: quantizing them again measures
+    # the second rounding against a reference that is itself already quantized.
     if "quantization" in ckpt:
         raise UserError(f"{path} is already quantized: start from an fp32 checkpoint")
     data_path = args.data or (ckpt.get("args") or {}).get("data")
     corpus = data.load_corpus(data_path, model.config.vocab_size)
+    # Another corpus gives another BPE: the ids would be tokens the model never learned,
+    # and every loss in the ledger would be silently meaningless. Compare the merges.
     if data.encoding_from_state(ckpt["tokenizer"])._mergeable_ranks != corpus.enc._mergeable_ranks:
         raise UserError(f"{path}'s tokenizer is not the one of corpus "
                         f"{data_path or 'stdlib'}: pass the --data it was trained on")
+    # whatever dtype the checkpoint holds, the reference every row is measured against is
+    # fp32 (the GPT has no dropout, so eval() changes nothing today; it stays for safety)
     return model.float().eval(), corpus, path
-
-
-def calibration(corpus, model, args, method):
-    """--calib-batches windows of the training split (never the validation split)."""
-    if args.calib_batches < 1:
-        raise UserError(f"{method} needs calibration data: --calib-batches must be >= 1")
-    seq = min(model.config.block_size, args.seq_len)
-    return [data.get_batch(corpus.train, args.batch_size, seq, args.seed + 2, i)[0]
-            for i in range(args.calib_batches)]
-
-
-def default_group(bits, group_size):
-    return (0 if bits == 8 else 32) if group_size is None else group_size
 
 
 def ptq(base, method, bits, group_size, calib, args, int_mm_rows=None):
     """Post-training quantization of a copy of base. -> (model, calibration passes, note).
-    The calibrated methods live in calibrated.py (it imports this file, so it is imported
-    here, when one is asked for)."""
+    The calibrated methods live in compression/calibrated.py."""
+    # A copy: every method edits in place (replace_module, fold_scales), and compare
+    # quantizes the same base a dozen times.
     model = copy.deepcopy(base)
     for _, lin in target_linears(model):            # bad formats fail before any work
         check_format(bits, group_size, lin.in_features)
     if method == "rtn":
         return quantize_model(model, bits, group_size), 0, ""
-    import calibrated
     if method == "gptq":
+        # sequential: one calibration forward per stage (q/k/v, o, gate/up, down), i.e.
+        # 4·n_layer passes, each on the outputs of the stages already quantized, so a
+        # layer's Hessian H = 2XX^T is taken on the inputs it will see when deployed.
         transform = calibrated.gptq_transform(bits, group_size, block_size=args.block_size,
                                               damp=args.damp, act_order=args.act_order)
         passes = calibrated.sequential(model, calib, transform)
         return model, passes, "act-order" if args.act_order else ""
     if method == "awq":
+        # AWQ's statistic is mean|x_j| per input channel (Lin et al. 2023, "searching to
+        # scale"); the grid search scores each α on the first --awq-tokens rows only
+        # (stats.sample()): cost = grid · (quantize + matmul) per group of consumers.
         def choose(stats, weights):
             mean_abs = (stats.abs_sum / stats.n).float()
             return calibrated.awq_search(stats.sample(), weights, mean_abs, bits, group_size,
                                          args.grid)
+        # One forward serves every group: W·diag(s) with 1/s folded into the producer is an
+        # identity in fp32, so earlier scalings do not change later statistics. Then RTN.
         alphas = calibrated.scale_model(model, calib, choose, keep=args.awq_tokens)
         return quantize_model(model, bits, group_size), 1, f"alpha {min(alphas)}..{max(alphas)}"
 
+    # Anything else falls through to SmoothQuant: only cmd_ptq and cmd_compare call this,
+    # with known names -- a method added by hand needs its own branch above this line.
+    # SmoothQuant's statistic is max|X_j|, not the mean: int8 activations clip at the max.
+    # W8A8 ignores bits/group_size: int8 weights, one scale per output row.
     def smooth(stats, weights):
         return calibrated.smooth_scales(stats.abs_max, weights, args.alpha), args.alpha
     calibrated.scale_model(model, calib, smooth)
     return calibrated.w8a8_model(model, int_mm_rows), 1, f"alpha {args.alpha}"
 
 
-def fmt_name(bits, group_size, act_bits=0):
-    name = f"int{bits} " + (f"g{group_size}" if group_size else "per-row")
-    return name + (" + int8 act" if act_bits else "")
-
-
 def int_mm_decision(base):
     """Measure torch._int_mm on the widest block linear; -> rows from which to use it."""
+    # One decision for every layer, from the largest weight (an MLP linear, ffn_hidden ×
+    # dim): a simplification -- a per-shape table would suit a model of mixed widths better.
     widest = max((lin for _, lin in target_linears(base)), key=lambda m: m.weight.numel())
     rows, lines = measure_int_mm(widest.in_features, widest.out_features)
     print0("int8 x int8 -> int32 matmul (torch._int_mm) vs fp32, best of 20:")
     for line in lines:
         print0(line)
+    # the fp32 fallback is exact too: |sum x_q·w_q| <= 127^2·in < 2^24 (in <= 1040), the
+    # integers fp32 holds exactly (QuantLinear.w8a8): the choice changes speed, not numbers
     print0(f"  -> W8A8 uses torch._int_mm from {rows} rows on" if rows is not None else
            "  -> W8A8 uses the fp32 matmul on integer values (exact, and faster here)")
     return rows
@@ -525,43 +377,61 @@ class Table:
 
     def __init__(self, title):
         print0(f"\n{title}")
+        # no rows: just the head and its separator, so the printed lines paste as markdown
         print0("\n".join(ledger_lines([])))
         self.rows = []
 
     def add(self, row):
         self.rows.append(row)
+        # [-1]: the row's line without the head again
         print0(ledger_lines([row])[-1])
 
 
 def cmd_ptq(args, base, corpus, ev, table, int_mm_rows):
+    """One PTQ method (rtn, gptq, awq, smoothquant): its ledger row; -> the model."""
     bits = args.bits
+    # --group-size not given (None): 0 = per output row for int8, 32 for int4/int3
     g = default_group(bits, args.group_size)
+    # RTN looks at the weights only: no calibration data, zero passes in the ledger
     calib = calibration(corpus, base, args, args.mode) if args.mode != "rtn" else []
+    # the clock starts after the batches are drawn: "s" is the method's own time
     t0 = time.perf_counter()
     model, passes, note = ptq(base, args.mode, bits, g, calib, args, int_mm_rows)
+    # smoothquant: main set bits, group_size = 8, 0 (its subcommand has no format flags)
     fmt = fmt_name(bits, g, 8 if args.mode == "smoothquant" else 0)
     table.add(ev.row(model, args.mode, fmt, time.perf_counter() - t0, passes, note))
     return model
 
 
 def cmd_compare(args, base, corpus, ev, table, int_mm_rows):
-    import prune, qat      # they import this file (see run_mode)
+    """Every method on one table; -> None (compare writes its table, never a checkpoint).
+    Rows: fp32 (main), then per bits rtn, gptq, gptq act-order, awq; SmoothQuant; QAT
+    with its controls; pruning -- tests/test_quantize.py counts them."""
     bits_list = bits_of(args)
+    # One calibration set for all: GPTQ, AWQ, SmoothQuant and Wanda see the same tokens,
+    # so the ledger compares the methods, not their samples.
     calib = calibration(corpus, base, args, "compare")
     for bits in bits_list:
         g = default_group(bits, args.group_size)
+        # a copy of args with act_order on: the act-order GPTQ row beside the plain one
         act_order = argparse.Namespace(**{**vars(args), "act_order": True})
         for method, opts in (("rtn", args), ("gptq", args), ("gptq", act_order), ("awq", args)):
+            # no act-order row at int8 (per-row groups, near lossless already: nothing to
+            # show) nor when --act-order is given (the plain gptq row is act-order already)
             if opts is act_order and (bits == 8 or args.act_order):
                 continue
             t0 = time.perf_counter()
             model, passes, note = ptq(base, method, bits, g, calib, opts)
             table.add(ev.row(model, method, fmt_name(bits, g), time.perf_counter() - t0,
                              passes, note))
+    # W8A8 once, whatever --bits-list says: it is int8 by construction. Only this row
+    # gets int_mm_rows; the rows above are weight-only and never multiply integers.
     t0 = time.perf_counter()
     model, passes, note = ptq(base, "smoothquant", 8, 0, calib, args, int_mm_rows)
     table.add(ev.row(model, "smoothquant", fmt_name(8, 0, 8), time.perf_counter() - t0,
                      passes, note))
+    # QAT at the low bit widths only (int8 RTN loses ~nothing: no loss to recover), each
+    # with STE and with LSQ
     for row, _ in qat.qat_rows(base, corpus, ev, [b for b in bits_list if b != 8],
                                [False, True], args, args.qat_steps):
         table.add(row)
@@ -571,15 +441,19 @@ def cmd_compare(args, base, corpus, ev, table, int_mm_rows):
 
 
 def run_mode(args, base, corpus, ev, table, int_mm_rows):
-    """The mode's command. qat.py and prune.py, split out by concept, import this file for
-    its formats and calibration, so they are imported here, when their mode runs."""
-    import prune, qat
+    """The mode's command: RTN and the calibrated methods here, QAT and pruning in
+    compression/qat.py and compression/prune.py."""
+    # One signature for every command, so dispatch is a dict lookup; what each returns is
+    # the model --save writes (None for compare).
     commands = {"rtn": cmd_ptq, "gptq": cmd_ptq, "awq": cmd_ptq, "smoothquant": cmd_ptq,
                 "qat": qat.cmd_qat, "prune": prune.cmd_prune, "compare": cmd_compare}
     return commands[args.mode](args, base, corpus, ev, table, int_mm_rows)
 
 
 def bits_of(args):
+    """The weight bit widths this run will use: --bits, --bits-list, or none at all."""
+    # prune's subcommand has no --bits (it keeps fp32 weights): nothing to check.
+    # smoothquant has none either; main sets args.bits = 8 before calling this.
     if args.mode != "compare":
         return [args.bits] if hasattr(args, "bits") else []
     try:
@@ -590,26 +464,32 @@ def bits_of(args):
 
 def check_args(args, model):
     """Everything that can be checked against the model's shapes, before any work."""
-    import prune          # it imports this file (see run_mode)
     for bits in bits_of(args):
         for _, lin in target_linears(model):
             check_format(bits, default_group(bits, args.group_size), lin.in_features)
     if args.mode == "prune":
         prune.check_prune(model, args.sparsity, args.pattern)
+    # compare prunes 2:4 at 50% after minutes of other rows: check the shapes now
     if args.mode == "compare":
         prune.check_prune(model, 0.5, "2:4")
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    # kept for the ledger's title and compare.json: the command that made the numbers
     args.argv = sys.argv[1:] if argv is None else list(argv)
+    # A 0 here would end as a ZeroDivisionError deep in the Evaluator (a mean over no
+    # batches, no prompts, no new tokens): one clear error instead.
     require_at_least_one(args, ("eval_batches", "batch_size", "seq_len", "prompts",
                                 "prompt_len", "new_tokens", "repeats", "base_steps"))
+    # before bits_of below: the smoothquant subcommand defines no --bits / --group-size
     if args.mode == "smoothquant":
         args.bits, args.group_size = 8, 0
     for bits in bits_of(args):
         if bits not in SUPPORTED_BITS:
             raise UserError(f"--bits {bits} is not supported: choose one of {SUPPORTED_BITS}")
+    # 0 steps is allowed (QAT then exports its initial fake-quantized weights); getattr
+    # with a default because each subcommand defines only some of these flags
     for name in ("steps", "qat_steps", "finetune_steps", "calib_batches"):
         if getattr(args, name, 0) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0")
@@ -617,6 +497,8 @@ def main(argv=None):
         raise UserError(f"--sparsity must be in [0, 1), got {args.sparsity}")
     if args.save and args.mode == "compare":
         raise UserError("compare writes its table to --out-dir; --save needs one method")
+    # One thread by default: the ms/token column is comparable across runs and machines,
+    # and a shared CPU's other jobs disturb it less.
     torch.set_num_threads(args.threads)
     seed_everything(args.seed)
     t_start = time.perf_counter()
@@ -627,6 +509,8 @@ def main(argv=None):
     ev = Evaluator(base, corpus, args)
     int_mm_rows = int_mm_decision(base) if args.mode in ("smoothquant", "compare") else None
     table = Table(f"ledger (python quantize.py {' '.join(args.argv)}):")
+    # The reference row checks the ledger itself: Δ loss 0, top-1 and greedy 100%,
+    # × fp32 = 1.00. Anything else there means the Evaluator is not deterministic.
     table.add(ev.row(base, "fp32", "fp32"))
     model = run_mode(args, base, corpus, ev, table, int_mm_rows)
     rows = table.rows
@@ -641,6 +525,8 @@ def main(argv=None):
             f.write("\n".join(ledger_lines(rows)) + "\n")
         print0(f"wrote {args.out_dir}/compare.md and compare.json")
     if args.save:
+        # prune has no --bits: its checkpoint is plain fp32 with zeros, no "quantization"
+        # entry (save_checkpoint adds it only when there are QuantLinears)
         meta = dict(method=args.mode, bits=getattr(args, "bits", 32))
         save_checkpoint(args.save, model, corpus.enc, meta, args.data)
         print0(f"wrote {args.save}" + (" (W8A8: loaders get the int8 weights; activation "
@@ -650,6 +536,9 @@ def main(argv=None):
 
 def _parent(title, *flags):
     """A parent parser holding one group of flags: (name, kwargs) pairs."""
+    # add_help=False: a parent's own -h would clash with each subcommand's. argparse
+    # copies a parent's groups into every subparser listing it: each flag is defined
+    # once and shared by every mode that takes it.
     parser = argparse.ArgumentParser(add_help=False)
     group = parser.add_argument_group(title)
     for name, kwargs in flags:
@@ -676,22 +565,32 @@ def build_parser():
         ("--seed", dict(type=int, default=0, help="batches, prompts, the fresh model")),
         ("--threads", dict(type=int, default=1, help="torch CPU threads")),
         ("--save", dict(default="", help="write the result to this checkpoint (read by "
-                        "model.load_model, serve.py, spec_decode.py)")),
+                        "core.checkpoint.load_model, serve.py, spec_decode.py)")),
         ("--out-dir", dict(default="out/quantize", help="compare: where the table goes")))
+    # --group-size defaults to None, not 0: 0 is a real choice (one group per row), and
+    # "not given" must resolve by bits (default_group)
     fmt = _parent(
         "format",
         ("--bits", dict(type=int, default=4, help=f"one of {SUPPORTED_BITS}")),
         ("--group-size", dict(type=int, default=None, help="inputs per scale/zero; not given: 0 "
                               "(one group per output row) for int8, 32 for int3/int4")))
+    # GPTQ's knobs, defaults as in its reference code: λ = 1% of the mean diagonal of H
+    # keeps the Cholesky factorisation defined when XX^T is singular (dead inputs, fewer
+    # tokens than inputs); 128 columns per lazy batch, as in Frantar et al. 2022 ("lazy
+    # batch-updates"). Raise --damp and GPTQ moves toward RTN (H toward a multiple of I).
     gptq_flags = _parent(
         "GPTQ",
         ("--damp", dict(type=float, default=0.01, help="dampening λ = damp · mean(diag H)")),
         ("--block-size", dict(type=int, default=128, help="columns per lazy batch")),
         ("--act-order", dict(action="store_true", help="columns by decreasing diag H")))
+    # 20 grid points as llm-awq's auto_scale; α = 0 is plain RTN, so AWQ never scores
+    # worse than RTN on its own calibration sample
     awq_flags = _parent(
         "AWQ",
         ("--grid", dict(type=int, default=20, help="α grid points on [0, 1)")),
         ("--awq-tokens", dict(type=int, default=512, help="calibration tokens in the search")))
+    # α = 0.5, the paper's default: the difficulty split evenly between activations and
+    # weights; α -> 1 moves more of the outliers into the weights
     sq_flags = _parent("SmoothQuant", ("--alpha", dict(type=float, default=0.5,
                                                          help="migration strength α")))
     train = _parent("training", ("--lr", dict(type=float, default=3e-4,
@@ -702,6 +601,7 @@ def build_parser():
 
 
 def _subcommands(p, common, fmt, gptq_flags, awq_flags, sq_flags, train):
+    """One subcommand per mode, each with only the flag groups that mode reads."""
     sub = p.add_subparsers(dest="mode", required=True, metavar="MODE")
     add = lambda name, help, *parents: sub.add_parser(
         name, help=help, description=help, parents=[common, *parents],
@@ -709,6 +609,7 @@ def _subcommands(p, common, fmt, gptq_flags, awq_flags, sq_flags, train):
     add("rtn", "round-to-nearest", fmt)
     add("gptq", "GPTQ: column-by-column with error compensation", fmt, gptq_flags)
     add("awq", "AWQ: activation-aware scales, then RTN", fmt, awq_flags)
+    # no `fmt`: W8A8 fixes its format (int8, per row), so main sets bits and group_size
     add("smoothquant", "SmoothQuant: W8A8 (int8 weights and per-token int8 activations)",
         sq_flags)
     qat = add("qat", "quantization-aware training vs PTQ and fp32 fine-tuning", fmt, train)
@@ -721,6 +622,8 @@ def _subcommands(p, common, fmt, gptq_flags, awq_flags, sq_flags, train):
     prune.add_argument("--criterion", default="wanda", choices=["magnitude", "wanda"],
                        help="|W|, or |W|·||X||")
     prune.add_argument("--finetune-steps", type=int, default=0, help="masked fine-tuning")
+    # compare takes --bits-list instead of `fmt`'s single --bits, so it adds its own
+    # --group-size (the same default rule)
     cmp = add("compare", "every method at --bits-list, QAT, pruning: one table",
               gptq_flags, awq_flags, sq_flags, train)
     cmp.add_argument("--bits-list", default="8,4,3", help="weight bits to compare")
@@ -731,7 +634,4 @@ def _subcommands(p, common, fmt, gptq_flags, awq_flags, sq_flags, train):
 
 
 if __name__ == "__main__":
-    # qat.py and prune.py import this file as the module `quantize`: run that module's
-    # main, so that every layer class (QuantLinear, ...) exists once, not also as __main__'s
-    import quantize
-    run_cli(quantize.main)
+    run_cli(main)

@@ -1,13 +1,13 @@
 """
 rl.py -- reinforcement learning on the shared GPT: REINFORCE -> PPO -> GRPO -> Dr. GRPO, and
 on-policy distillation next to its off-policy forms; each measured for what it holds,
-samples and costs (the ledger `compare` prints: rl_ledger.py).
+samples and costs (the ledger `compare` prints: training/rl_ledger.py).
 
 Run:  python rl.py --algo grpo          # SFT'd `draft` policy (cached in out/rl/), 40 GRPO steps
       python rl.py compare              # all 7 algorithms, same budget, two tables (~4 min)
       torchrun --standalone --nproc_per_node=2 rl.py --algo grpo    # data parallel
 
-Task: data.py's 2-digit a+b, reward 1 for the exact answer then "\n". A fresh `draft` learns
+Task: core/data.py's 2-digit a+b, reward 1 for the exact answer then "\n". A fresh `draft` learns
 it by SFT (cached) and stops mid-way, 68% held-out greedy / 48% sampled: room for RL, and
 addition is a skill, so RL's gains can show on the 259 held-out problems. (With 1-digit
 problems RL took train accuracy 51 -> 79% but never moved the 15 held-out facts.) π_old: the
@@ -56,14 +56,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import data
-import evaluate as ev
-from model import GPT, KVCache, get_config, load_checkpoint, load_model, PRESETS
-from plumbing import (ActivationMeter, ArgumentParser, HelpFormatter, Progress, StepTimer,
-                      UserError, all_reduce_flat, atomic_save, comm, fmt_bytes, fmt_count,
-                      model_state_bytes, print0, run_cli, setup_runtime, tensor_bytes,
-                      require_at_least_one)
+from core import data
+from core import scores
+from core.checkpoint import load_checkpoint, load_model
+from training import rl_ledger
+from model import GPT, KVCache, get_config, PRESETS
+from core.plumbing import (ActivationMeter, ArgumentParser, HelpFormatter, Progress, StepTimer,
+                           UserError, all_reduce_flat, atomic_save, comm, fmt_bytes, fmt_count,
+                           model_state_bytes, print0, run_cli, setup_runtime, tensor_bytes,
+                           require_at_least_one)
 
+# RL_ALGOS each get a frozen copy of the start policy as π_ref, DISTILL_ALGOS the teacher
+# (run_algorithms): what the ledger's "extra held" column counts.
 RL_ALGOS = ("reinforce", "ppo", "grpo", "drgrpo")
 DISTILL_ALGOS = ("distill", "softkd", "seqkd")
 ALGOS = RL_ALGOS + DISTILL_ALGOS
@@ -77,6 +81,8 @@ def make_reward_fn(spec="exact", format_weight=0.0):
     """'exact' = data.score (1 if the answer before the first "\\n" is right), plus
     format_weight · data.format_reward; or 'module:function' of your own."""
     try:
+        # 'pkg.mod:fn' -> import pkg.mod, take fn. A failure is one UserError line, before any
+        # minutes of SFT: chosen_algos calls this first.
         mod, _, name = spec.partition(":")
         base = data.score if spec == "exact" else getattr(importlib.import_module(mod), name)
     except (ImportError, AttributeError, ValueError) as e:
@@ -85,12 +91,17 @@ def make_reward_fn(spec="exact", format_weight=0.0):
     if not format_weight:
         return base
 
+    # A denser signal early (a well-shaped wrong answer earns something), and a reward a
+    # policy can hack (right shape, wrong number) once the weight rivals the exact reward's 1.
     def with_format(completion, answer):
         return base(completion, answer) + format_weight * data.format_reward(completion)
     return with_format
 
 
 def compute_rewards(fn, completions, answers):
+    """-> (N,) float rewards. Each value is checked: a bool (True is an int in Python), a
+    string, NaN or inf would poison the advantages silently (one NaN makes its whole group's
+    mean and std NaN, and then the loss and every weight)."""
     out = []
     for c, a in zip(completions, answers):
         r = fn(c, a)
@@ -107,14 +118,19 @@ def compute_rewards(fn, completions, answers):
 
 def group_advantages(rewards, group_size, scale=True, eps=1e-4):
     """GRPO: A = (R - mean_G)/(std_G + eps), std Bessel-corrected (TRL); Dr. GRPO: R - mean_G."""
-    r = rewards.view(-1, group_size)
+    r = rewards.view(-1, group_size)  # (prompts, G): rows i·G + k
     adv = r - r.mean(1, keepdim=True)
     if scale:
+        # Bessel's n-1, as TRL: G = 2 rewards (0, 1) give std 0.707, not 0.5. eps: a group of
+        # equal rewards gives 0/eps = 0, not NaN.
         adv = adv / (r.std(1, keepdim=True) + eps)
     return adv.reshape(-1)
 
 
 def zero_variance_groups(rewards, group_size):
+    """How many groups have all G rewards equal: A = 0 on all their tokens, so they teach
+    nothing but the KL term -- rollout compute spent for no gradient (DAPO's dynamic sampling
+    over-samples and drops such groups; raise --group and fewer groups are all-equal)."""
     r = rewards.view(-1, group_size)
     return int((r == r[:, :1]).all(1).sum())
 
@@ -122,6 +138,9 @@ def zero_variance_groups(rewards, group_size):
 def k3_kl(logp, ref_logp):
     """KL(π‖π_ref) per token, estimated on samples of π (Schulman's k3): with x = log π_ref -
     log π, e^x - x - 1 ≥ 0 (e^x ≥ 1 + x), 0 where they agree, unbiased since E_π[e^x] = 1."""
+    # k1 = -x is unbiased too but negative on some samples; k2 = x²/2 is ≥ 0 but biased;
+    # k3 is both (Schulman 2020, "Approximating KL divergence"). Its gradient in log π is
+    # 1 - π_ref/π: each sampled token pulled toward π_ref's probability of it.
     x = ref_logp - logp
     return torch.exp(x) - x - 1
 
@@ -129,8 +148,16 @@ def k3_kl(logp, ref_logp):
 def clipped_surrogate(logp, old_logp, adv, eps_low=0.2, eps_high=0.2):
     """Per-token -min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A) and where the clip was active: a token
     whose ratio already moved past the trust region in A's direction gets no gradient."""
+    # ρ from a log difference (a quotient of probabilities would underflow). On the first
+    # epoch ρ = 1 up to the rounding between the KV-cache sampling pass and this full forward
+    # (~1e-5), so the clip only acts from epoch 2 on (--epochs 1: plain policy gradient).
     ratio = torch.exp(logp - old_logp)
+    # min = the pessimistic bound (Schulman et al. 2017, PPO's clipped objective): for A > 0
+    # the gain stops at ρ = 1+ε_high, for A < 0 at ρ = 1-ε_low.
     loss = -torch.min(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    # Clipped = where the clamped term is the min, so the gradient is 0. A ratio past the
+    # OTHER side (A > 0, ρ < 1-ε) is not clipped: a token that moved the wrong way keeps its
+    # full gradient back.
     clipped = ((ratio < 1 - eps_low) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))
     return loss, clipped
 
@@ -150,9 +177,12 @@ def aggregate(per_token, mask, norm, max_len=None, global_tokens=None, world=1):
     if norm == "bnpo":     # every token of this rank's batch weighs the same
         return (per_token * m).sum() / m.sum().clamp_min(1)
     if norm == "dapo":     # every token of the global batch weighs the same
+        # .item() syncs with the GPU; the loop passes the global count rollout already summed
         count = m.sum().item() if global_tokens is None else global_tokens
         return (per_token * m).sum() / (max(count, 1) / world)
     if norm == "dr_grpo":  # a constant: no length bias
+        # N = this rank's answers, P·G on every rank: averaged over ranks, sum / (all answers ·
+        # max_len). max_len = --max-new, the longest an answer can be.
         return (per_token * m).sum() / (per_token.shape[0] * max_len)
     raise UserError(f"unknown loss normalisation {norm!r}: choose from {', '.join(NORMS)}")
 
@@ -164,17 +194,24 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, eps_low=0.2, eps_high=0.2, be
     token's k3 by ρ = π_θ/π_old (not detached, as TRL): the tokens were sampled from
     π_old, not π_θ, so E_π_old[ρ·k3] is the KL of π_θ -- the importance-sampling
     correction (DeepSeek-V3.2) that matters from the second epoch on, when π_θ ≠ π_old."""
+    # adv[:, None]: one advantage per answer on all its tokens (DeepSeekMath's outcome
+    # supervision: a sequence-level reward, no per-token credit assignment)
     per_token, clipped = clipped_surrogate(logp, old_logp, adv[:, None], eps_low, eps_high)
-    if beta:
+    if beta:  # β = 0: π_ref is not even read
         kl = k3_kl(logp, ref_logp)
         if kl_ratio:
             kl = kl * torch.exp(logp - old_logp)
+        # The KL in the LOSS (GRPO), not in the reward (PPO's k1): neither whitened nor clipped
+        # with the advantage, so ÷std_G never rescales its weight β.
         per_token = per_token + beta * kl
     return aggregate(per_token, mask, norm, max_len, global_tokens, world), clipped
 
 
 def reinforce_loss(logp, rewards, baseline, mask):
     """-(R - b) Σ_t log π(o_t), mean over answers: the score-function estimator of -∇E[R]."""
+    # Σ_t log π(o_t): the answer's log-likelihood; R - b is a constant per answer (rewards are
+    # data). The mean over this rank's answers: ranks hold equal counts, so the gradient
+    # all-reduce's average is the global mean.
     return -((rewards - baseline) * (logp * mask).sum(1)).mean()
 
 
@@ -185,19 +222,24 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95):
     -> (advantages, returns = A + V), zero off the mask."""
     m = mask.float()
     goes_on = F.pad(m[:, 1:], (0, 1))              # 1 where the answer has a next token
-    next_values = F.pad(values[:, 1:], (0, 1)) * goes_on
+    next_values = F.pad(values[:, 1:], (0, 1)) * goes_on  # V_{t+1}; 0 past the end
     delta = rewards + gamma * next_values - values
     adv = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[:, 0])          # A_{t+1}, from the answer's end back
+    # Backwards over columns. Prompt positions are computed too (their reward is 0) and masked
+    # out at the end; goes_on cuts A_{t+1} to 0 past the answer's last token (no bootstrap).
     for t in reversed(range(rewards.shape[1])):
         last = delta[:, t] + gamma * lam * goes_on[:, t] * last
         adv[:, t] = last
+    # returns = A + V: the λ-return the critic regresses onto (value_loss)
     return adv * m, (adv + values) * m
 
 
 def value_loss(values, old_values, returns, mask, clip=0.2, global_tokens=None, world=1):
     """PPO's clipped value loss: ½ max((V - G)², (clip(V, V_old ± ε) - G)²), global token
     mean ("dapo")."""
+    # V may move at most ±clip from V_old per batch (value clipping as in OpenAI baselines'
+    # PPO2); the max of the two squared errors is pessimistic, as the policy's min is.
     v_clip = old_values + (values - old_values).clamp(-clip, clip)
     per_token = 0.5 * torch.max((values - returns) ** 2, (v_clip - returns) ** 2)
     return aggregate(per_token, mask, "dapo", global_tokens=global_tokens, world=world)
@@ -206,9 +248,11 @@ def value_loss(values, old_values, returns, mask, clip=0.2, global_tokens=None, 
 def soft_kd_loss(student_logits, teacher_logits, mask, tau=2.0, global_tokens=None, world=1):
     """Hinton et al.: τ² · KL(softmax(z_t/τ) ‖ softmax(z_s/τ)) -- FORWARD KL, per position,
     global token mean. τ² keeps gradient size independent of τ."""
+    # τ > 1 softens both: the teacher's small probabilities (Hinton's "dark knowledge") carry
+    # signal. fp32 log-softmax, as everywhere a loss reads logits.
     t = F.log_softmax(teacher_logits.float() / tau, -1)
     s = F.log_softmax(student_logits.float() / tau, -1)
-    per_position = (t.exp() * (t - s)).sum(-1)
+    per_position = (t.exp() * (t - s)).sum(-1)  # exact: all V terms
     return tau ** 2 * aggregate(per_position, mask, "dapo",
                                 global_tokens=global_tokens, world=world)
 
@@ -224,36 +268,44 @@ def sample(model, prompts, n, temperature, max_new, seeds, stop_id):
     (log-softmax of logits/temperature, the "old" policy)."""
     device = model.output.weight.device
     V = model.config.vocab_size
+    # filled in at each answer's place i·n + k, whatever order the length buckets run in
     answers = [None] * (len(prompts) * n)
     logps = [None] * (len(prompts) * n)
     with torch.no_grad():
         for plen in sorted({len(p) for p in prompts}):     # a KV cache holds one length
             ids = [i for i, p in enumerate(prompts) if len(p) == plen]
+            # each prompt n times: n rows, its prefill computed n times (a plain cache shares
+            # no prefix between rows); one CPU generator per PROMPT: noise blind to batch, rank
             idx = torch.tensor([prompts[i] for i in ids for _ in range(n)], device=device)
             gens = [torch.Generator().manual_seed(int(seeds[i])) for i in ids]
-            cache = KVCache(model.config, len(idx), plen + max_new, device)
-            logits = model(idx, cache=cache)[0][:, -1]
+            cache = KVCache(model.config, len(idx), plen + max_new, device)  # room for all
+            logits = model(idx, cache=cache)[0][:, -1]  # prefill
             toks = []
             lps = []
             done = torch.zeros(len(idx), dtype=torch.bool, device=device)
             for _ in range(max_new):
+                # T = 0 (greedy): log-probs at T = 1, argmax below. Kept: log π_old, at the sampling
+                # temperature, which token_logprobs must use again for ρ to start at 1.
                 logp = F.log_softmax(logits.float() / (temperature or 1.0), -1)
                 if temperature == 0:
                     gumbel = 0                  # greedy: the argmax of log p itself
                 else:                           # -log(-log U), U uniform: Gumbel noise
+                    # (n, V) uniforms per prompt per token, drawn on the CPU so that the
+                    # numbers, and so the answers, are the same on any device
                     uniform = torch.cat([torch.rand(n, V, generator=g) for g in gens])
                     gumbel = -torch.log(-torch.log(uniform.to(device)))
-                nxt = (logp + gumbel).argmax(-1)
+                nxt = (logp + gumbel).argmax(-1)  # Gumbel-max: a draw from p
                 toks.append(nxt)
                 lps.append(logp.gather(1, nxt[:, None])[:, 0])
-                done |= nxt == stop_id
+                done |= nxt == stop_id  # done rows run on, cut below
                 if done.all():
                     break
-                logits = model(nxt[:, None], cache=cache)[0][:, -1]
+                logits = model(nxt[:, None], cache=cache)[0][:, -1]  # one token per row
             toks = torch.stack(toks, 1).tolist()
             lps = torch.stack(lps, 1).tolist()
             rows = [(i, k) for i in ids for k in range(n)]   # answer k of prompt i
             for row, (i, k) in enumerate(rows):
+                # the stop token is kept: the policy must learn to emit it (its log-prob trains)
                 if stop_id in toks[row]:
                     end = toks[row].index(stop_id) + 1
                 else:
@@ -267,6 +319,8 @@ def pack(prompts, answers, device, *per_token):
     """Rows prompt + answer, right-padded. -> seq (N, L), mask (N, L-1) True where position
     t predicts an answer token, and each per-token list laid out on the same (N, L-1) grid."""
     seq, mask = data.pack_answers(prompts, answers)
+    # Each per-token list (e.g. sample's old log-probs) on the mask's grid: position
+    # len(p) - 1 + j predicts answer token j; elsewhere 0, and masked out by every loss.
     grids = [torch.zeros(mask.shape) for _ in per_token]
     for i, (p, a) in enumerate(zip(prompts, answers)):
         for g, vals in zip(grids, per_token):
@@ -276,9 +330,10 @@ def pack(prompts, answers, device, *per_token):
 
 def token_logprobs(model, seq, temperature=1.0, logits=None):
     """log π(seq[t+1] | seq[:t+1]) for every position, logits/temperature as when sampling."""
-    if logits is None:
+    if logits is None:  # else: the caller's forward, reused
         logits = model(seq[:, :-1])[0]
     logp = F.log_softmax(logits.float() / (temperature or 1.0), -1)
+    # seq[:, 1:]: the token each position predicts, the shift the mask is on
     return logp.gather(-1, seq[:, 1:, None])[..., 0]
 
 
@@ -288,11 +343,11 @@ def evaluate(model, enc, problems, k=8, max_new=8, seed=0):
     nl = enc.encode_ordinary(data.TERMINATOR)[0]
     prompts = [enc.encode_ordinary(p.prompt) for p in problems]
     seeds = [seed + i for i in range(len(problems))]
-    greedy = ev.greedy_answers(model, enc, problems, max_new)
+    greedy = scores.greedy_answers(model, enc, problems, max_new)
     sampled, _ = sample(model, prompts, k, 1.0, max_new, seeds, nl)
 
     def accuracy(outs, per_prompt):
-        right = sum(data.score(enc.decode(o), problems[i // per_prompt].answer)
+        right = sum(data.score(enc.decode(o), problems[i // per_prompt].answer)  # k per prompt
                     for i, o in enumerate(outs))
         return right / len(outs)
     return dict(greedy=accuracy(greedy, 1), sampled=accuracy(sampled, k),
@@ -307,6 +362,7 @@ def sft(model, enc, problems, steps, lr=1e-3, batch=32, seed=0, label="sft"):
     pairs = [(enc.encode_ordinary(p.prompt), enc.encode_ordinary(p.answer + data.TERMINATOR))
              for p in problems]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # a stream of its own: the SFT'd weights depend only on what cached()'s key records
     rng = np.random.default_rng([seed, 1234])
     progress = Progress(label, steps)      # a first run builds its caches for minutes
     for step in range(steps):
@@ -314,6 +370,7 @@ def sft(model, enc, problems, steps, lr=1e-3, batch=32, seed=0, label="sft"):
         rows = [pairs[i] for i in rng.integers(0, len(pairs), batch)]
         seq, mask = pack([p for p, _ in rows], [a for _, a in rows], model.output.weight.device)
         opt.zero_grad(set_to_none=True)
+        # -token mean of log π over the answer tokens = the answer-only cross-entropy
         (-aggregate(token_logprobs(model, seq), mask, "bnpo")).backward()
         opt.step()
     progress.update(steps)
@@ -330,8 +387,11 @@ def cached(path, meta, enc, build, rt):
     if path and os.path.exists(path):
         model, ck = load_model(path, rt.device)
         same = same_tokenizer(data.encoding_from_state(ck["tokenizer"]), enc)
+        # valid only for the same settings AND tokenizer; anything else rebuilds and overwrites
         if ck.get("rl_meta") == meta and same:
             return model
+    # Every rank runs build() (seeded): the same model as long as the kernels are deterministic
+    # (CPU; on CUDA torch.use_deterministic_algorithms would ensure it). No broadcast follows.
     model = build()
     if path and rt.is_main:
         atomic_save({"config": asdict(model.config), "model": model.state_dict(),
@@ -351,8 +411,12 @@ def checkpoint_tokenizer(path):
 def make_critic(policy):
     """PPO's value model: a copy of the policy's trunk, the vocabulary head replaced by one
     scalar per position (zero-init: V = 0 at first). As big as the policy minus its head."""
+    # The SFT'd trunk as a start: InstructGPT (Ouyang et al. 2022) initialises the value model
+    # from the reward model; with a program for a reward, the policy is the nearest thing.
     critic = copy.deepcopy(policy)
     critic.output = nn.Linear(policy.config.n_embd, 1).to(policy.output.weight.device)
+    # weight and bias (nn.Linear's default) zeroed: V = 0 at first, so the first advantages
+    # are the γλ-discounted rewards-to-go
     nn.init.zeros_(critic.output.weight)
     nn.init.zeros_(critic.output.bias)
     return critic
@@ -370,6 +434,8 @@ def build_models(args, rt, algos):
     else:                          # the repo's BPE, carried by the checkpoint
         enc = checkpoint_tokenizer(args.ckpt)
         desc = f"BPE of {args.ckpt}"
+    # SFT's own problems (sft_seed); the RL prompts are main's draw (seed). key: all that the
+    # SFT'd weights depend on (fresh adds the preset and the steps).
     train = data.make_problems(args.n_train, args.sft_seed, args.digits, args.ops, "train")
     key = dict(tokenizer=desc, digits=args.digits, ops=args.ops, n_train=args.n_train,
                seed=args.sft_seed, lr=args.sft_lr, batch=args.sft_batch)
@@ -395,6 +461,7 @@ def build_models(args, rt, algos):
         else:
             out["teacher"], ck = load_model(args.teacher, rt.device)
             same = same_tokenizer(data.encoding_from_state(ck["tokenizer"]), enc)
+            # distill scores the student's token ids with the teacher: the ids must mean the same
             if not same or out["teacher"].config.vocab_size != enc.n_vocab:
                 raise UserError(f"teacher {args.teacher} has a different tokenizer from the "
                                 f"student's ({desc}): its log-probs score other tokens")
@@ -410,6 +477,9 @@ def allsum(*xs):
     """Sums of a few numbers over the ranks (on the GPU under NCCL: it reduces CUDA
     tensors only)."""
     nccl = torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
+    # float64: token counts and reward sums stay exact far past fp32's 2^24. ONE all-reduce
+    # for all of them (each call is a latency). Every rank must call allsum at the same points
+    # in the same order, or the job deadlocks: it is never inside a rank-dependent branch.
     t = torch.tensor([float(x) for x in xs], dtype=torch.float64,
                      device="cuda" if nccl else "cpu")
     if torch.distributed.is_initialized():
@@ -418,6 +488,8 @@ def allsum(*xs):
 
 
 def step_optimizer(params, opt, world, grad_clip):
+    """Average the grads over the ranks (one flat all-reduce), clip the global norm (the
+    same on every rank, so replicas stay equal), step. The policy and PPO's critic each."""
     all_reduce_flat([p.grad for p in params], divide_by=world)   # data parallel: average
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -432,21 +504,27 @@ def rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, rewar
     G = args.group                       # answers per prompt
     W = rt.world_size
     nl = enc.encode_ordinary(data.TERMINATOR)[0]
+    # The global batch: P·W prompt indices from (seed, step), the same list on every rank,
+    # with replacement; rank r takes P of them. Each prompt G times: rows j·G .. j·G+G-1.
     gidx = np.random.default_rng([args.seed, step]).integers(0, len(train_probs), P * W)
     local = range(rt.rank * P, (rt.rank + 1) * P)
     probs = [train_probs[gidx[j]] for j in local for _ in range(G)]
     prompts = [enc.encode_ordinary(p.prompt) for p in probs]
+    # a sampling seed per GLOBAL prompt index j (SeedSequence mixes (seed, step, j) into
+    # well-spread 32-bit seeds): prompt j gets the same answers at any world size
     seeds = [int(np.random.SeedSequence([args.seed, step, j]).generate_state(1)[0])
              for j in local]
     if algo == "softkd":
+        # ground truth, no sampling; old log-probs 0 (unused: softkd reads the teacher's logits)
         answers = [enc.encode_ordinary(p.answer + data.TERMINATOR) for p in probs]
         old = [[0.0] * len(a) for a in answers]
     else:
-        sampler = teacher if algo == "seqkd" else policy
-        answers, old = sample(sampler, prompts[::G], G, temp, args.max_new, seeds, nl)
+        sampler = teacher if algo == "seqkd" else policy  # seqkd: teacher samples
+        answers, old = sample(sampler, prompts[::G], G, temp, args.max_new, seeds, nl)  # G each
     texts = [enc.decode(a) for a in answers]
     rewards = compute_rewards(reward_fn, texts, [p.answer for p in probs]).to(rt.device)
     seq, mask, old_logp = pack(prompts, answers, rt.device, old)
+    # wrong answers' lengths: Dr. GRPO's claim is that GRPO's 1/|o| lets these grow
     wrong = [len(a) for a, c, p in zip(answers, texts, probs) if not data.score(c, p.answer)]
     totals = allsum(mask.sum(), rewards.sum(), len(wrong), sum(wrong))
     n_tok, r_sum, n_wrong, len_wrong = totals
@@ -461,9 +539,11 @@ def score(algo, b, ref, teacher, critic, temp):
     """Score: what the frozen models say of the sampled tokens, no gradient: π_ref's
     log-probs (the KL), the teacher's logits (distillation), the critic's values (PPO)."""
     inputs = b["seq"][:, :-1]
+    # π_ref at the sampling temperature, as old_logp: k3 compares like with like. The teacher:
+    # full logits, B·T·V floats held until the loss (softkd needs all; distill one per token).
     b["ref_logp"] = token_logprobs(ref, b["seq"], temp) if ref is not None else None
     b["t_logits"] = teacher(inputs)[0] if algo in ("distill", "softkd") else None
-    b["old_values"] = critic(inputs)[0][..., 0] if critic else None
+    b["old_values"] = critic(inputs)[0][..., 0] if critic else None  # V_old
 
 
 def advantages(algo, b, args, m, temp):
@@ -473,16 +553,20 @@ def advantages(algo, b, args, m, temp):
     mask = b["mask"]
     n = max(b["n_tok"], 1)
     if algo == "reinforce":                  # a running-mean baseline (Williams 1992)
+        # The baseline is the EMA from BEFORE this batch (step 0: the batch's own mean), so it
+        # does not depend on this batch's samples and the estimator stays unbiased. Built from
+        # the global mean reward: every rank uses the same baseline.
         reward = m["reward"][-1]
         b["baseline"] = reward if m["baseline"] is None else m["baseline"]
         decay = args.baseline_decay
         m["baseline"] = decay * b["baseline"] + (1 - decay) * reward
     elif algo in ("grpo", "drgrpo"):
         b["adv"] = group_advantages(b["rewards"], args.group, scale=algo == "grpo")
-        m["zero_var"] += int(allsum(zero_variance_groups(b["rewards"], args.group))[0])
+        m["zero_var"] += int(allsum(zero_variance_groups(b["rewards"], args.group))[0])  # global
         m["groups"] += args.prompts * b["world"]
     elif algo == "ppo":                      # KL in the reward, R at the last token, GAE
-        last = mask & ~F.pad(mask[:, 1:], (0, 1))
+        last = mask & ~F.pad(mask[:, 1:], (0, 1))  # where R is paid
+        # k1 per token in the REWARD (Ouyang et al. 2022): GAE spreads it back like any reward
         kl_penalty = -args.beta * (b["old_logp"] - b["ref_logp"]) * mask
         tok_r = kl_penalty + b["rewards"][:, None] * last
         adv_t, b["returns"] = gae(tok_r, b["old_values"], mask, args.gamma, args.lam)
@@ -491,7 +575,10 @@ def advantages(algo, b, args, m, temp):
         b["adv_t"] = (adv_t - mean) / math.sqrt(max(s2 / n - mean ** 2, 0) + 1e-8)
     elif algo == "distill":                  # dense reward: minus the reverse KL sample
         teacher_logp = token_logprobs(None, b["seq"], temp, b["t_logits"])
+        # Each token's own reward: a k1 sample of -KL(π_s‖π_t), no baseline, no GAE, no
+        # whitening (test_distill_advantage_is_reverse_kl_gradient checks the expectation)
         b["adv_t"] = -(b["old_logp"] - teacher_logp) * mask
+    # The KL columns: metrics only, no gradient (old_logp is data)
     if b["ref_logp"] is not None:            # KL to π_ref (k3)
         kl = k3_kl(b["old_logp"], b["ref_logp"])
         m["kl"].append(allsum((kl * mask).sum())[0] / n)
@@ -504,17 +591,19 @@ def policy_loss(algo, logits, b, args, norm, temp):
     """The policy's loss on one pass over the batch -> (loss, clipped tokens or None).
     Token means are over the GLOBAL batch ("dapo": 2 ranks == 1 process) except GRPO's,
     which --norm chooses."""
-    logp = token_logprobs(None, b["seq"], temp, logits)
+    logp = token_logprobs(None, b["seq"], temp, logits)  # with grad
     mask = b["mask"]
     n = b["n_tok"]
     W = b["world"]
     if algo == "reinforce":
         return reinforce_loss(logp, b["rewards"], b["baseline"], mask), None
     if algo in ("grpo", "drgrpo"):
+        # n: the global token count ("dapo" divides by it; "grpo", "bnpo", "dr_grpo" do not)
         return grpo_loss(logp, b["old_logp"], b["ref_logp"], b["adv"], mask, args.eps_low,
                          args.eps_high, args.beta, norm, args.max_new, n, W,
                          args.kl_ratio_correction)
     if algo in ("ppo", "distill"):
+        # per-token advantages; distill runs 1 epoch, so ρ ≈ 1: plain policy gradient
         per_tok, clipped = clipped_surrogate(logp, b["old_logp"], b["adv_t"], args.eps_low,
                                              args.eps_high)
         return aggregate(per_tok, mask, "dapo", global_tokens=n, world=W), clipped
@@ -526,17 +615,20 @@ def policy_loss(algo, logits, b, args, norm, temp):
 def critic_step(critic, copt, b, args, m, rt):
     """PPO's critic: its own forward, backward and step on the clipped value loss."""
     with StepTimer(rt.device) as t, ActivationMeter(critic) as meter:
+        # a forward WITH grad (score()'s was no_grad): the critic's activations are its own
         values = critic(b["seq"][:, :-1])[0][..., 0]
         value_loss(values, b["old_values"], b["returns"], b["mask"], args.vf_clip, b["n_tok"],
                    b["world"]).backward()
         step_optimizer(list(critic.parameters()), copt, b["world"], args.grad_clip)
     m["critic"] += t.seconds
     m["critic_act"] = max(m["critic_act"], meter.bytes)
-    m["critic_state"] = model_state_bytes(critic, copt)["total"]
+    m["critic_state"] = model_state_bytes(critic, copt)["total"]  # PPO's extra state
     copt.zero_grad(set_to_none=True)
 
 
 def log_step(m, algo, step, args, policy, enc, test_probs):
+    """One log line; every --eval-interval steps and at the last, a held-out evaluation
+    (greedy, then --eval-samples samples per problem: the slow part), kept as m["end"]."""
     kl = m["kl"][-1] if m["kl"] else 0
     clip = m["clip"][-1] if m["clip"] else 0
     line = (f"step {step + 1:3d} | {algo} | reward {m['reward'][-1]:.3f} | len "
@@ -558,6 +650,9 @@ def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teache
     W = rt.world_size
     reward_fn = make_reward_fn(args.reward, args.format_reward)
     norm = args.norm or ("dr_grpo" if algo == "drgrpo" else "grpo")
+    # Off-policy distillation at T = 1: the teacher's distributions as they are. REINFORCE and
+    # distillation take one pass: a second would reuse samples of a policy that moved, with
+    # no ratio or clip to correct for it.
     temp = args.temperature if algo not in ("softkd", "seqkd") else 1.0
     epochs = args.epochs if algo in ("ppo", "grpo", "drgrpo") else 1
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -566,6 +661,7 @@ def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teache
     critic = None
     copt = None
     if algo == "ppo":
+        # PPO only: the critic and its AdamW, +16 B/param of state the GRPO path does without
         critic = make_critic(policy)
         copt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=0.0)
     m = new_metrics()
@@ -576,15 +672,17 @@ def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teache
         with StepTimer(rt.device) as t:
             b = rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, reward_fn)
         m["gen"] += t.seconds
-        m["sampled"] += int(b["n_tok"]) if algo != "softkd" else 0
+        m["sampled"] += int(b["n_tok"]) if algo != "softkd" else 0  # softkd samples none
         for k in ("reward", "length", "len_wrong"):
             m[k].append(b[k])
         with StepTimer(rt.device) as t:
             score(algo, b, ref, teacher, critic, temp)
         m["score"] += t.seconds
-        advantages(algo, b, args, m, temp)
+        advantages(algo, b, args, m, temp)  # no forward: arithmetic
         for _ in range(epochs):
             with StepTimer(rt.device) as t, ActivationMeter(policy) as meter:
+                # teacher-forced forward WITH grad over prompt + answer: on epoch 1 its
+                # log-probs equal old_logp up to rounding; on epoch 2 the policy has moved
                 logits = policy(b["seq"][:, :-1])[0]
                 loss, clipped = policy_loss(algo, logits, b, args, norm, temp)
                 loss.backward()
@@ -593,11 +691,11 @@ def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teache
             m["act"] = max(m["act"], meter.bytes)
             m["state"] = model_state_bytes(policy, opt)["total"]   # grads still held
             opt.zero_grad(set_to_none=True)
-            m["trained"] += int(b["n_tok"])
+            m["trained"] += int(b["n_tok"])  # per epoch
             if clipped is not None:
                 n_clipped = allsum((clipped & b["mask"]).sum())[0]
                 m["clip"].append(n_clipped / max(b["n_tok"], 1))
-            if critic:
+            if critic:  # after each policy pass
                 critic_step(critic, copt, b, args, m, rt)
         log_step(m, algo, step, args, policy, enc, test_probs)
     # what this algorithm holds besides the policy: frozen models' weights, PPO's critic
@@ -621,8 +719,8 @@ def new_metrics():
 
 
 # ----------------------------------------------------------------------------------------
-# The ledger: rl_ledger.py measures the distilled students (distill_metrics) and lays out
-# what train() measured; imported here at the run, because it imports this file.
+# The runs and their ledger: distill_metrics (below) measures the distilled students;
+# training/rl_ledger.py lays out the tables of what train() measured.
 
 def chosen_algos(args):
     """The algorithms this run trains, each checked before minutes of model building."""
@@ -637,31 +735,77 @@ def chosen_algos(args):
     return algos
 
 
+@torch.no_grad()
+def distill_metrics(student, teacher, enc, problems, max_new=8, seed=0):
+    """Closeness to the teacher: reverse KL(π_s‖π_t) per token on the student's samples,
+    forward KL(π_t‖π_s) on the teacher's (exact sums over the vocabulary); greedy agreement.
+    Exposure bias: where the student's own first answer token is a right start ("1" or "11"
+    for 116), exact match continuing from ITS OWN start vs from the data's (the BPE's split,
+    "11", all off-policy training conditions on). They differ where the student splits the
+    number its own way: states only on-policy training visits."""
+    nl = enc.encode_ordinary(data.TERMINATOR)[0]
+    prompts = [enc.encode_ordinary(p.prompt) for p in problems]
+    seeds = [seed + i for i in range(len(problems))]
+    out = {}
+    dev = student.output.weight.device
+    for name, sampler in (("rev_kl", student), ("fwd_kl", teacher)):
+        answers, _ = sample(sampler, prompts, 4, 1.0, max_new, seeds, nl)  # 4 per prompt
+        seq, mask = pack([p for p in prompts for _ in range(4)], answers, dev)
+        ls = F.log_softmax(student(seq[:, :-1])[0].float(), -1)
+        lt = F.log_softmax(teacher(seq[:, :-1])[0].float(), -1)
+        if name == "rev_kl":                # KL(p‖q) with p the sampler's distribution
+            p, q = ls, lt
+        else:
+            p, q = lt, ls
+        # exact per position (a sum over the vocabulary), averaged over the answer positions
+        kl_sum = ((p.exp() * (p - q)).sum(-1) * mask).sum().item()
+        out[name] = kl_sum / mask.sum().item()
+    own, _ = sample(student, prompts, 1, 0, max_new, seeds, nl)  # greedy
+
+    def right(i, toks):
+        return data.score(enc.decode(toks), problems[i].answer)
+    ok = [i for i, o in enumerate(own) if o[:1] != [nl] and
+          problems[i].answer.startswith(enc.decode(o[:1]))]   # a right first token
+    start = [enc.encode_ordinary(problems[i].answer)[:1] for i in ok]  # the data's split
+    from_data_start = [prompts[i] + s for i, s in zip(ok, start)]
+    cont, _ = sample(student, from_data_start, 1, 0, max_new, seeds, nl)
+    n_ok = max(len(ok), 1)
+    out["own"] = sum(right(i, own[i]) for i in ok) / n_ok
+    out["data"] = sum(right(i, s + c) for i, s, c in zip(ok, start, cont)) / n_ok
+    out["split"] = sum(own[i][:1] != s for i, s in zip(ok, start)) / n_ok
+    teach, _ = sample(teacher, prompts, 1, 0, max_new, seeds, nl)
+    out["free"] = sum(right(i, o) for i, o in enumerate(own)) / len(problems)
+    agree = sum(enc.decode(a) == enc.decode(b) for a, b in zip(own, teach))
+    out["agree"] = agree / len(problems)
+    return out
+
+
 def run_algorithms(algos, policy, teacher, enc, args, rt, train_probs, test_probs):
     """Each algorithm from a copy of the same SFT'd policy. -> (train()'s measurements per
     algorithm, distillation rows for rl_ledger, {algo: trained weights})."""
-    import rl_ledger
     rows = []
     d_rows = []
     saved = {}
     if teacher is not None:
         teacher.requires_grad_(False)
         start = evaluate(policy, enc, test_probs, 1, args.max_new)["greedy"]
-        metrics = rl_ledger.distill_metrics(policy, teacher, enc, test_probs, args.max_new)
+        metrics = distill_metrics(policy, teacher, enc, test_probs, args.max_new)
         d_rows.append(("init", "-", "-", 0, 0, start, metrics))
     for algo in algos:
         comm.reset()
         model = copy.deepcopy(policy)        # every algorithm starts from the same SFT'd policy
+        # π_ref: a frozen copy of the START policy (REINFORCE's loss ignores it: only the KL
+        # metric reads it, yet the ledger counts it as held)
         ref = copy.deepcopy(policy).requires_grad_(False) if algo in RL_ALGOS else None
         algo_teacher = teacher if algo in DISTILL_ALGOS else None
         rows.append(train(algo, model, enc, args, rt, train_probs, test_probs, ref,
                           algo_teacher))
         if algo in DISTILL_ALGOS:
             r = rows[-1]
-            metrics = rl_ledger.distill_metrics(model, teacher, enc, test_probs, args.max_new)
+            metrics = distill_metrics(model, teacher, enc, test_probs, args.max_new)
             d_rows.append((algo, *rl_ledger.DISTILL_ROW[algo], r["trained"], r["sampled"],
                            r["end"]["greedy"], metrics))
-        saved[algo] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        saved[algo] = {k: v.detach().cpu() for k, v in model.state_dict().items()}  # --save
         if rt.world_size > 1:
             print0(comm.report(f"data-parallel communication, {algo} (this rank)"))
     return rows, d_rows, saved
@@ -680,13 +824,13 @@ def main(argv=None):
     train_probs = data.make_problems(args.n_train, args.seed, args.digits, args.ops, "train")
     drawn = data.make_problems(args.eval_problems, args.sft_seed + 1, args.digits, args.ops,
                                "test")
+    # "test" split (core/data.py: a hash of the prompt), so no RL or SFT prompt is a test one
     test_probs = list(dict.fromkeys(drawn))     # distinct held-out problems
     print0(f"models ready in {time.perf_counter() - t0:.0f} s | {models['desc']} | {args.digits}"
            f"-digit '{args.ops}', {len(test_probs)} held-out problems | {args.steps} steps × "
            f"{args.prompts * rt.world_size} prompts × G={args.group}, {rt.world_size} rank(s)")
     rows, d_rows, saved = run_algorithms(algos, policy, teacher, enc, args, rt, train_probs,
                                          test_probs)
-    import rl_ledger
     cmd = " ".join(["python rl.py", *(sys.argv[1:] if argv is None else argv)])
     print0(f"\nledger ({cmd}; {rt.world_size} rank(s), {rt.device}; times are wall seconds "
            f"on a shared CPU: compare ratios, not absolutes):")
@@ -699,7 +843,7 @@ def main(argv=None):
         rl_ledger.print_distill_table(d_rows)
     print0(f"total {time.perf_counter() - t0:.0f} s")
     if args.save and rt.is_main:
-        torch.save(saved, args.save)
+        torch.save(saved, args.save)  # rank 0: replicas are equal
     return rows, d_rows
 
 
@@ -796,6 +940,8 @@ def parse_args(argv=None):
     if args.norm and args.norm not in NORMS:
         raise UserError(f"unknown loss normalisation {args.norm!r}: "
                         f"choose from {', '.join(NORMS)}")
+    # --temperature 0 is allowed (greedy), but then a group's G answers are identical: every
+    # group is zero-variance and GRPO / Dr. GRPO never move. Try it and watch zero-var.
     if args.temperature < 0 or args.tau <= 0:
         raise UserError("--temperature must be >= 0 and --tau > 0")
     return args

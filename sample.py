@@ -23,31 +23,51 @@ import sys
 
 import torch
 
-import data
-from model import load_model
-from plumbing import ArgumentParser, HelpFormatter, UserError, pick_device, run_cli
+from core import data
+from core.checkpoint import load_model
+from core.plumbing import ArgumentParser, HelpFormatter, UserError, pick_device, run_cli
 
 
 def complete(model, enc, prompt, args, seed):
     """The completion of one prompt (text), or a UserError for a prompt that cannot fit."""
+    # encode_ordinary, not encode: a typed "<|endoftext|>" stays plain text, never the
+    # special token (tiktoken's encode would refuse it outright). The split pattern glues a
+    # space to the word after it (core/data.py, SPLIT_PATTERN), so a prompt that ends in a
+    # space, like "def ", ends on a lone-space token the model rarely saw before a word:
+    # the first tokens may come out odd (what "token healing" in real servers repairs).
     ids = enc.encode_ordinary(prompt)
     if not ids:
         raise UserError("the prompt is empty after tokenization")
+    # generate() refuses prompt + new tokens beyond block_size (the RoPE table and the
+    # positions stop there), so a completion is cut to the room left: a 60-token prompt on
+    # the 64-token `tiny` model gets at most 4 new tokens, whatever --max-new-tokens says.
     room = model.config.block_size - len(ids)
     if room < 1:
         raise UserError(f"the prompt is {len(ids)} tokens; the model's context is "
                         f"{model.config.block_size}: shorten it")
+    # top_k 0 on the command line means "no cut", as None does for sample_next. The seed
+    # drives a torch.Generator of generate's own (model.py), so the global RNG is not
+    # touched: a fixed --seed repeats the text -- on one device type, since the CPU and CUDA
+    # generators draw different streams from the same seed. eos_id: stop when the model
+    # emits <|endoftext|>, the token that separates the training documents.
     new = model.generate(ids, min(args.max_new_tokens, room), temperature=args.temperature,
                          top_k=args.top_k or None, top_p=args.top_p, seed=seed,
                          eos_id=enc.eot_token if args.stop_at_eot else None)
     if new and new[-1] == enc.eot_token:
         new = new[:-1]                    # the end-of-text token is not text
+    # Byte-level BPE: a completion cut inside a multi-byte UTF-8 character (the token
+    # budget ran out there) decodes its partial bytes as U+FFFD, tiktoken's "replace".
     return enc.decode(new)
 
 
 def answer(model, enc, prompt, args):
     """Print num_samples completions of one prompt; sample i uses seed + i."""
+    # input() returns one line and code prompts span several: a typed backslash-n is a
+    # newline (piped prompts follow the same rule, one prompt per line).
     prompt = prompt.replace("\\n", "\n")
+    # Sample i uses seed + i: every sample its own stream, and any one is reproducible
+    # alone (--seed S+i --num-samples 1 prints sample i again). At --temperature 0 every
+    # sample is the same argmax path whatever the seed (tests/test_sample.py).
     for i in range(args.num_samples):
         text = complete(model, enc, prompt, args, args.seed + i)
         if args.num_samples > 1:
@@ -58,6 +78,10 @@ def answer(model, enc, prompt, args):
 def prompts_from_stdin():
     """Typed prompts (with a "> " cue on a terminal) or piped lines, until an empty line
     on a terminal or the end of the input."""
+    # A generator: one line is read, answered and printed before the next is read, so a
+    # terminal session and a pipe both see each completion as soon as it exists. On a
+    # terminal an empty line quits; in a pipe blank lines are skipped and only the end of
+    # the input stops, so a prompt file with blank separators works.
     interactive = sys.stdin.isatty()
     while True:
         try:
@@ -94,11 +118,18 @@ def parse_args(argv=None):
                    help="CPU threads: decoding a small model is one small matmul after "
                         "another, so more threads mostly add synchronisation (measured: 200 "
                         "tokens of `small` in 1.5 s on 1 thread, 18 s on 2 busy cores)")
+    # The defaults match train.py's end-of-run sample (temperature 0.8, top-k 50), so the
+    # completions look like the one a training run prints (not the same text: train.py
+    # samples with its own --seed, 1337 by default).
     args = p.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 1 or args.threads < 1:
         raise UserError("--num-samples, --max-new-tokens and --threads must be at least 1")
+    # A negative T would flip the distribution (the least likely token first).
     if args.temperature < 0 or args.top_k < 0:
         raise UserError("--temperature and --top-k must be >= 0")
+    # top_p 0 drops every token, the most likely one too (sample_next keeps a token while
+    # the mass before it is below p): all -inf, NaN probabilities, and multinomial fails.
+    # top_p 1 keeps everything (sample_next then skips the sort).
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
     return args
@@ -107,11 +138,16 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    # load_model reads a train.py checkpoint, a quantize.py one (dequantized back into a
+    # plain GPT) or a Hugging Face folder (safetensors); files go through
+    # torch.load(weights_only=True), so a checkpoint someone sent cannot run code on load.
     model, ckpt = load_model(args.checkpoint, pick_device(args.device))
     if "tokenizer" not in ckpt:
         raise UserError(f"{args.checkpoint} carries no tokenizer: sample.py needs one to "
                         "turn text into tokens")
     enc = data.encoding_from_state(ckpt["tokenizer"])
+    # generate() already runs under no_grad; eval() is for modules that act differently
+    # in training (none in this GPT today -- no dropout -- but a hand-added one would).
     model.eval()
     if args.prompt is not None:
         return answer(model, enc, args.prompt, args)

@@ -3,17 +3,17 @@ serve.py -- serving the shared GPT to many users at once: a paged-KV engine with
 continuous batching, chunked prefill, recompute preemption, prefix caching, SLO-aware
 scheduling and fault isolation. Split out by concept: the benchmark that measures the
 engine against the two baselines it replaces (sequential generate(), and static batching:
-serve_bench.static_batch_generate) is serve_bench.py (`python serve.py bench` hands it
-the command line); the OpenAI-compatible HTTP server around the engine is api_server.py,
-the protocol it speaks openai_api.py.
+serve_bench.static_batch_generate) is scripts/serve_bench.py (`python -m
+scripts.serve_bench` hands it the command line); the OpenAI-compatible HTTP server around
+the engine is serving/api_server.py, the protocol it speaks serving/openai_api.py.
 
-    python serve.py --port 8000                 # serve out/ckpt.pt on 127.0.0.1:8000
-    python serve.py bench                       # 64 requests: sequential vs static vs engine
+    python serve.py --port 8000         # serve out/ckpt.pt on 127.0.0.1:8000
+    python -m scripts.serve_bench       # 64 requests: sequential vs static vs engine
 
 What it teaches, and what each technique saves / adds / sacrifices:
   - Sequential generate() (the reference): one request at a time. Decoding a token reads
     every weight to do 2 FLOPs per weight for ONE token: memory-bound, the hardware idles.
-  - Static batching (FasterTransformer-era; the baseline in serve_bench.py): B requests
+  - Static batching (FasterTransformer-era; the baseline in scripts/serve_bench.py): B requests
     padded to the longest prompt and run until the longest output is done. Saves weight
     reads (one pass serves B tokens); wastes the padded prompt tokens, every finished
     row's slot until the whole batch ends, and reserves KV for B · (longest prompt +
@@ -60,95 +60,28 @@ import itertools
 import math
 import os
 import random
-import sys
 import time
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-import data
+from core import data
 from kvcache import (TIER_KINDS, BlockAllocator, KVTier, PagedKVCache, blocks_for,
                      extend_hash_chain)
-from model import load_model, sample_next
-from plumbing import ArgumentParser, UserError, pick_device, run_cli
+from core.checkpoint import load_model
+from model import sample_next
+from core.plumbing import ArgumentParser, UserError, pick_device, run_cli
+from serving import api_server
+from serving.requests import GREEDY_EPS, SamplingParams, decode_tokens
 
 DEFAULT_CHECKPOINT = "out/ckpt.pt"
 POLICIES = ("fcfs", "slo")
 WAITING, RUNNING, HELD, FINISHED = "waiting", "running", "held", "finished"
 PREFILLED = "prefilled"    # prefill_only: first token sampled, blocks held for export_kv
-# A temperature below this samples greedily (vLLM's _SAMPLING_EPS): logits / 1e-30 would
-# overflow float32 to inf and the softmax to NaN, and the limit T -> 0 is argmax anyway.
-GREEDY_EPS = 1e-5
-MAX_LOGPROBS = 20          # top alternatives per position, at most (OpenAI: 20)
-
-
 # ----------------------------------------------------------------------------------------
 # Requests
 
 class PoolFull(RuntimeError):
     """import_kv found no room (KV blocks or a running slot): nothing changed, retry."""
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16            # 0 only with prompt_logprobs: score the prompt
-    temperature: float = 1.0        # < GREEDY_EPS = greedy
-    top_p: float = 1.0
-    top_k: int = 0                  # 0 = off
-    stop: tuple = ()                # stop strings (the text is cut before the first one)
-    seed: Optional[int] = None      # per-request generator: same seed, same sample
-    ignore_eos: bool = False        # keep going past <|endoftext|> (benchmarks)
-    priority: int = 0               # SLO policy: lower runs first
-    ttft_slo: Optional[float] = None   # seconds; the SLO policy's admission deadline
-    min_tokens: int = 0             # <|endoftext|> and stop_token_ids masked until then
-    stop_token_ids: tuple = ()      # sampling one of these ends the sequence ("stop")
-    presence_penalty: float = 0.0   # logit -= presence · [token already in the output]
-    frequency_penalty: float = 0.0  # logit -= frequency · (its count in the output)
-    logit_bias: tuple = ()          # ((token id, bias), ...) added to the logits
-    logprobs: Optional[int] = None  # per output token: its log-prob + this many top ones
-    prompt_logprobs: Optional[int] = None   # the same for every prompt token but the first
-
-    @classmethod
-    def from_dict(cls, d):
-        """The inverse of dataclasses.asdict, for params that crossed a process (lists
-        back to the tuples the fields hold)."""
-        d = dict(d, stop=tuple(d["stop"]), stop_token_ids=tuple(d["stop_token_ids"]))
-        return cls(**dict(d, logit_bias=tuple(tuple(p) for p in d["logit_bias"])))
-
-    def validate(self, vocab_size=None):
-        """Every number checked at the door -- finite and in range -- so that the math
-        inside a step cannot overflow for one request and fail the batch it shares."""
-        def number(name, lo, hi):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
-                    math.isfinite(v) and lo <= v <= hi):
-                raise UserError(f"{name} must be a finite number in [{lo}, {hi}], got {v!r}")
-
-        def integer(name, lo, hi, v=None):
-            v = getattr(self, name) if v is None else v
-            if type(v) is not int or not lo <= v <= hi:
-                raise UserError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
-        integer("max_tokens", 0 if self.prompt_logprobs is not None else 1, 2 ** 31)
-        integer("min_tokens", 0, self.max_tokens)
-        number("temperature", 0, 100)
-        number("top_p", 1e-9, 1)
-        integer("top_k", 0, 2 ** 31)
-        number("presence_penalty", -2, 2)
-        number("frequency_penalty", -2, 2)
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                integer(name, 0, MAX_LOGPROBS)
-        if self.seed is not None:
-            integer("seed", 0, 2 ** 63 - 1)
-        top = (vocab_size or 2 ** 31) - 1
-        for t in self.stop_token_ids:
-            integer("stop_token_ids", 0, top, t)
-        for t, b in self.logit_bias:
-            integer("logit_bias token", 0, top, t)
-            if not (isinstance(b, (int, float)) and math.isfinite(b) and -100 <= b <= 100):
-                raise UserError(f"logit_bias values must be finite in [-100, 100], got {b!r}")
-        return self
 
 
 class Sequence:
@@ -160,7 +93,11 @@ class Sequence:
         self.tokens, self.num_prompt = list(prompt_ids), len(prompt_ids)
         # the SLO policy's deadline: when the first token is due
         self.deadline = arrival + (params.ttft_slo if params.ttft_slo is not None else math.inf)
+        # num_computed: tokens whose K/V are in the cache. len(tokens) - num_computed is
+        # what the next step must compute: 1 for a decode, more for a (re)prefill.
         self.status, self.num_computed = WAITING, 0
+        # block_hashes: the chain hashes, computed once and kept across preemptions;
+        # num_registered: how many of the table's blocks are in the prefix cache already
         self.block_table, self.block_hashes, self.num_registered = [], [], 0
         self.token_times, self.finish_time, self.finish_reason, self.text = [], None, None, None
         self.num_preemptions, self.num_cached_tokens, self.num_pushed = 0, None, 0
@@ -169,6 +106,8 @@ class Sequence:
         self.after, self.error = None, None    # held behind this sequence; failure message
         self.generator, self.prefill_only = None, False
         if params.temperature >= GREEDY_EPS:   # the stream of numbers generate(seed=) uses
+            # One generator per sequence, not one per engine: a request's samples must not
+            # depend on which other requests shared its steps. Unseeded: a fresh seed.
             seed = params.seed if params.seed is not None else random.getrandbits(62)
             self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -177,17 +116,11 @@ class Sequence:
         return self.tokens[self.num_prompt:]
 
 
-def decode_tokens(enc, ids):
-    """Token ids -> text; incomplete UTF-8 at the end becomes U+FFFD (streaming holds those
-    characters back until the next token completes them)."""
-    ids = [i for i in ids if i < enc.n_vocab]
-    return enc.decode_bytes(ids).decode("utf-8", errors="replace")
-
-
 def logprob_entry(logits, token, k):
     """(token, log p(token), the k most likely [(id, log p)]) from one row of raw logits:
     log_softmax of the model's own distribution, before temperature, penalties or bias
     (what a calibration measurement needs)."""
+    # float(): a bf16 model's logits would round log-probs to 2-3 significant digits
     lp = torch.log_softmax(logits.float(), -1)
     top = lp.topk(k) if k else None
     pairs = list(zip(top.indices.tolist(), top.values.tolist())) if k else []
@@ -200,7 +133,7 @@ def logprob_entry(logits, token, k):
 class Engine:
     """Waiting and running queues, a KV block pool, and `step()`: schedule -> one forward
     over the packed batch -> sample -> finish/free. Single-threaded on purpose: the HTTP
-    layer (api_server.py) talks to it through its own thread's inbox.
+    layer (serving/api_server.py) talks to it through its own thread's inbox.
 
     fault_hook: a test seam for fault isolation, None in service. Called as
     fault_hook("forward", seqs) before each forward and fault_hook("sample", [seq])
@@ -217,11 +150,15 @@ class Engine:
         if block_size < 1 or num_blocks < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise UserError("block_size, num_blocks, max_num_seqs and max_num_batched_tokens "
                             "must all be >= 1")
+        # A pool that cannot hold one max-length sequence would stall: that sequence
+        # preempts everyone, then itself, and can never be admitted again -- step()'s
+        # "no progress" error. Refused up front, with the number to use.
         if num_blocks * block_size < cfg.block_size:
             raise UserError(f"KV block pool too small: {num_blocks} blocks x {block_size} "
                             f"tokens = {num_blocks * block_size} slots cannot hold one "
                             f"max-length sequence ({cfg.block_size} tokens); raise "
                             f"--num-blocks to at least {blocks_for(cfg.block_size, block_size)}")
+        # Likewise without chunking: a prompt longer than the budget could never start.
         if not chunked_prefill and max_num_batched_tokens < cfg.block_size:
             raise UserError(f"without chunked prefill a whole prompt must fit one step: "
                             f"--max-num-batched-tokens must be >= the context "
@@ -233,6 +170,8 @@ class Engine:
         self.device = weight.device
         self.block_size, self.policy, self.chunked_prefill = block_size, policy, chunked_prefill
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        # The pool is the engine's whole KV memory, allocated once: bytes_per_token (GQA:
+        # 2·L·H_kv·D·bytes, + scales for int8) times num_blocks·block_size slots.
         self.cache = PagedKVCache(cfg, num_blocks, block_size, weight.dtype, weight.device,
                                   kv_dtype)
         # the second tier (kvcache.KVTier): evicted prefix blocks kept, not dropped
@@ -268,6 +207,8 @@ class Engine:
             raise UserError("the prompt is empty")
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
             raise UserError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        # Checked at admission, not mid-decode: past block_size there is no position left
+        # (the RoPE table has block_size rows), and a request must not fail halfway.
         if len(prompt) + params.max_tokens > self.cfg.block_size:
             raise UserError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens})"
                             f" exceeds the model's context of {self.cfg.block_size} tokens")
@@ -275,6 +216,9 @@ class Engine:
                        self.clock() if arrival is None else arrival, self.device)
         seq.prefill_only = prefill_only
         self.live[seq.id] = seq
+        # Held only while the sibling's prompt is still being computed: admitted now, this
+        # one would prefill the same prompt a second time. Once the sibling's prompt is in
+        # the cache, a plain admission finds it as prefix-cache hits anyway.
         if (after is not None and self.alloc.prefix_caching and after.id in self.live
                 and after.num_computed < after.num_prompt):
             seq.status, seq.after = HELD, after.id
@@ -284,6 +228,7 @@ class Engine:
         return seq
 
     def _release_held(self, seq):
+        """The sequences held behind seq join the waiting queue (in key order)."""
         for child in self.held.pop(seq.id, []):
             child.status = WAITING
             bisect.insort(self.waiting, child, key=self._key)
@@ -318,7 +263,11 @@ class Engine:
             state = "not live" if seq is None else seq.status
             raise UserError(f"export_kv: sequence {seq_id!r} is {state}, not prefilled "
                             f"(add it with prefill_only=True and step until it is)")
+        # The blocks holding computed K/V (the whole table: it was grown to num_prompt in
+        # the prefill); the first output token has none yet -- the decode side computes
+        # it in its first step. Payload: 2·L·H_kv·D·bytes per token (payload_bytes).
         n = blocks_for(seq.num_computed, self.block_size)
+        # list() copies: the dict must not change when this engine later edits seq
         out = dict(tokens=list(seq.tokens), num_prompt=seq.num_prompt,
                    num_computed=seq.num_computed,
                    kv=self.cache.read_blocks(seq.block_table[:n]),
@@ -342,6 +291,8 @@ class Engine:
         there are no blocks or no running slot free it raises PoolFull and changes nothing:
         the caller retries after a step. Preempted later, it is recomputed here (the usual
         recompute preemption). token_times hold only the tokens produced on this engine."""
+        # Every check comes before the first allocation: a refused import (UserError or
+        # PoolFull) leaves the pool exactly as it was, so the caller can simply retry.
         params = SamplingParams.from_dict(exported["params"]).validate(self.cfg.vocab_size)
         tokens, n_done = list(exported["tokens"]), exported["num_computed"]
         if (exported["block_size"] != self.block_size
@@ -366,8 +317,12 @@ class Engine:
             seq.generator.set_state(exported["generator"])    # the same random stream
         seq.logprobs = list(exported["logprobs"])
         seq.prompt_logprobs = list(exported["prompt_logprobs"])
+        # can_import held above, so grow cannot fail here. A payload of another shape (a
+        # model of another config) makes write_blocks raise ValueError after grow: the
+        # blocks just allocated are then not given back.
         self.alloc.grow(seq.block_table, n_done)
         self.cache.write_blocks(seq.block_table, exported["kv"])
+        # imported prompts become prefix-cache hits for later requests on this engine too
         self._register_full_blocks(seq)
         seq.status, self.live[seq.id] = RUNNING, seq
         bisect.insort(self.running, seq, key=self._key)
@@ -390,6 +345,8 @@ class Engine:
         """Order of admission and of preemption (the last is preempted first). FCFS:
         arrival. SLO: priority, then earliest TTFT deadline (EDF). A preempted sequence
         keeps its key, so under FCFS it goes back to the front of the queue."""
+        # seq.id last: keys are unique, so the order (and running[-1], the preemption
+        # victim) never depends on insertion order -- runs are reproducible.
         if self.policy == "slo":
             return seq.params.priority, seq.deadline, seq.arrival, seq.id
         return seq.arrival, seq.id
@@ -403,6 +360,8 @@ class Engine:
         2. if nothing was preempted, admit waiting sequences in key order while the budget,
            max_num_seqs and the free blocks allow, using prefix-cache hits."""
         budget, batch, preempted = self.max_num_batched_tokens, {}, False   # seq -> n
+        # Decodes first (Sarathi-Serve's stall-free batching): a decode costs one token of
+        # budget and its user is waiting on it; prompts fill what is left.
         decodes = [s for s in self.running if len(s.tokens) - s.num_computed == 1]
         prefills = [s for s in self.running if len(s.tokens) - s.num_computed > 1]
         for seq in decodes + prefills:
@@ -410,7 +369,10 @@ class Engine:
                 break
             if seq.status != RUNNING:            # preempted earlier in this loop
                 continue
+            # a prefill longer than the remaining budget runs as a chunk of it
             n = min(len(seq.tokens) - seq.num_computed, budget)
+            # No room for the chunk: free blocks by preempting from the back of the running
+            # order until it fits (each preemption releases a whole table).
             while not self.alloc.grow(seq.block_table, seq.num_computed + n):
                 victim = self.running[-1]        # the last key: lowest priority / newest
                 if victim in batch:              # scheduled already: take it back out
@@ -422,6 +384,9 @@ class Engine:
             if seq.status == RUNNING:
                 batch[seq] = n
                 budget -= n
+        # After a preemption the pool is known to be short: admitting now would only
+        # preempt again next step (thrashing). Admission stops at the first sequence
+        # that does not fit, so a large request is not starved by smaller ones behind it.
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
@@ -442,6 +407,8 @@ class Engine:
         hits = [] if scoring else self.alloc.match_prefix(seq.tokens, seq.block_hashes)
         tier = [] if scoring else self.alloc.match_tier(seq.tokens, seq.block_hashes, len(hits))
         cached = (len(hits) + len(tier)) * self.block_size
+        # A preempted sequence comes back here too: its own released blocks are often
+        # still cached, so its "recompute" is mostly hits (prompt + output so far).
         n = len(seq.tokens) - cached
         if n > budget:
             if not self.chunked_prefill:
@@ -451,12 +418,16 @@ class Engine:
                                        hits):
             return None
         self.waiting.pop(0)
+        # Order matters: the hits are acquired (out of the LRU) before reload() and grow()
+        # allocate, since an allocation may evict any block still at refcount 0.
         for block in hits:
             self.alloc.acquire(block)
         seq.block_table = list(hits) + self.alloc.reload(tier)
         self.alloc.grow(seq.block_table, cached + n)
         seq.num_computed, seq.status = cached, RUNNING
+        # hits are registered already, and reload() registered the tier's blocks
         seq.num_registered = len(hits) + len(tier)
+        # counted once: a preempted sequence's readmission must not inflate the hit rate
         if seq.num_cached_tokens is None:        # first admission: prefix-cache statistics
             seq.num_cached_tokens = cached
             self.stats["prompt_tokens"] += seq.num_prompt
@@ -468,6 +439,8 @@ class Engine:
     def _preempt(self, seq):
         """Recompute preemption: give back every block, keep the tokens, requeue."""
         self.running.remove(seq)
+        # With prefix caching its full blocks stay cached (released, not wiped), the tail
+        # first in line for eviction: readmitted soon, it finds most of its K/V still there.
         self.alloc.release_table(seq.block_table)
         seq.num_computed, seq.num_registered, seq.status = 0, 0, WAITING
         seq.num_preemptions += 1
@@ -481,6 +454,7 @@ class Engine:
             self.waiting.remove(seq)
         elif seq.status == HELD:
             self.held[seq.after].remove(seq)
+        # every state's blocks go back (a WAITING or HELD table is empty: a no-op)
         self.alloc.release_table(seq.block_table)
         seq.status, seq.finish_reason, seq.finish_time = FINISHED, reason, self.clock()
         del self.live[seq.id]
@@ -523,6 +497,8 @@ class Engine:
             failed = []
         except Exception as e:      # whose fault? find out, then rerun without them
             batch, logits, rows, failed = self._isolate(batch, e)
+        # Only after the forward succeeded: the K/V of these n tokens are now in their
+        # slots, so the blocks they filled may be named in the prefix cache.
         for seq, n in batch:
             seq.num_computed += n
             self._register_full_blocks(seq)
@@ -541,6 +517,7 @@ class Engine:
                 except Exception as e:     # this row's sampling alone failed
                     self._fail(seq, e)
                     failed.append(seq)
+        # one timestamp for the step: every token sampled in it became available at once
         now = self.clock()
         for seq, tok in sampled:
             if tok is None:
@@ -569,6 +546,9 @@ class Engine:
         self.stats["isolation_retries"] += 1
         failed = []
         for seq, n in batch:
+            # A probe writes this sequence's K/V into its own slots only, and the rerun
+            # below writes them again: harmless. Its logits are dropped; num_computed is
+            # not advanced here. Cost: len(batch) extra forwards, only on a failure.
             try:
                 self._forward([(seq, n)])
             except Exception as e:
@@ -578,6 +558,8 @@ class Engine:
             for seq, _ in batch:
                 self._fail(seq, error)
             return [], None, [], [s for s, _ in batch]
+        # _fail finished the culprits (status FINISHED, blocks released): the rest rerun.
+        # An error in this rerun is not caught: it propagates out of step().
         batch = [(s, n) for s, n in batch if s.status == RUNNING]
         logits, rows = self._forward(batch) if batch else (None, [])
         return batch, logits, rows, failed
@@ -591,11 +573,15 @@ class Engine:
         model = self.model
         if self.fault_hook is not None:
             self.fault_hook("forward", [seq for seq, _ in batch])
+        # the packed row: each sequence's next n uncomputed tokens, in batch order -- the
+        # order prepare() below lays out the slot mapping and the attention groups in
         ids = [t for seq, n in batch for t in seq.tokens[seq.num_computed:seq.num_computed + n]]
         picks, rows = self._logit_positions(batch)
         self.cache.prepare([(seq.block_table, seq.num_computed, n) for seq, n in batch])
         idx = torch.tensor([ids], device=self.device)
-        # GPT.forward; the layers attend through the paged cache (its `attention`)
+        # GPT.forward; the layers attend through the paged cache (its `attention`).
+        # logits_at: the head (V·D multiply-adds per position) runs on the picked rows
+        # only -- one row for a 256-token prefill chunk instead of 256.
         logits, _ = model(idx, positions=self.cache.positions[None], cache=self.cache,
                           logits_at=picks)
         return (logits[0], rows) if picks else (None, [])
@@ -609,11 +595,15 @@ class Engine:
         for seq, n in batch:
             start = seq.num_computed
             if seq.params.prompt_logprobs is not None:
+                # Position p's logits score prompt token p + 1, so p stops at num_prompt - 2.
+                # Starting at len(prompt_logprobs) skips positions already scored.
                 for p in range(max(start, len(seq.prompt_logprobs)),
                                min(start + n, seq.num_prompt - 1)):
                     picks.append(end + p - start)
                     rows.append((seq, p))
             end += n
+            # all its tokens computed after this step: the last one's logits give the next
+            # token. A mid-prompt chunk stops short of len(tokens) and samples nothing.
             if start + n == len(seq.tokens):
                 picks.append(end - 1)
                 rows.append((seq, None))
@@ -630,8 +620,10 @@ class Engine:
         if p.temperature < GREEDY_EPS:
             tok = int(row.argmax())
         else:
+            # sample_next takes (B, V) rows; top_k 0 ("off" in SamplingParams) goes as None
             tok = int(sample_next(row[None], p.temperature, p.top_k or None, p.top_p,
                                   seq.generator)[0])
+        # from the raw logits, not `row`: the model's own probability of the token
         if p.logprobs is not None:
             seq.logprobs.append(logprob_entry(logits, tok, p.logprobs))
         return tok
@@ -644,12 +636,16 @@ class Engine:
         early = len(out) < p.min_tokens
         if not (p.logit_bias or early or p.presence_penalty or p.frequency_penalty):
             return logits
+        # clone(): for fp32 logits, .float() is the same tensor, not a copy, and the edits
+        # below are in place -- without it the log-probs would read the adjusted logits
         row = logits.float().clone()
         for tok, bias in p.logit_bias:
             row[tok] += bias
         if early:
             row[list(self._stop_ids(seq))] = float("-inf")
         if out and (p.presence_penalty or p.frequency_penalty):
+            # (V,) counts of each token in the output only, not the prompt (as vLLM
+            # applies these two penalties); [:V] trims nothing unless an id were >= V
             count = torch.bincount(torch.tensor(out, device=row.device),
                                    minlength=row.shape[-1])[:row.shape[-1]].to(row.dtype)
             row -= p.frequency_penalty * count + p.presence_penalty * (count > 0).to(row.dtype)
@@ -659,6 +655,9 @@ class Engine:
         p = seq.params
         if tok in self._stop_ids(seq):
             return "stop"
+        # Stop strings are matched on the decoded text (one may span several tokens).
+        # The whole output is decoded at every token: O(n^2) over n tokens, fine at these
+        # lengths; a long-output server would decode incrementally.
         if p.stop and self.enc is not None:
             text = decode_tokens(self.enc, seq.output_ids)
             cuts = [i for i in (text.find(s) for s in p.stop) if i >= 0]
@@ -673,6 +672,8 @@ class Engine:
         """Blocks that just became full (and hold computed K/V) join the prefix cache."""
         if not self.alloc.prefix_caching:
             return
+        # num_computed // bs, not len(tokens) // bs: a block whose last slots hold
+        # sampled-but-uncomputed tokens has no K/V for them yet and must not be shared
         bs, full = self.block_size, seq.num_computed // self.block_size
         extend_hash_chain(seq.block_hashes, seq.tokens, full, bs)
         for i in range(seq.num_registered, full):
@@ -687,6 +688,8 @@ class Engine:
         st["steps"] += 1
         st["computed_tokens"] += sum(n for _, n in batch)
         n_dec = sum(n == 1 for _, n in batch)
+        # the context the step's attention read (num_computed was advanced in step()):
+        # with the tokens, what a roofline of the step needs -- the KV bytes read grow with ctx
         ctx = sum(seq.num_computed for seq, _ in batch)
         self.step_log.append((seconds, sum(n for _, n in batch), n_dec, ctx, len(batch)))
         for seq in self.running:
@@ -698,8 +701,8 @@ class Engine:
 
 
 # ----------------------------------------------------------------------------------------
-# The command line: the model and engine flags (shared with serve_bench.py), the serving
-# mode; `bench` is handed to serve_bench.py
+# The command line: the model and engine flags (shared with scripts/serve_bench.py), the serving
+# mode; `bench` is handed to scripts/serve_bench.py
 
 def add_model_args(p, policy_help):
     """--checkpoint, --device, --threads and the engine's flags: serving and the benchmark
@@ -754,36 +757,22 @@ def load_served_model(args):
 def build_parser():
     p = ArgumentParser(
         description="Serve the checkpoint over an OpenAI-compatible HTTP API. The benchmark "
-                    "(sequential generate() vs static batching vs the engine) is its own "
-                    "mode: python serve.py bench --help.",
+                    "(sequential generate() vs static batching vs the engine) runs on its "
+                    "own: python -m scripts.serve_bench --help.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("mode", nargs="?", default="serve", choices=["serve", "bench"],
-                   help="serve over HTTP, or (first on the line) run the benchmark, "
-                        "serve_bench.py")
     add_model_args(p, policy_help="scheduling; not given: slo (FCFS order when requests carry "
                                   "no priority)")
-    # the HTTP layer's flags live beside it (imported here, not at the top: api_server
-    # imports this file)
-    import api_server
+    # the HTTP layer's flags live beside it, in serving/api_server.py
     api_server.add_server_args(p.add_argument_group("server"))
     return p
 
 
 def main(argv=None):
-    """`python serve.py [serve] ...` serves until Ctrl-C; `python serve.py bench ...`
-    returns serve_bench.main's (rows, outputs, engines)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:
-        # The seam to the benchmark: serve_bench.py imports this file, so it is imported
-        # here, when asked for, not at the top (no import cycle); it parses its own flags.
-        import serve_bench
-        return serve_bench.main(argv[1:])
+    """`python serve.py ...`: the engine behind the HTTP server until Ctrl-C."""
     args = build_parser().parse_args(argv)
-    if args.mode == "bench":
-        raise UserError("`bench` comes first: python serve.py bench [flags]")
     model, enc = load_served_model(args)
-    import api_server
-    return api_server.run_server(args, model, enc)
+    engine = engine_from_args(model, enc, args, args.policy or "slo")
+    return api_server.run_server(args, engine, enc)
 
 
 if __name__ == "__main__":

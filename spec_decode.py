@@ -35,14 +35,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import data
-from model import Block, KVCache, RMSNorm, load_checkpoint, load_model
-from plumbing import (ArgumentParser, UserError, fmt_bytes, fmt_duration, print0,
-                      require_at_least_one, run_cli, warmup_cosine)
+from core import data
+from core.checkpoint import load_checkpoint, load_model
+from model import Block, KVCache, RMSNorm
+from core.plumbing import (ArgumentParser, UserError, fmt_bytes, fmt_duration, print0,
+                           require_at_least_one, run_cli, warmup_cosine)
 
 METHODS = ("draft", "tree", "medusa", "mtp", "eagle", "dflash")
 DEFAULT_WIDTH = {"tree": 3, "medusa": 3}           # others draft a chain (width 1)
 TRAIN = dict(pool=384, seq=96, batch=8, lr=3e-3)    # drafter training: self-distilled rows
+# (pool rows of seq tokens, batch rows a step, AdamW's peak lr). TRAIN is part of the drafter
+# cache's key (build_drafters): change a value and the cached drafters are retrained.
 
 
 # -- A KV cache with a length per row, and the attention mask that goes with it ----------
@@ -53,18 +56,28 @@ class RaggedCache(KVCache):
 
     def __init__(self, cfg, batch_size, max_len, device="cpu", dtype=torch.float32):
         super().__init__(cfg, batch_size, max_len, device, dtype)
+        # KVCache.length stays 0: every forward here passes explicit positions and masks,
+        # and GPT.forward only starts its default positions and causal mask at .length
         self.lens = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     def update(self, layer, k, v):
         B, H, T, _ = k.shape
+        # (B, 1, T, 1) slot indices: row b's T new entries go to lens[b]..lens[b]+T-1. A
+        # scatter, not a slice, since every row starts elsewhere; past max_len it raises
+        # (speculative_generate sizes the caches with slack for that)
         index = (self.lens[:, None] + torch.arange(T, device=k.device))[:, None, :, None]
         # widths from each tensor: MLA's "keys" (latents) and "values" (rope keys) differ
         self.k[layer].scatter_(2, index.expand(B, H, T, k.shape[-1]), k)
         self.v[layer].scatter_(2, index.expand(B, H, T, v.shape[-1]), v)
+        # Every row gets keys up to max(lens) + T: a shorter row's slots past its own new
+        # entries are stale, hidden by attend_mask, built from the same base so that its
+        # width S equals this end (a mismatch is a shape error in the attention).
         end = int(self.lens.max()) + T
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def advance(self, n):
+        # GPT.forward's call after all layers: every row moves by T, pads included; the
+        # callers that pad (feed, the feature drafters) set lens to the real lengths after
         self.lens += n
 
     def keep(self, b, base, nodes):
@@ -73,6 +86,8 @@ class RaggedCache(KVCache):
         if nodes != list(range(len(nodes))):       # a chain is already in place
             src = base + torch.tensor(nodes, device=self.lens.device)
             dst = base + torch.arange(len(nodes), device=self.lens.device)
+            # index_select copies the sources out first, so a kept node moving onto the slot
+            # of another kept node is safe; cost: len(nodes) slots × layers × heads × width
             for buf in (self.k, self.v):
                 buf[:, b].index_copy_(2, dst, buf[:, b].index_select(2, src))
         self.lens[b] = base + len(nodes)
@@ -82,8 +97,14 @@ def attend_mask(base, vis):
     """(B, 1, Nq, S) mask: row b's prefix (slots < base[b]) is seen by all; new entry j sits at
     slot base[b] + j, seen by query i iff vis[b, i, j] (causal, tree ancestors, block)."""
     B, Nq, Nk = vis.shape
+    # rel = slot − base[b]: < 0 the row's prefix, 0..Nk-1 its new entries, ≥ Nk stale slots
+    # (rows with base[b] < max(base) have some); S = max(base) + Nk, RaggedCache.update's end
     rel = torch.arange(int(base.max()) + Nk, device=base.device)[None, :] - base[:, None]
+    # vis looked up at each slot's entry index, clamped for gather; out-of-range slots are
+    # overruled next: the prefix always seen, stale slots never
     seen = vis.gather(2, rel.clamp(0, Nk - 1)[:, None, :].expand(B, Nq, -1))
+    # the [:, None] head axis broadcasts over heads; True = may attend, the convention of
+    # model.py's attention functions (masked_fill(~mask) and SDPA's boolean attn_mask)
     return ((seen & ((rel >= 0) & (rel < Nk))[:, None]) | (rel < 0)[:, None])[:, None]
 
 
@@ -92,6 +113,8 @@ def pad_rows(rows, device):
     (B, N, N). Pads sit after each row's tokens, so causal queries never see them."""
     n = torch.tensor([len(r) for r in rows], device=device)
     N = int(n.max())
+    # pad id 0: its K/V land past the row's real length (feed sets lens = base + n), stale
+    # slots that the next write overwrites
     toks = torch.tensor([r + [0] * (N - len(r)) for r in rows], device=device)
     tril = torch.ones(N, N, dtype=torch.bool, device=device).tril()
     return toks, n, tril.expand(len(rows), N, N)
@@ -105,11 +128,14 @@ def rows_at(x, idx):
 def feed(model, cache, rows):
     """Append ragged token rows to a GPT's RaggedCache (prefill, or catching a drafter up)."""
     (toks, n, vis), base = pad_rows(rows, cache.lens.device), cache.lens.clone()
+    # Clamped: a short row's PAD positions may pass the context, and GPT.forward raises on
+    # any position ≥ block_size; real tokens never need it (check_request).
     pos = (base[:, None] + torch.arange(toks.shape[1], device=toks.device)).clamp(
         max=model.config.block_size - 1)
     logits, _, h = model(toks, positions=pos, mask=attend_mask(base, vis), cache=cache,
                          return_hidden=True)
-    cache.lens = base + n
+    cache.lens = base + n         # undo advance()'s count of the pads
+    # h: the final norm's output, the LM head's input -- "the feature" of every drafter here
     return logits, h, n
 
 
@@ -126,7 +152,11 @@ class Tree:
     q: dict = field(default_factory=dict)  # node -> q it was SAMPLED from (else one-hot)
 
     def add(self, tok, par, score, d):
+        """Append one level: w nodes per row at depth d, par their parents' node ids."""
         (B, w), N = tok.shape, self.tokens.shape[1]
+        # A new node's row of vis = its parent's row (the parent's ancestors and the parent)
+        # plus itself; siblings never see each other. Rebuilt per level: (B, N, N) bools,
+        # N = 1 + γ·width, small.
         vis = torch.zeros(B, N + w, N + w, dtype=torch.bool, device=tok.device)
         vis[:, :N, :N] = self.vis
         vis[:, N:, :N] = self.vis.gather(1, par[:, :, None].expand(B, w, N))  # ancestors
@@ -141,6 +171,9 @@ def grow_tree(drafter, roots, depth, width, temperature, gen):
     (EAGLE-2's dynamic tree). T > 0: `width` i.i.d. samples from q of the first node of the
     level above, which alone grows further (SpecInfer: exact for i.i.d. siblings)."""
     B, dev = roots.shape[0], roots.device
+    # node 0: the root, no parent, sees itself, path score 0, depth 0; the drafter's start
+    # gives its children's logits, (B, 1, V). [lo, hi): the level whose children come next.
+    # Drafter passes: start + depth - 1 extends (the last level is drawn, never fed).
     tree = Tree(roots[:, None], torch.full((B, 1), -1, device=dev), torch.ones(
         B, 1, 1, dtype=torch.bool, device=dev), torch.zeros(B, 1, device=dev), [0])
     logits, lo = drafter.start(roots, depth).float(), 0
@@ -149,11 +182,17 @@ def grow_tree(drafter, roots, depth, width, temperature, gen):
         if d > 1:                                  # (B, hi - lo, V): children of lo..hi-1
             logits = drafter.extend(tree, lo, hi).float()
         if temperature > 0:
+            # q at T: the draft distribution verify divides by, kept per node in tree.q.
+            # With replacement: i.i.d. siblings (duplicates allowed), the case SpecInfer's
+            # multi-round rule is exact for; only node lo (logits[:, 0]) grows further.
             q = (logits[:, 0] / temperature).softmax(-1)
             tok = torch.multinomial(q, width, replacement=True, generator=gen)
             tree.q.update({hi + j: q for j in range(width)})
             par, score = torch.full_like(tok, lo), q.gather(1, tok).log()
         else:
+            # EAGLE-2: rank every (node of the level, token) pair by the drafter's log q of
+            # the whole path, so one confident branch may take all `width` children;
+            # idx // V and idx % V unflatten a pair into (parent, token)
             cand = logits.log_softmax(-1) + tree.score[:, lo:hi, None]
             score, idx = cand.flatten(1).topk(width)
             par, tok = lo + idx // logits.shape[-1], idx % logits.shape[-1]
@@ -166,6 +205,9 @@ def grow_tree(drafter, roots, depth, width, temperature, gen):
 
 def residual(p, q, x):
     """After rejecting x: norm(max(0, p − q)); q None = one-hot at x: p without x, renormed."""
+    # (q None: a deterministic draft, max(0, p − δ_x) is p with p[x] set to 0.) Drop the
+    # normalisation, or resample from p, and tests/test_spec_decode.py's chi-square test of
+    # the output distribution fails: it runs both broken variants to prove it.
     r = np.maximum(p - q, 0.0) if q is not None else np.where(np.arange(len(p)) == x, 0.0, p)
     total = r.sum()
     return r / total if total > 0 else p       # 0 only if p = q, when x was surely accepted
@@ -173,6 +215,7 @@ def residual(p, q, x):
 
 def draw(p, u):
     """Inverse-CDF sample from a normalised p with a uniform u."""
+    # the min: with u close to 1, a cumsum that rounds to 0.9999999 would index past the end
     return min(int(np.searchsorted(np.cumsum(p), u, side="right")), len(p) - 1)
 
 
@@ -183,17 +226,25 @@ def verify(P, tokens, parents, q, rand):
     p(x)/q(x)), else p ← residual and try the next sibling (SpecInfer's multi-round rule;
     one child: Leviathan's). -> (accepted path of nodes, next token, depth steps tried)."""
     kids = [[i for i in range(1, len(tokens)) if parents[i] == n] for n in range(len(tokens))]
+    # tries counts depth steps, so α = accepted / tries is the per-position acceptance rate
+    # that (1 − α^(γ+1))/(1 − α) assumes
     node, path, tries = 0, [], 0
     while kids[node]:
         tries, p = tries + 1, P[node]
         for c in kids[node]:
             x, qc = tokens[c], q.get(c)
+            # rand() ∈ [0, 1) < p(x)/q(x) is "w.p. min(1, p/q)" without the min. At T = 0, P
+            # is one-hot: p[x] is 1 for the target's argmax, 0 else -- greedy, exactly.
             if rand() < (p[x] if qc is None else p[x] / qc[x]):
                 break
+            # the next sibling is judged against what the target still owes after this
+            # rejection, not against P[node] again
             p = residual(p, qc, x)
         else:                                   # every child rejected: draw from residual
             return path, draw(p, rand()), tries
         path, node = path + [c], c
+    # P[node] = the target after the LAST accepted node; drawn from one position earlier
+    # (the test's bad_bonus variant), the chi-square test fails
     return path, draw(P[node], rand()), tries   # reached a leaf: the bonus token, from p
 
 
@@ -207,6 +258,7 @@ class Stats:              # α = accepted / tries; τ = tokens per target call, 
     draft_s: float = 0.0
     verify_s: float = 0.0
     alpha = property(lambda s: s.accepted / max(s.tries, 1))
+    # each verification of a row commits its accepted drafts + 1 (corrected or bonus) token
     tau = property(lambda s: (s.accepted + s.row_rounds) / max(s.row_rounds, 1))
 
 
@@ -217,6 +269,8 @@ def check_request(target, prompts, max_new_tokens, gamma, width):
     if width < 1 or not prompts or min(map(len, prompts)) < 1:
         raise UserError("every prompt needs at least one token, and width at least 1")
     longest = max(map(len, prompts))
+    # A row short of its goal has len ≤ prompt + max_new - 1, so its deepest node (position
+    # len - 1 + γ) stays inside the context; a finished row's may not (the target clamps).
     if longest + max_new_tokens + gamma > target.config.block_size:
         raise UserError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + "
                         f"gamma ({gamma}) exceeds the context "
@@ -237,54 +291,94 @@ def speculative_generate(target, drafter, prompts, max_new_tokens, gamma=4, widt
     cap = max(map(len, prompts)) + max_new_tokens + 3 * (gamma + 1) + gamma * width + 8
     gen = torch.Generator(device=dev).manual_seed(seed)     # the drafters' sampling
     rand = np.random.default_rng(seed).random               # the acceptance tests
+    # seqs: the committed tokens per row; the drafter keeps a reference to these very lists
+    # (Drafter.reset), so what accept_rows appends is what the drafter catches up on
     seqs = [list(p) for p in prompts]
     goal = [len(p) + max_new_tokens for p in prompts]
     cache = RaggedCache(target.config, len(seqs), cap, dev, dtype)
+    # feats[b, 0] = 0 stands for f_-1: the first entry of a feature drafter has no feature
+    # before it (tests/test_spec_decode.py rebuilds EAGLE's cache the same way)
     feats = torch.zeros(len(seqs), cap + 1, target.config.n_embd, device=dev, dtype=dtype)
+    # the last prompt token is the first tree's root: the target first sees it in the tree
+    # pass, whose output at the root is the verdict on depth 1
     if max(map(len, seqs)) > 1:                 # prefill all but the last prompt token
         h = feed(target, cache, [s[:-1] for s in seqs])[1]
         feats[:, 1:h.shape[1] + 1] = h
     drafter.reset(target, seqs, feats, cap)
+    # one target pass per step for the whole batch, however many tokens each row accepts
     while any(len(s) < g for s, g in zip(seqs, goal)):
         t0 = time.perf_counter()
         roots = torch.tensor([s[-1] for s in seqs], device=dev)
         tree = grow_tree(drafter, roots, gamma, width, temperature, gen)
         t1 = time.perf_counter()
         base = cache.lens.clone()
+        # a node's RoPE position is base + its depth -- the one plain decoding would give it,
+        # so siblings share a position; its slot is base + its node index
         # finished rows may run past the context: their positions are clamped (and undone)
         pos = (base[:, None] + torch.tensor(tree.depth, device=dev)).clamp(
             max=target.config.block_size - 1)
+        # ALL 1 + γ·width nodes of every row in one pass: each sees its row's prefix and its
+        # own ancestors, so it gets the logits of the plain forward over prefix + its path
+        # (tests/test_spec_decode.py: test_tree_attention_equals_decoding_each_path)
         logits, _, h = target(tree.tokens, positions=pos, mask=attend_mask(base, tree.vis),
                               cache=cache, return_hidden=True)
-        accept_rows(tree, logits, h, base, temperature, rand, (seqs, goal, cache, feats),
-                    drafter, stats)
+        accept_rows(TreePass(tree, logits, h, base), Rows(seqs, goal, cache, feats),
+                    temperature, rand, drafter, stats)
         stats.rounds += 1
         stats.draft_s += t1 - t0
         stats.verify_s += time.perf_counter() - t1
     stats.drafter_calls += drafter.calls
+    # a row's last step may commit past its goal (up to γ extra tokens): cut at the goal
     return [s[len(p):g] for s, p, g in zip(seqs, prompts, goal)], cache
 
 
-def accept_rows(tree, logits, h, base, temperature, rand, state, drafter, stats):
+@dataclass
+class TreePass:
+    """What one target pass over the step's trees produced (speculative_generate)."""
+    tree: Tree
+    logits: torch.Tensor      # (B, N, V): the target's logits at every node
+    hidden: torch.Tensor      # (B, N, d): its top features there (the feature drafters')
+    base: torch.Tensor        # (B,): each row's cache length before the pass (the root slot)
+
+
+@dataclass
+class Rows:
+    """The batch's state between steps: the committed tokens of each row (the drafter holds
+    these very lists), where each row stops, the target's cache and its feature cache."""
+    seqs: list
+    goal: list
+    cache: RaggedCache
+    feats: torch.Tensor       # feats[b, j + 1] = the target's top feature at position j
+
+
+def accept_rows(step, rows, temperature, rand, drafter, stats):
     """Each row's verdict on its tree (verify: the exact acceptance rule), then the
     commit: the accepted path and the corrected or bonus token join the row, the cache
     keeps the path's K/V, the feature cache their hidden states."""
-    seqs, goal, cache, feats = state
+    tree, logits, h, base = step.tree, step.logits, step.hidden, step.base
+    seqs, goal, cache, feats = rows.seqs, rows.goal, rows.cache, rows.feats
     if temperature == 0:                        # T = 0: the target's choice as a one-hot
         P = F.one_hot(logits.argmax(-1), logits.shape[-1]).double()
-    else:
-        P = (logits.double() / temperature).softmax(-1)
+    else:                                       # fp64: p/q ratios and residuals, no fp32
+        P = (logits.double() / temperature).softmax(-1)     # rounding in the probabilities
+    # one device → host copy of (B, N, V) and of the sampled nodes' q; nodes without one
+    # were picked by top-k (T = 0), and verify treats them as one-hot drafts
     P = P.cpu().numpy()
     Q = {n: q.double().cpu().numpy() for n, q in tree.q.items()}
     tokens = tree.tokens.tolist()
     parents = tree.parents.tolist()
     for b, start in enumerate(base.tolist()):
+        # a finished row still rides in the batch (tensors stay rectangular): its slots of
+        # this step are dropped, the drafter forgets its entries
         if len(seqs[b]) >= goal[b]:             # finished: undo this step for the row
             cache.lens[b] = start
             drafter.rollback(b)
             continue
         path, x, tries = verify(P[b], tokens[b], parents[b], {n: q[b] for n, q in Q.items()},
                                 rand)
+        # The root (written at slot start) and the accepted nodes move to start, start+1, ...;
+        # the corrected or bonus token x is NOT cached: it is the next root. Their hidden
+        # states are the features at positions start..start+len(path) (feats index + 1).
         cache.keep(b, start, [0] + path)
         feats[b, start + 1:start + 2 + len(path)] = h[b, [0] + path]
         seqs[b] += [tokens[b][n] for n in path] + [x]
@@ -298,10 +392,31 @@ def accept_rows(tree, logits, h, base, temperature, rand, state, drafter, stats)
 # extend(tree, lo, hi) -> those of nodes lo..hi-1; commit(b, path) / rollback(b) after it.
 
 class Drafter:
+    """The protocol speculative_generate calls, by name: `reset` once per call, `start` and
+    `extend` per step (grow_tree), then `commit` or `rollback` per row (accept_rows).
+    `calls` counts the passes the drafter ran. Every drafter (ModelDrafter, MedusaHeads,
+    FeatureDrafter, DFlashDrafter) implements all five; the base holds what they share."""
+
     def reset(self, target, seqs, feats, cap):
+        """A new call: seqs are the rows' committed tokens (the caller appends to these very
+        lists), feats the target's feature cache, cap the longest a row can get."""
         self.seqs, self.feats, self.calls = seqs, feats, 0
 
-    def rollback(self, b):                     # forget this step's entries (root included)
+    def start(self, roots, depth):
+        """Catch up on the tokens committed since the last step; -> the logits (B, 1, V) of
+        the children of each row's root (depth: how deep this step's tree will grow)."""
+        raise NotImplementedError
+
+    def extend(self, tree, lo, hi):
+        """-> the children's logits (B, hi - lo, V) of tree nodes lo..hi-1."""
+        raise NotImplementedError
+
+    def commit(self, b, path):
+        """Row b accepted these node ids: keep what the drafter cached for them."""
+        raise NotImplementedError
+
+    def rollback(self, b):
+        """Row b is finished: forget this step's entries (root included)."""
         self.cache.lens[b] = self.base[b]
 
 
@@ -313,16 +428,21 @@ class ModelDrafter(Drafter):
 
     def reset(self, target, seqs, feats, cap):
         super().reset(target, seqs, feats, cap)
+        # the draft model's own K/V, in the same ragged layout as the target's
         w = self.model.output.weight
         self.cache = RaggedCache(self.model.config, len(seqs), cap, w.device, w.dtype)
 
     def start(self, roots, depth):             # pending: committed tokens not seen yet
         lens = self.cache.lens.tolist()
         logits, _, n = feed(self.model, self.cache, [s[l:] for s, l in zip(self.seqs, lens)])
+        # base: the root's slot (the last token fed); fed = 1: of the tree, only node 0 is
+        # in the cache so far. Each row's last real token's logits = the root's children.
         self.base, self.fed, self.calls = self.cache.lens - 1, 1, self.calls + 1
         return rows_at(logits, (n - 1)[:, None])
 
     def extend(self, tree, lo, hi):
+        # levels are appended in node order, so node i sits at slot base + i and the mask's
+        # new-entry columns are nodes 0..hi-1; positions: base + depth, as the target's
         pos = self.base[:, None] + torch.tensor(tree.depth[lo:hi], device=self.base.device)
         logits, _ = self.model(tree.tokens[:, lo:hi], positions=pos, cache=self.cache,
                                mask=attend_mask(self.base, tree.vis[:, lo:hi, :hi]))
@@ -330,6 +450,9 @@ class ModelDrafter(Drafter):
         return logits
 
     def commit(self, b, path):                 # accepted drafts it has seen stay valid
+        # The last level was drawn but never fed (fed = its first node id): an accepted leaf
+        # there is fed at the next start, with x. A path rises in node order, so `n < fed`
+        # keeps a prefix of it.
         self.cache.keep(b, int(self.base[b]), [0] + [n for n in path if n < self.fed])
 
 
@@ -338,13 +461,16 @@ class PerDepth(Drafter):
     best paths of a Cartesian product; nothing speculative is cached (no-op commit)."""
 
     def extend(self, tree, lo, hi):
+        # no pass: every node of level d gets the same distribution for its children (depth
+        # d + 1) whoever it is, so grow_tree's top-k at T = 0 picks best product paths
         d = tree.depth[lo]
         return self.depth_logits[:, d:d + 1].expand(-1, hi - lo, -1)
 
     def commit(self, b, path=None):
-        pass
+        pass                     # nothing speculative was cached: nothing to keep
 
-    rollback = commit
+    def rollback(self, b):
+        pass                     # ... and nothing to forget
 
 
 class MedusaHeads(nn.Module, PerDepth):
@@ -357,6 +483,8 @@ class MedusaHeads(nn.Module, PerDepth):
         super().__init__()
         d = target.config.n_embd
         self.proj = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(n_heads))
+        # W_k = 0: every head starts as the target's own next-token head on h, a warm start
+        # that training moves k tokens further ahead
         for w in self.proj:
             nn.init.zeros_(w.weight)
         self.shared = (target,)                # a tuple: not registered as our submodule
@@ -366,12 +494,17 @@ class MedusaHeads(nn.Module, PerDepth):
 
     def loss(self, target, x, y, h):
         K = len(self.proj)
+        # head k at position t predicts token t+1+k = y[t + k]; positions t < T − K have
+        # all K targets, so h[:, :-K]. One shared-head matmul over (B, T−K, K, d).
         want = torch.stack([y[:, k:y.shape[1] - K + k] for k in range(1, K + 1)], -1)
         return F.cross_entropy(self.heads(h[:, :-K], K).flatten(0, 2), want.flatten())
 
     def start(self, roots, depth):
         if depth > len(self.proj):
             raise UserError(f"gamma={depth} needs {depth} Medusa heads, there are {len(self.proj)}")
+        # feats[len(s) − 1] = f at position len(s) − 2, the newest feature the target has:
+        # the root itself is still unseen. The target's own head on it gave the root's
+        # distribution, head k gives depth k's: all γ depths in one call, before any draft.
         ends = torch.tensor([len(s) for s in self.seqs], device=self.feats.device)
         self.depth_logits = self.heads(rows_at(self.feats, ends[:, None] - 1)[:, 0], depth)
         self.calls += 1
@@ -385,9 +518,10 @@ class FeatureDrafter(nn.Module, Drafter):
 
     def __init__(self, target, kind="eagle", n_layer=1, n_in=2):
         super().__init__()
+        # the target's block config, n_layer blocks of it, dense MLPs (no experts)
         self.kind, self.cfg = kind, replace(target.config, n_layer=n_layer, n_expert=0)
         d = self.cfg.n_embd                     # the target's width
-        self.fc = nn.Linear(n_in * d, d, bias=False)
+        self.fc = nn.Linear(n_in * d, d, bias=False)     # [f; Emb(t)] → d; DFlash: f → d
         self.layers = nn.ModuleList(Block(self.cfg) for _ in range(n_layer))
         self.norm = RMSNorm(d, self.cfg.norm_eps)
         if kind == "mtp":
@@ -395,10 +529,13 @@ class FeatureDrafter(nn.Module, Drafter):
         self.shared = (target,)
 
     def body(self, x, pos, mask=None, cache=None):
+        # clamped: pads and finished rows' drafts may pass the context (as in feed)
         cos, sin = self.shared[0].rope(pos.clamp(max=self.cfg.block_size - 1))
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i)
         if cache is not None:                   # drafting (training passes no cache)
+            # the layers do not advance a cache (GPT.forward does): all entries, pads too;
+            # start and commit set the rows' real lengths afterwards
             cache.advance(x.shape[1])
             self.calls += 1
         return x
@@ -417,25 +554,34 @@ class FeatureDrafter(nn.Module, Drafter):
         return self.shared[0].output(out if self.kind == "eagle" else self.norm(out))
 
     def loss(self, target, x, y, h):
+        # entries k = 1..T-1: (f_k-1, t_k) at position k, trained on t_k+1 = y[:, k] and,
+        # for EAGLE, to regress f_k = h[:, k] -- drafting feeds its own f's back, so noise
+        # in training stands in for the error it will see
         f = h[:, :-1]
         if self.kind == "eagle":                # EAGLE: U(-0.1, 0.1) noise on the features
             f = f + (torch.rand_like(f) - 0.5) * 0.2
         out = self.body(self.inputs(f, x[:, 1:]), torch.arange(1, x.shape[1], device=x.device))
         ce = F.cross_entropy(self.logits(out).flatten(0, 1), y[:, 1:].flatten())
+        # EAGLE: smooth-L1 regression + 0.1 × classification, its paper's weighting
         return ce if self.kind == "mtp" else F.smooth_l1_loss(out, h[:, 1:]) + 0.1 * ce
 
     def start(self, roots, depth):
         lens = self.cache.lens.clone()          # entries lens.. up to the root's
         toks, n, vis = pad_rows([s[l:] for s, l in zip(self.seqs, lens.tolist())], lens.device)
+        # pending entries, the cache's end through the root, each with the TRUE feature
         pos = lens[:, None] + torch.arange(toks.shape[1], device=lens.device)
         out = self.body(self.inputs(rows_at(self.feats, pos), toks), pos,  # feats[k] = f_k-1
                         attend_mask(lens, vis), self.cache)
         self.cache.lens = lens + n
+        # node_out[:, i]: the drafter's output at tree node i -- for EAGLE its predicted
+        # feature -- which node i's children take as their f; node 0 = the root
         self.base, self.node_out = self.cache.lens - 1, rows_at(out, (n - 1)[:, None])
         return self.logits(self.node_out)
 
     def extend(self, tree, lo, hi):
         pos = self.base[:, None] + torch.tensor(tree.depth[lo:hi], device=self.base.device)
+        # entry = (the parent's drafter output, the node's token): predicted features chain
+        # down the tree; node_out grows in node order, so parent ids index it directly
         out = self.body(self.inputs(rows_at(self.node_out, tree.parents[:, lo:hi]),
                                     tree.tokens[:, lo:hi]), pos,
                         attend_mask(self.base, tree.vis[:, lo:hi, :hi]), self.cache)
@@ -455,6 +601,7 @@ class DFlashDrafter(PerDepth, FeatureDrafter):
     def __init__(self, target, block=5, n_layer=1):
         super().__init__(target, "dflash", n_layer, n_in=1)
         self.block, d = block, self.cfg.n_embd
+        # block − 1 learned mask embeddings, one per offset 1..G−1 after the root
         self.mask_emb = nn.Parameter(torch.zeros(block - 1, d))
         self.fc_a = nn.Linear(2 * d, d, bias=False)
 
@@ -466,6 +613,9 @@ class DFlashDrafter(PerDepth, FeatureDrafter):
         blk = torch.cat([e[:, :, None], self.mask_emb.expand(B, A, -1, -1)], 2)
         blk = blk + self.fc_a(torch.cat([anchor_f, e], -1))[:, :, None]
         blk_pos = (anchors[..., None] + torch.arange(G, device=dev)).flatten(1)
+        # vis over (N context + A·G block entries), by row (query) and column (key):
+        #   context rows: causal over real context entries, no block;
+        #   block rows:   real context before its anchor, and its own block, bidirectional
         i, bid = torch.arange(N, device=dev), torch.arange(A * G, device=dev) // G
         real = i[None, :] < n_ctx[:, None]                                   # (B, N)
         ctx_ctx = real[:, None, :] & (i[:, None] >= i[None, :])              # causal
@@ -473,7 +623,11 @@ class DFlashDrafter(PerDepth, FeatureDrafter):
         vis = torch.cat([torch.cat([ctx_ctx, ctx_ctx.new_zeros(B, N, A * G)], 2),
                          torch.cat([real[:, None, :] & before,                # context
                                     (bid[:, None] == bid[None, :]).expand(B, -1, -1)], 2)], 1)
+        # A pad of a row with no real context and nothing cached (a one-token prompt's first
+        # step) would have an all-False row: a plain softmax over all −inf gives NaN, and
+        # with 2+ layers its K/V would carry it into real rows (0 · NaN = NaN).
         vis |= torch.eye(N + A * G, dtype=torch.bool, device=dev)           # pads: themselves
+        # training: vis as is; drafting: plus the cached context, seen by every entry
         mask = vis[:, None] if cache is None else attend_mask(cache.lens, vis)
         out = self.body(torch.cat([self.fc(ctx_f), blk.flatten(1, 2)], 1),
                         torch.cat([ctx_pos, blk_pos], 1), mask, cache)
@@ -481,6 +635,8 @@ class DFlashDrafter(PerDepth, FeatureDrafter):
 
     def loss(self, target, x, y, h):
         (B, T), G, dev = x.shape, self.block, x.device
+        # anchors in [1, T − G]: the feature before one (anchor − 1) exists and its block's
+        # last target (anchor + G − 1) is in the row; T // 2G blocks per row (≥ 1)
         anchors = torch.randint(1, T - G + 1, (B, max(1, T // (2 * G))), device=dev)
         out = self.blocks(h, torch.arange(T, device=dev).expand(B, T), torch.full(
             (B,), T, device=dev), x.gather(1, anchors), anchors, rows_at(h, anchors - 1))
@@ -497,6 +653,7 @@ class DFlashDrafter(PerDepth, FeatureDrafter):
         out = self.blocks(rows_at(self.feats, ctx_pos + 1), ctx_pos, n, roots[:, None], root,
                           rows_at(self.feats, root), self.cache)   # feats[root] = f_root-1
         self.cache.lens = lens + n              # keep the context, drop pads and the block
+        # masks 1..γ predict depths 1..γ (entry 0 carries the root's own token)
         self.depth_logits = self.logits(out[:, 0, 1:depth + 1])
         return self.depth_logits[:, :1]
 
@@ -507,12 +664,17 @@ class DFlashDrafter(PerDepth, FeatureDrafter):
 def distill_pool(target, corpus, n_seq, seq, seed=0, prompt_len=16, chunk=64):
     """The target's own continuations of corpus prompts, half greedy, half at T = 1, and
     its features: self-distillation (Medusa-2) -- drafters learn what the target WILL say."""
+    # prompts at random corpus offsets, continued `chunk` rows per generate call; chunks
+    # alternate T = 0 and T = 1 (i // chunk % 2): greedy rows teach what T = 0 decoding
+    # will draft against, sampled ones cover the T > 0 distribution
     starts = np.random.default_rng(seed).integers(0, len(corpus.train) - prompt_len, n_seq)
     x = torch.from_numpy(np.stack([corpus.train[s:s + prompt_len] for s in starts]).astype(
         np.int64)).to(target.output.weight.device)
     x = torch.cat([torch.cat([x[i:i + chunk], target.generate(
         x[i:i + chunk], seq - prompt_len, temperature=float(i // chunk % 2), seed=seed + i)], 1)
         for i in range(0, n_seq, chunk)])
+    # the features once, for the whole pool: the target is frozen, so training needs no
+    # target forward per step. Memory: n_seq · seq · n_embd floats.
     return x, torch.cat([target(x[i:i + chunk], return_hidden=True)[2]
                          for i in range(0, n_seq, chunk)])
 
@@ -522,6 +684,8 @@ def train_drafters(drafters, target, pool, steps, batch, lr, seed=0):
     opts = {m: torch.optim.AdamW(d.parameters(), lr, weight_decay=0.0) for m, d in drafters.items()}
     gen, t0 = torch.Generator().manual_seed(seed), time.perf_counter()
     for step in range(steps):
+        # every drafter trains on the same rows each step; inputs x[:, :-1] with their
+        # features h[:, :-1] (aligned by position), targets y = x[:, 1:]
         rows = torch.randint(0, pool[0].shape[0], (batch,), generator=gen)
         x, h, losses = pool[0][rows], pool[1][rows], []
         for m, d in drafters.items():
@@ -533,7 +697,7 @@ def train_drafters(drafters, target, pool, steps, batch, lr, seed=0):
             opts[m].step()
             losses.append(f"{m} {loss.item():.3f}")
         if step % 50 == 0 or step == steps - 1:
-            elapsed = time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0            # eta: mean step time × steps left
             left = elapsed / (step + 1) * (steps - step - 1)
             print0(f"  step {step:4d} of {steps} | {' | '.join(losses)} | "
                    f"{fmt_duration(elapsed)} | eta {fmt_duration(left)}")
@@ -541,6 +705,8 @@ def train_drafters(drafters, target, pool, steps, batch, lr, seed=0):
 
 
 def check_vocab(target, target_ckpt, draft, draft_ckpt):
+    """p(x)/q(x) compares two models' probabilities of the same token id: same vocabulary
+    size and the same tokenizer (as the checkpoints record it), or a UserError."""
     if draft.config.vocab_size != target.config.vocab_size or (target_ckpt or {}).get(
             "tokenizer", 0) != draft_ckpt.get("tokenizer", 0):
         raise UserError(f"the drafter's vocabulary ({draft.config.vocab_size} tokens) differs from "
@@ -555,6 +721,9 @@ def build_drafters(methods, target, args, target_ckpt):
     """Each method's drafter: the draft checkpoint (draft, tree), or a module trained on the
     frozen target's features, loaded from --out-dir if one was trained for this target."""
     dev, built, todo = target.output.weight.device, {}, {}
+    # The cache key: the drafter settings, TRAIN, and a fingerprint of the target (sha1 of
+    # its LM head's bytes): retrain the target and its cached drafters stop matching. Only
+    # the head is hashed -- a cheap stand-in for all the weights.
     key = {k: getattr(args, k) for k in ("train_steps", "heads", "dflash_block", "drafter_layers")}
     key.update(TRAIN, target=hashlib.sha1(target.output.weight.cpu().numpy().tobytes()).hexdigest())
     for m in methods:
@@ -562,7 +731,7 @@ def build_drafters(methods, target, args, target_ckpt):
             if not os.path.exists(args.draft_ckpt):
                 raise UserError(f"{args.draft_ckpt} not found: python train.py --preset draft "
                                 f"--ckpt {args.draft_ckpt} --sample-tokens 0")
-            model, ckpt = load_model(args.draft_ckpt, dev)
+            model, ckpt = load_model(args.draft_ckpt, dev)    # a separately trained GPT
             check_vocab(target, target_ckpt, model, ckpt)
             built[m] = ModelDrafter(model.eval())
             continue
@@ -580,6 +749,7 @@ def build_drafters(methods, target, args, target_ckpt):
         else:
             todo[m] = built[m]
     if todo:
+        # all methods to train share one pool and one loop (train_drafters)
         seq = min(TRAIN["seq"], target.config.block_size)   # rows fit the target's context
         print0(f"training {', '.join(todo)} on the frozen target's features ({args.train_steps}"
                f" steps × {TRAIN['batch']}×{seq} tokens), cached in {args.out_dir}/")
@@ -601,6 +771,8 @@ def build_drafters(methods, target, args, target_ckpt):
 def run_method(target, drafter, groups, args, T, gamma, width):
     """Each group of prompts decoded as one batch (drafter None: plain). -> (outs, s, Stats)"""
     stats, outs, t0 = Stats(), [], time.perf_counter()
+    # plain = GPT.generate on the group as one tensor (equal-length prompts: bench windows,
+    # or copies of one prompt); both paths run under the same seed and temperature
     for g in groups:
         outs += target.generate(torch.tensor(g), args.max_new_tokens, temperature=T,
                                 seed=args.seed).tolist() if drafter is None else \
@@ -615,12 +787,15 @@ def compared(target, entries, groups, args, T):
     plain run is the baseline of the whole table, so each row's speedup is its tok/s over
     the plain row's printed beside it. -> [plain row, one row per entry]."""
     best = {}
+    # plain, m1, m2, ..., plain, m1, ...: a slow patch on the shared CPU then hits every
+    # method alike, and the minimum keeps each one's least disturbed run
     for _ in range(args.repeats):
         for i, (_, drafter, gamma, width) in enumerate([(None, None, 0, 1)] + entries):
             run = run_method(target, drafter, groups, args, T, gamma, width)
             if i not in best or run[1] < best[i][1]:
                 best[i] = run
     B = len(groups[0])
+    # the plain row first: every other row divides by ITS time (the baseline printed above)
     plain = ledger_row("plain", 0, 1, T, B, *best[0])
     return [plain] + [ledger_row(name, gamma, width, T, B, *best[i + 1], plain)
                       for i, (name, _, gamma, width) in enumerate(entries)]
@@ -629,10 +804,14 @@ def compared(target, entries, groups, args, T):
 def ledger_row(name, gamma, width, T, B, outs, secs, st, plain=None):
     """Measured α and tokens per target call τ next to (1 − α^(γ+1))/(1 − α); c = drafting
     time per step ÷ one plain decode step; speedup = plain time ÷ this time."""
+    # calls, plain decoding: one target forward per token per group (len(outs) // B groups)
     row = dict(method=name, g=gamma, w=width, T=T, B=B, tps=sum(map(len, outs)) / secs,
                secs=secs, outs=outs, calls=len(outs) // B * max(map(len, outs)))
     if st is not None:
         a = st.alpha
+        # formula: γ + 1 at α = 1, the limit of (1 − α^(γ+1))/(1 − α); c's denominator is one
+        # plain decode step, i.e. about one target call. same: at T = 0 the output must equal
+        # plain greedy token for token; at T > 0 it differs by design (other random draws).
         row.update(alpha=a, tau=st.tau, formula=(1 - a ** (gamma + 1)) / (1 - a) if a < 1 else
                    gamma + 1, calls=st.rounds, dfwd=st.drafter_calls / st.rounds,
                    dms=1e3 * st.draft_s / st.rounds, vms=1e3 * st.verify_s / st.rounds,
@@ -660,11 +839,15 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     target, ckpt = load_model(args.ckpt)
+    # frozen: drafter training backpropagates through the borrowed LM head but builds no
+    # gradient for the target's own weights
     target.eval().requires_grad_(False)
     enc = data.encoding_from_state(ckpt["tokenizer"])
     methods = args.methods.split(",") if args.mode == "bench" else [args.method]
     drafters = build_drafters(methods, target, args, ckpt)
     width = lambda m: args.width or DEFAULT_WIDTH.get(m, 1)
+    # fp32 bytes of the drafters' own parameters, each tensor once (by id); the draft model
+    # through .model; the target's borrowed head and embedding are not theirs (a tuple)
     size = sum({id(p): 4 * p.numel() for d in drafters.values()
                 for p in getattr(d, "model", d).parameters()}.values())
     print0(f"target: {target.num_params():,} params | drafters: {fmt_bytes(size)} | "
@@ -677,6 +860,7 @@ def main(argv=None):
         starts = np.random.default_rng(args.seed).integers(
             0, len(corpus.val) - args.prompt_len, args.bench_prompts)
         prompts = [corpus.val[s:s + args.prompt_len].astype(np.int64).tolist() for s in starts]
+        # B = 1: each prompt decoded alone; B = all: one batch, rows accepting differently
         temps, batches = [float(t) for t in args.bench_temps.split(",")], [1, len(prompts)]
     for m in [None] + methods:                  # warm-up: first calls allocate and dispatch
         run_method(target, drafters.get(m), [prompts[:1]], args, 0.0, args.gamma, width(m))

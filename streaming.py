@@ -61,12 +61,12 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-import data
-import plots
-from model import (GPT, KVCache, PRESETS, apply_rope, get_config, load_model, repeat_kv,
-                   rope_table, sample_next)
-from plumbing import (ArgumentParser, HelpFormatter, UserError, atomic_save, fmt_bytes,
-                      run_cli, seed_everything, warmup_cosine)
+from core import data
+from core import plots
+from core.checkpoint import load_model
+from model import GPT, KVCache, PRESETS, apply_rope, get_config, repeat_kv, rope_table, sample_next
+from core.plumbing import (ArgumentParser, HelpFormatter, UserError, atomic_save, fmt_bytes,
+                           run_cli, seed_everything, warmup_cosine)
 
 DEFAULT_CKPT = os.path.join("out", "ckpt.pt")
 OUT_DIR = os.path.join("out", "streaming")
@@ -89,6 +89,8 @@ def check_counts(sinks, window):
 def check_policy(cfg, sinks, window):
     """One clear error for a policy the cache cannot run on this model."""
     check_counts(sinks, window)
+    # the largest position used is capacity - 1: the model's RoPE table, and its training,
+    # only cover positions below block_size (GPT.forward refuses the others)
     if sinks + window > cfg.block_size:
         raise UserError(f"sinks + window = {sinks + window} exceeds the model's context "
                         f"(block_size={cfg.block_size}): positions inside the cache must "
@@ -115,11 +117,16 @@ class SinkWindowCache:
         self.sinks = sinks
         self.window = window
         self.capacity = sinks + window
+        # (H_kv, D, D) here (MLA is refused above). All layers in one buffer, allocated
+        # once: 2 · L · B · H_kv · capacity · D numbers, however long the stream
         heads, k_dim, v_dim = cfg.kv_cache_dims
         shape = (cfg.n_layer, batch_size, heads, self.capacity)
         self.k = torch.zeros(shape + (k_dim,), device=device, dtype=dtype)
         self.v = torch.zeros(shape + (v_dim,), device=device, dtype=dtype)
-        # cos/sin of δ·θ_i for every slide δ the cache can make (δ < capacity)
+        # cos/sin of δ·θ_i, rows δ = 0 .. capacity - 1, the θ_i of the model's own table.
+        # A slide is δ <= window, so δ < capacity needs sinks > 0: with sinks = 0 a slide
+        # of the whole window (a chunk of `window` tokens into a full cache) indexes row
+        # capacity, one past the table -- an IndexError, though nothing is left to rotate
         cos, sin = rope_table(cfg.rope_dim, self.capacity, cfg.rope_theta)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
@@ -131,27 +138,42 @@ class SinkWindowCache:
     def make_room(self, n):
         """Evict the oldest window tokens so that n more fit; -> the n new tokens'
         positions (their slots: length .. length + n - 1)."""
+        # how far the n new tokens overflow the capacity: that many window tokens must go
         drop = self.length + n - self.capacity
         if drop > 0:
+            # the sinks never leave: only length - sinks window tokens can be dropped, so at
+            # most `window` new tokens fit beside them in one forward
             if drop > self.length - self.sinks:
                 raise UserError(f"{n} new tokens do not fit beside {self.sinks} sinks in a "
                                 f"cache of {self.capacity}: feed at most window={self.window} "
                                 f"tokens per forward")
             self.slide(drop)
+        # The new tokens go right after the kept window: distances inside the window are
+        # the stream's, but sink i and window token j sit sinks + j - i slots apart however
+        # far apart they are in the stream -- StreamingLLM's positions inside the cache
         return torch.arange(self.length, self.length + n, device=self.k.device)
 
     def slide(self, drop):
         """Forget the `drop` oldest window tokens; the kept ones move `drop` slots down and
         their keys are rotated by -drop (R(p - δ) = R(-δ)·R(p)); values carry no position."""
-        start = self.sinks + drop
+        start = self.sinks + drop           # the first window slot that is kept
         kept = self.length - start
+        # a view into the very slots overwritten below; safe for the keys, because
+        # apply_rope builds a new tensor (in float32, cast back to the cache's dtype: a
+        # bf16 cache rounds each key again at every slide, ~√slides bf16 epsilons)
         old_k = self.k[:, :, :, start:self.length]
-        # cos(-a) = cos a, sin(-a) = -sin a: the inverse rotation by drop·θ_i
+        # cos(-a) = cos a, sin(-a) = -sin a: the inverse rotation by drop·θ_i. One row of
+        # the table, (D/2,), broadcast over every layer, batch row, head and kept slot
         new_k = apply_rope(old_k, self.rope_cos[drop], -self.rope_sin[drop])
         self.k[:, :, :, self.sinks:self.sinks + kept] = new_k
+        # source and destination overlap whenever drop < kept: torch refuses a copy between
+        # partially overlapping views of one storage ("Please clone() the tensor"), so the
+        # clone reads the values out first. Values carry no position: moved, not rotated
         self.v[:, :, :, self.sinks:self.sinks + kept] = self.v[:, :, :, start:self.length].clone()
+        # slots [length, old length) keep stale data: never read (update returns [:end])
         self.length -= drop
         self.evicted += drop
+        # L · B · H_kv · kept key vectors of D numbers each: the work the cache adds
         self.rotated += old_k.shape[0] * old_k.shape[1] * old_k.shape[2] * kept
 
     def update(self, layer, k, v):
@@ -159,12 +181,16 @@ class SinkWindowCache:
         if self.length + T > self.capacity:
             raise UserError(f"SinkWindowCache holds {self.length} of {self.capacity} tokens: "
                             f"call make_room({T}) before the forward")
+        # k arrives rotated to its slots (the positions make_room returned): stored as is.
+        # self.length stays put until advance(): every layer writes at the same slots
         self.k[layer, :, :, self.length:self.length + T] = k
         self.v[layer, :, :, self.length:self.length + T] = v
         end = self.length + T
+        # the filled prefix only: the layer attends to sinks + window + the new tokens
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def advance(self, n):
+        # called by GPT.forward once, after its last layer
         self.length += n
         self.seen += n
 
@@ -193,11 +219,16 @@ def feed(model, cache, ids, chunk=1, prefill=True):
     start = 0
     while start < n:
         if prefill and start == 0 and cache.length < cache.capacity:
+            # one causal forward over the first tokens: nothing evicted, so these
+            # positions get exactly the dense model's logits
             size = cache.capacity - cache.length     # fill what is free: nothing evicted
         else:
             size = chunk
         size = min(size, n - start)
+        # room first, then the forward: the positions come from the cache (slots), never
+        # from the stream index, which GPT.forward would refuse past block_size
         positions = cache.make_room(size)          # positions inside the cache
+        # the model appends this forward's K/V (update) and advances the cache by `size`
         logits, _ = model(ids[:, start:start + size], positions=positions, cache=cache)
         yield start, logits
         start += size
@@ -208,6 +239,7 @@ def stream_losses(model, tokens, sinks, window, chunk=1):
     """Next-token loss at every position of a 1-D token stream, fed through a
     SinkWindowCache. -> (losses (n-1,), stats: the largest cache, bytes, re-rotations)."""
     device = model.output.weight.device
+    # the cache in the model's device and dtype (the K/V it receives are in that dtype)
     cache = SinkWindowCache(model.config, sinks, window, device=device,
                             dtype=model.output.weight.dtype)
     tokens = tokens.to(device)
@@ -215,10 +247,14 @@ def stream_losses(model, tokens, sinks, window, chunk=1):
     peak = 0
     t0 = time.perf_counter()
     for start, logits in feed(model, cache, tokens[None], chunk):
-        peak = max(peak, cache.length)
+        peak = max(peak, cache.length)      # after the forward: its tokens included
+        # logits at i predict token i + 1; the stream's last token has no target, so the
+        # last forward scores one position fewer than it ran
         targets = tokens[start + 1:start + 1 + logits.shape[1]]
+        # .float(): the log-softmax over V in float32 even for a bf16 model
         losses.append(F.cross_entropy(logits[0, :len(targets)].float(), targets,
                                       reduction="none"))
+    # forward_tokens_per_token 1: each token enters exactly one forward, the cached cost
     stats = {"peak_tokens": peak, "kv_bytes": cache.nbytes, "rotated": cache.rotated,
              "evicted": cache.evicted, "seconds": time.perf_counter() - t0,
              "forward_tokens_per_token": 1.0}
@@ -236,18 +272,27 @@ def recompute_losses(model, tokens, context, batch=16, bos=None):
     n = len(tokens)
     first = min(context, n)
     t0 = time.perf_counter()
+    # positions 0 .. first-1 have at most `context` tokens of history: one causal forward
+    # gives each its whole history, what a fresh forward per position would give. (With
+    # bos the stream already starts with it: stream_tokens)
     logits, _ = model(tokens[None, :first])
     targets = tokens[1:first + 1]
     losses = [F.cross_entropy(logits[0, :len(targets)].float(), targets, reduction="none")]
+    # from t = first on: a window of exactly `context` tokens ending at t scores t + 1
     ends = list(range(first, n - 1))               # the window's last token, t
     for i in range(0, len(ends), batch):
         group = ends[i:i + batch]
+        # (batch, context): `batch` windows in one forward, each at positions 0..context-1
         rows = torch.stack([tokens[t - context + 1:t + 1] for t in group])
         if bos is not None:
+            # the oldest token gives way: [bos] + the last context - 1, as in training
             rows[:, 0] = bos
+        # the LM head on one position per row: batch × context × V logits would cost
+        # more memory and time than the windows themselves, for nothing scored
         logits, _ = model(rows, logits_at=[-1])    # only the last position is scored
         losses.append(F.cross_entropy(logits[:, -1].float(), tokens[[t + 1 for t in group]],
                                       reduction="none"))
+    # no KV held between positions; the price: `context` forward tokens per scored token
     stats = {"peak_tokens": 0, "kv_bytes": 0, "rotated": 0, "evicted": 0,
              "seconds": time.perf_counter() - t0,
              "forward_tokens_per_token": (first + len(ends) * context) / max(1, n - 1)}
@@ -264,7 +309,10 @@ def stream_generate(model, prompt_ids, max_new_tokens, sinks, window, temperatur
     device = model.output.weight.device
     cache = SinkWindowCache(model.config, sinks, window, device=device,
                             dtype=model.output.weight.dtype)
+    # a generator of its own: the samples depend on `seed` only, not on the global RNG
     gen = torch.Generator(device=device).manual_seed(seed)
+    # the prompt: a prefill of up to capacity tokens, then one token per forward (chunk 1);
+    # only the last position's logits are needed to sample from
     for _, logits in feed(model, cache, torch.tensor([prompt_ids], device=device)):
         last = logits[:, -1]
     new = []
@@ -273,6 +321,8 @@ def stream_generate(model, prompt_ids, max_new_tokens, sinks, window, temperatur
         new.append(int(nxt[0]))
         if i == max_new_tokens - 1:
             break                          # no forward for a token nobody samples from
+        # once the cache is full, each token evicts the oldest window token: generation
+        # goes on past block_size with positions that never reach capacity
         positions = cache.make_room(1)
         logits, _ = model(nxt[:, None], positions=positions, cache=cache)
         last = logits[:, -1]
@@ -292,11 +342,18 @@ class SinkProbe(KVCache):
         self.mass = []            # per layer: mean weight on the first keys, queries >= 2·first
 
     def attention(self, q, k, v, mask, attn_fn):
+        # the layer's softmax again, to see its weights (a fused attn_fn never forms them):
+        # the 1/√D scale of model.math_attention, each KV head repeated for its q heads
         k_all = repeat_kv(k, q.shape[1] // k.shape[1])
         scores = (q @ k_all.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        # a square causal mask: right only when the forward starts from an empty cache
         causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        # queries from 2·first on: an earlier one has few keys, so much weight on the first
+        # ones is forced; from there uniform attention gives them first/(t + 1) < 1/2. The
+        # mean over batch, heads and those queries of the weight on the first keys
         self.mass.append(float(probs[:, :, 2 * self.first:, :self.first].sum(-1).mean()))
+        # the output is the layer's own: the probe only observes
         return attn_fn(q, k, v, mask)
 
 
@@ -307,7 +364,9 @@ def sink_mass(model, tokens, first, windows=8, bos=None):
     (bos: each window starts with it, as the recomputed windows do)."""
     size = model.config.block_size
     per_layer = []
+    # whole block_size windows of the stream, at most `windows`: one causal forward each
     for w in range(min(windows, len(tokens) // size)):
+        # .clone(): the bos write below must not change the caller's stream
         row = tokens[None, w * size:(w + 1) * size].clone()
         if bos is not None:
             row[0, 0] = bos
@@ -315,6 +374,8 @@ def sink_mass(model, tokens, first, windows=8, bos=None):
         model(row.to(model.output.weight.device), cache=probe)
         per_layer.append(probe.mass)
     mass = torch.tensor(per_layer).mean(0).tolist()
+    # the baseline: query t has t + 1 keys, so uniform attention puts first/(t + 1) on the
+    # first ones; averaged over the queries the probe averages (2·first .. size-1)
     uniform = sum(first / (t + 1) for t in range(2 * first, size)) / (size - 2 * first)
     return mass, uniform
 
@@ -327,12 +388,16 @@ def train_fresh(cfg, corpus, steps, seed, batch_size=16, lr=3e-3, bos=None):
     block_size tokens, as train.py), for a reader without a checkpoint. bos: a token id put
     first in every training row (StreamingLLM §3.3 pre-trains with such a "sink token": the
     same token at position 0 of every sample, an easy place to park unneeded attention)."""
+    # built on the CPU and trained there whatever --device; fresh_model moves it after
     model = GPT(cfg, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    loss = torch.tensor(float("nan"))
+    loss = torch.tensor(float("nan"))       # what steps = 0 (random init) reports
     for step in range(steps):
         for group in opt.param_groups:
+            # linear warmup over 5% of the steps, then half a cosine down to lr / 10
             group["lr"] = warmup_cosine(step, steps, max(1, steps // 20), lr, lr / 10)
+        # crops drawn from (seed, step): the same batches on every run of the recipe. With
+        # bos, rows one token shorter, so that bos + the row is block_size long
         x, y = data.get_batch(corpus.train, batch_size, cfg.block_size - (bos is not None),
                               seed, step)
         if bos is not None:               # x = [bos, t0 .. t_T-2], y = [t0 .. t_T-1]
@@ -351,12 +416,16 @@ def load_or_train(args):
     path = args.checkpoint or (DEFAULT_CKPT if os.path.exists(DEFAULT_CKPT) else None)
     if path and path != "none":
         model, ckpt = load_model(path, args.device)
+        # the stream comes from the corpus the checkpoint trained on (its saved --data),
+        # unless --data says otherwise; another tokenizer would turn the same text into
+        # other token ids, and the losses would measure nothing: refused
         data_path = args.data or (ckpt.get("args") or {}).get("data")
         corpus = data.load_corpus(data_path, model.config.vocab_size)
         if "tokenizer" in ckpt and data.encoding_from_state(ckpt["tokenizer"])._mergeable_ranks \
                 != corpus.enc._mergeable_ranks:
             raise UserError(f"{path}'s tokenizer is not the one of corpus "
                             f"{data_path or 'stdlib'}: pass the --data it was trained on")
+        # .float(): run_measure's byte counts (per_token) assume 4-byte K/V
         return model.float().eval(), corpus, path
     return fresh_model(args)
 
@@ -368,6 +437,9 @@ def fresh_model(args):
     corpus = data.load_corpus(args.data, cfg.vocab_size)
     recipe = f"{args.preset}-{args.train_steps}steps-seed{args.seed}" + ("-bos" if args.bos
                                                                             else "")
+    # the file name holds the recipe and the corpus, so a different one trains anew. The
+    # corpus is named by its path and size, not its contents: a file edited in place to
+    # the same size would reuse the older model
     corpus_id = hashlib.sha256(f"{args.data}|{corpus.n_bytes}".encode()).hexdigest()[:8]
     path = os.path.join(args.out, f"fresh-{recipe}-{corpus_id}.pt")
     if os.path.exists(path):
@@ -403,8 +475,10 @@ def stream_tokens(corpus, n, offset, bos=None):
 # Reporting
 
 def bands(n, first, parts=4):
-    """Position bands [lo, hi): [0, first) -- where no policy has evicted anything, so all
-    three must agree -- then the rest in `parts` equal bands."""
+    """Position bands [lo, hi): [0, first) -- where no policy of capacity `first` has
+    evicted anything, so those three must agree (the smaller "window (W)" evicts from W
+    on) -- then the rest in `parts` equal bands."""
+    # integer edges, rest · i // parts: the bands differ by at most one position
     edges = [0, min(first, n)]
     rest = n - edges[-1]
     for i in range(1, parts + 1):
@@ -430,6 +504,7 @@ def cost_table(stats, n, per_token_bytes, block_size):
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     lines.append(f"| full KV cache (model.KVCache) | {n} (refused past {block_size}) | "
                  f"{fmt_bytes(n * per_token_bytes)} | 1 | 0 | - | - | - |")
+    # per scored token: n - 1 of them (the stream's first token is never a target)
     for name, s in stats.items():
         lines.append(f"| {name} | {s['peak_tokens']} | {fmt_bytes(s['kv_bytes'])} | "
                      f"{s['forward_tokens_per_token']:.1f} | {s['rotated'] / (n - 1):.0f} | "
@@ -447,6 +522,7 @@ def output_suffix(args):
     """What tells one measurement's files from another's: --bos, a policy or chunk other
     than the defaults (sinks 4, window block_size - 4, chunk 1)."""
     tag = "_bos" if args.bos else ""
+    # (--sinks other than 4 without --window reads "_windowNone": the default window)
     if args.sinks != 4 or args.window is not None:
         tag += f"_sinks{args.sinks}_window{args.window}"
     return tag + (f"_chunk{args.chunk}" if args.chunk != 1 else "")
@@ -465,6 +541,7 @@ def plot(losses, args, capacity):
         "streaming_loss" + suffix, series, directory=args.plots, ylabel="loss (nats)",
         title=f"next-token loss along a {args.tokens}-token stream, {capacity} tokens{note}",
         xlabel=f"position in the stream (mean of {width})")
+    # the first entry is the reference: run_measure's `runs` lists dense recompute first
     reference, *policies = losses
     width = max(1, n // 32)
     excess = {name: binned(losses[name] - losses[reference], width) for name in policies}
@@ -483,6 +560,7 @@ def plot(losses, args, capacity):
 def run_measure(args):
     model, corpus, what = load_or_train(args)
     cfg = model.config
+    # default window: block_size - sinks, i.e. capacity = the model's whole context
     window = args.window if args.window is not None else cfg.block_size - args.sinks
     check_policy(cfg, args.sinks, window)
     if args.chunk > window:                        # before any run, not after the first
@@ -503,6 +581,7 @@ def run_measure(args):
                 model, tokens, args.sinks, window, args.chunk)}
     if args.sinks:
         runs[f"window ({window})"] = lambda: stream_losses(model, tokens, 0, window, args.chunk)
+    # the probe's "first keys": the sinks, or the very first token with --sinks 0
     first = max(1, args.sinks)
     mass, uniform = sink_mass(model, tokens, first, bos=bos)
     print(f"attention on the first {first} token(s) of a window (queries from position "
@@ -515,8 +594,10 @@ def run_measure(args):
         stats[name]["ppl"] = float(losses[name].mean().exp())
         print(f"{name}: mean loss {stats[name]['mean_loss']:.3f} | ppl "
               f"{stats[name]['ppl']:.1f} | {stats[name]['seconds']:.1f} s")
+    # a full cache's bytes per token, 2 · L · H_kv · D · 4 (float32: load_or_train)
     heads, k_dim, v_dim = cfg.kv_cache_dims
     per_token = cfg.n_layer * heads * (k_dim + v_dim) * 4
+    # n - 1 losses: position i scores token i + 1
     edges = bands(args.tokens - 1, capacity)
     table = band_table(losses, edges) + [""] + cost_table(stats, args.tokens, per_token,
                                                             cfg.block_size)
@@ -538,6 +619,8 @@ def run_measure(args):
 def run_generate(args):
     model, corpus, what = load_or_train(args)
     window = args.window if args.window is not None else model.config.block_size - args.sinks
+    # encode_ordinary: the user's text never produces special tokens; with --bos the one
+    # sink token the fresh model was trained with goes first, by hand
     prompt = corpus.enc.encode_ordinary(args.prompt)
     if args.bos:
         prompt = [corpus.enc.encode_single_token(data.EOT)] + prompt
@@ -589,6 +672,7 @@ def parse_args(argv=None):
     s.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
     s.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest")
     args = p.parse_args(argv)
+    # getattr(.., 1): each mode has only some of these flags; the absent ones pass
     for name in ("tokens", "batch_size", "new_tokens", "threads", "top_k", "chunk"):
         if getattr(args, name, 1) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got "

@@ -4,9 +4,9 @@ train.py -- training the shared GPT, and where the memory of a training step goe
 Run:  python train.py                       # the demo: `small` on the built-in corpus
       python train.py --preset tiny --steps 50 --precision fp16 --checkpointing full
       python train.py --resume              # continue from out/ckpt.pt
-      python train.py --estimate --params 7B --gpus 64   # the memory formulas, any size
       torchrun --standalone --nproc_per_node=4 train.py --dp zero2   # data parallel
-      python train.py bench                 # the trade-off rows: what each technique costs
+      python -m scripts.train_bench         # the trade-off rows: what each technique costs
+      python -m scripts.train_bench --estimate --params 7B --gpus 64   # the formulas, any size
 
 What a training step holds in memory, per parameter (Ψ = parameter count):
   fp32:             params 4 + grads 4 + Adam m, v 4 + 4                 = 16 B/param
@@ -14,7 +14,7 @@ What a training step holds in memory, per parameter (Ψ = parameter count):
                     + Adam m, v 4 + 4                                    = 16 B/param
   So mixed precision alone saves NO model-state memory (it even keeps a second copy of
   the weights). What it buys: 2-byte activations and, on GPUs, 2-16× faster matmuls. The
-  model state is only reduced by sharding it (ZeRO: data_parallel.py, `--dp`).
+  model state is only reduced by sharding it (ZeRO: training/data_parallel.py, `--dp`).
   Activations per layer (Korthikanti et al. 2022, 16-bit, no recompute):
       s·b·h·(34 + 5·a·s/h) bytes     (s seq, b batch, h hidden, a heads)
   -- linear in the batch, quadratic in the sequence through the attention scores.
@@ -36,7 +36,7 @@ save records its run (run_id, torchrun's launch_id, save_id in every shard); --r
 the newest readable of --keep generations and refuses model flags that contradict the
 checkpoint; a torchrun restart resumes only its own launch's saves; Ctrl-C / SIGTERM
 finish the step, save and exit 130 / 143; --timeout bounds a collective waiting for a
-frozen rank (plumbing.py); the output folder is checked before step 1.
+frozen rank (core/plumbing.py); the output folder is checked before step 1.
 """
 import math
 import os
@@ -48,19 +48,22 @@ from typing import Optional
 
 import torch
 
-import data
-import data_parallel
-import evaluate as ev
+from core import data
+from training import data_parallel
+from core import scores
 import optim
-import resume as saved
-from plots import svg_line_plot
+from training import resume as saved
+from core.plots import svg_line_plot
 from model import GPT, GPTConfig, PRESETS, get_config
-from plumbing import (ActivationMeter, ArgumentParser, GracefulStop, HelpFormatter,
-                      Interrupted, StepTimer, UserError, attempt, check_writable, comm,
-                      fmt_bytes, fmt_count, fmt_duration, gpu_peak_flops, print0,
-                      require_at_least_one, run_cli, seed_everything, setup_runtime,
-                      warmup_cosine)
+from core.plumbing import (ActivationMeter, ArgumentParser, GracefulStop, HelpFormatter,
+                           Interrupted, StepTimer, UserError, attempt, check_writable, comm,
+                           fmt_bytes, fmt_count, fmt_duration, gpu_peak_flops, print0,
+                           require_at_least_one, run_cli, seed_everything, setup_runtime,
+                           warmup_cosine)
 
+# The two 16-bit formats. bf16 keeps fp32's 8 exponent bits (range to ~3e38) with only 8
+# significant bits; fp16 has 5 exponent bits (max 65504, smallest subnormal ~6e-8) and 11
+# significant bits: more precision, far less range -- hence fp16's loss scaling below.
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -76,7 +79,12 @@ class Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fn, *args):
-        ctx.fn = fn
+        ctx.fn = fn                       # a callable: kept on ctx, not saved as a tensor
+        # Block.run passes (x, cos, sin, mask, cache, layer): mask and cache may be None,
+        # layer is an int. Non-tensors are kept as they are; tensors go through
+        # save_for_backward, which checks at backward that nobody modified them in place
+        # (version counter) and passes them through saved_tensors_hooks -- which is how
+        # plumbing.ActivationMeter sees the block input as the block's only activation.
         ctx.is_tensor = [torch.is_tensor(a) for a in args]
         ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
         ctx.save_for_backward(*[a for a, t in zip(args, ctx.is_tensor) if t])
@@ -84,22 +92,41 @@ class Checkpoint(torch.autograd.Function):
         # the recomputation must see the same autocast setting as the first computation
         ctx.autocast = (device, torch.is_autocast_enabled(device),
                         torch.get_autocast_dtype(device))
+        # no_grad: nothing inside fn is recorded, so each intermediate is freed once used.
+        # Traps of running fn graph-free: (1) no RNG state is saved for the replay (as
+        # torch.utils.checkpoint's preserve_rng_state does): fine while this GPT has no
+        # dropout, but a hand-added dropout would drop other units in the recomputation;
+        # (2) side outputs fn leaves for the loss are graph-free too: an MoE block's
+        # aux_loss, read by GPT.loss after the forward, carries no gradient under
+        # --checkpointing full (the recomputed one in backward is never backpropagated).
         with torch.no_grad():
             return fn(*args)
 
     @staticmethod
     def backward(ctx, grad_out):
+        # Fresh leaves: detach() cuts the link to the outer graph (the engine that called
+        # us owns it); requires_grad_ makes the inner backward put d(out)/d(input) in .grad.
         saved = iter(ctx.saved_tensors)
         args = [next(saved).detach().requires_grad_(True) if t else a
                 for a, t in zip(ctx.others, ctx.is_tensor)]
+        # The backward engine runs outside any autocast region: re-enter the forward's, or a
+        # bf16 forward would be recomputed in fp32 and its graph would not be the one the
+        # loss came from (tests/test_train.py, test_checkpointing_replays_autocast).
         device, enabled, dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
             out = ctx.fn(*args)
+        # A nested backward: the parameters inside fn get their gradients accumulated into
+        # .grad right here (so DDP's per-parameter hooks fire inside it), the inputs into
+        # args[i].grad. fn must return ONE tensor: there is one grad_out.
         torch.autograd.backward(out, grad_out)
+        # One gradient per forward input: None for fn and the non-tensors. cos and sin get
+        # one too, which autograd drops (they do not require a gradient).
         return (None,) + tuple(a.grad if t else None for a, t in zip(args, ctx.is_tensor))
 
 
 def checkpointed(fn):
+    """fn, but every call goes through Checkpoint: selective mode wraps the attention core
+    and the SwiGLU product with it, keeping their inputs instead of their outputs."""
     return lambda *args: Checkpoint.apply(fn, *args)
 
 
@@ -108,9 +135,19 @@ def apply_activation_checkpointing(model, mode):
     the attention core (scores, softmax, weighted sum) and the SwiGLU product."""
     for block in model.layers:
         if mode == "full":
+            # Block.forward calls run(self.compute, x, cos, sin, ...): per layer only x
+            # (b·s·h values) stays; backward re-runs the block first -- one extra forward,
+            # ~+33% step time (a step is ~3 forwards' worth: forward 1, backward 2).
             block.run = Checkpoint.apply                  # model.Block's documented seam
         elif mode == "selective":
+            # Only what is big and cheap to redo (Korthikanti et al. 2022, "selective
+            # activation recomputation"): math attention's (b, a, s, s) scores and softmax,
+            # the 5·a·s/h term, and SwiGLU's silu(gate)·up. Matmul outputs stay saved:
+            # recomputing them would cost the FLOPs that dominate the step. With sdpa the
+            # fused kernel keeps no s×s matrix anyway, so the gain is mostly SwiGLU's.
             block.attention.attn_fn = checkpointed(block.attention.attn_fn)
+            # MoE: each routed expert is its own FeedForward. The shared experts
+            # (feed_forward.shared_experts) are not in this list and keep their product.
             ffns = getattr(block.feed_forward, "experts", [block.feed_forward])
             for ffn in ffns:
                 ffn.act_fn = checkpointed(ffn.act_fn)
@@ -128,20 +165,27 @@ class LossScaler:
     after `growth_interval` clean steps, try S·2. (Micikevicius et al. 2018)"""
 
     def __init__(self, init_scale=2.0 ** 16, growth_interval=1000, enabled=True):
+        # 2^16 is torch.amp.GradScaler's initial scale too (its growth interval: 2000).
         self.scale, self.growth_interval, self.enabled = init_scale, growth_interval, enabled
         self.clean_steps, self.skipped = 0, 0
 
     def update(self, found_inf):
         if found_inf:
+            # Overflow: train_step skips this update. Halving finds the largest scale that
+            # does not overflow within a few steps (2^16 -> 2^12 takes four skips).
             self.scale /= 2
             self.clean_steps = 0
             self.skipped += 1
         else:
+            # Probe upward now and then: gradients shrink as training goes on, and a scale
+            # left small since an early overflow would let them underflow again.
             self.clean_steps += 1
             if self.clean_steps % self.growth_interval == 0:
                 self.scale *= 2
 
     def state_dict(self):
+        # Saved with the checkpoint: a resumed fp16 run goes on with the same scale, so it
+        # skips the same steps and its losses equal the uninterrupted run's (tested).
         return dict(scale=self.scale, clean_steps=self.clean_steps, skipped=self.skipped)
 
     def load_state_dict(self, s):
@@ -154,11 +198,16 @@ class MasterWeights:
     rounded to 8 (bf16) or 11 (fp16) significant bits."""
 
     def __init__(self, model, dtype):
+        # only what trains: a frozen parameter needs no fp32 copy
         self.model_params = [p for p in model.parameters() if p.requires_grad]
         # the master copy is taken BEFORE rounding the model's weights (a resumed run must
         # continue from the saved fp32 values, not from their fp16 rounding)
         self.params = [p.detach().float().clone().requires_grad_(True)
                        for p in self.model_params]
+        # A .data swap keeps the same Parameter objects (optimizer lists, hooks and
+        # named_parameters still point at them), now on 16-bit storage. Weights: 2 B/param
+        # here + 4 in the masters = 6 instead of 4; grads 2 instead of 4: still 16 B/param
+        # with Adam, the header's "mixed precision saves no model-state memory".
         for p in self.model_params:       # weights only: the RoPE tables stay fp32
             p.data = p.data.to(dtype)
 
@@ -166,7 +215,11 @@ class MasterWeights:
         """fp32 copies of the gradients, unscaled; returns True if any is inf/NaN."""
         found_inf = False
         for mp, p in zip(self.params, self.model_params):
+            # Unscale AFTER the cast: g·(1/S) computed in fp16 would flush the small values
+            # back to zero, which is what scaling the loss was for.
             g = p.grad.float() * inv_scale
+            # bool() waits for the device once per parameter: simple; torch's GradScaler
+            # keeps the flag on the device (torch._amp_foreach_non_finite_check_and_unscale_).
             found_inf |= not bool(torch.isfinite(g).all())
             mp.grad = g
         return found_inf
@@ -174,6 +227,8 @@ class MasterWeights:
     @torch.no_grad()
     def master_to_model(self):
         for mp, p in zip(self.params, self.model_params):
+            # copy_ rounds to the model's dtype (to nearest): an update too small to change
+            # the 16-bit weight still accumulates in mp and shows up once it is big enough.
             p.copy_(mp)
             mp.grad = None      # the fp32 gradient copy lives only during the step
 
@@ -187,6 +242,10 @@ def learning_rate(step, args):
 
 
 def autocast_ctx(args, device):
+    """--precision autocast-bf16: fp32 weights, matmuls in bf16 (the model casts RMSNorm,
+    the math path's softmax and the cross-entropy to fp32 itself, model.py). Any other
+    precision: a disabled context, so callers need no branch. bf16 needs no loss scale:
+    its range is fp32's."""
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16,
                           enabled=args.precision == "autocast-bf16")
 
@@ -213,12 +272,16 @@ class ExpertLoads:
 
     def after_step(self, model, skipped):
         loads, self.step = self.step, None
-        if skipped:
+        if skipped:                 # fp16 overflow: no update, so no bias step either
             return
+        # Each rank routed different tokens: SUM the (n_layer, n_expert) counts. A
+        # collective, so every rank reaches it in the same step (skips agree: found_inf
+        # is never set under --dp, which refuses fp16).
         if torch.distributed.is_initialized():    # every rank's bias must stay identical
             comm.all_reduce(loads)
         if model.config.moe_balance == "loss_free":
             model.update_expert_bias(loads)
+        # per layer max/mean over the experts, then the mean over the layers
         self.imbalance = float((loads.max(1).values / loads.mean(1)).mean())
 
 
@@ -232,36 +295,56 @@ def train_step(model, optimizer, batches, args, device, scaler=None, master=None
     qk_clip: an optim.QKClip (MuonClip), applied after the update.
     expert_loads: an ExpertLoads (MoE: the step's tokens per expert, the loss-free update).
     Returns (mean loss, activation bytes of one micro-batch, step skipped?)."""
-    if sync is None:
+    if sync is None:        # the world of one: the same interface, no communication
         sync = data_parallel.OneProcess(model, trained_params(model, master))
     if expert_loads is None and model.config.n_expert:
         expert_loads = ExpertLoads()     # a loss-free bias moves whoever calls this
+    # S: the fp16 loss scale, else 1 (fp32, bf16 and autocast need none)
     scale = scaler.scale if scaler is not None and scaler.enabled else 1.0
     total = 0.0
     act_bytes = 0
     for i, (x, y) in enumerate(batches):
+        # DDP's no_sync(): the k-1 earlier micro-steps only accumulate into p.grad, so one
+        # all-reduce per step instead of k (ZeRO-2/3 still reduce-scatter every micro-step)
         sync.set_sync(i == len(batches) - 1)      # communicate on the last micro-step only
         with ActivationMeter(model) as meter, autocast_ctx(args, device):
             _, loss = model(x, y)
+        # what autograd saved for this micro-batch (read before backward frees it); the
+        # max over equal-shaped micro-batches: what gradient accumulation divides by k
         act_bytes = max(act_bytes, meter.bytes)
         if expert_loads is not None:
             expert_loads.observe(model)
+        # loss·S/k: S lifts fp16's small gradients above underflow; 1/k makes the k summed
+        # gradients those of the mean over all k·b sequences, as one big batch would give
+        # (tests/test_train.py, test_gradient_accumulation_equals_one_big_batch).
         (loss * (scale / len(batches))).backward()
+        # .item() is a host-device sync per micro-batch: harmless here, a stall at scale
         total += loss.item() / len(batches)
     sync.finish_grads()                           # data parallel: the gradients averaged
+    # Mixed precision: 16-bit grads -> fp32 masters, unscaled, checked for inf/NaN. fp32 and
+    # autocast have no master copy and no check: an inf gradient there is not caught.
     found_inf = master.grads_to_master(1.0 / scale) if master is not None else False
     if scaler is not None and scaler.enabled:
         scaler.update(found_inf)                  # fp16: inf/NaN -> skip, halve the scale
     if found_inf:
+        # Skip: drop the fp32 grads; the weights, Adam's moments and its step count stay
+        # as they were (test_inf_gradient_skips_step_and_halves_scale). The schedule still
+        # moves on: a skipped step spends its lr and its batch.
         for p in master.params:
             p.grad = None
     else:
+        # Global-norm clipping (GPT-3: 1.0) of what the optimizer steps: the unscaled fp32
+        # grads, or under ZeRO each rank's slice, whose squared norms add up (one scalar
+        # all-reduce, data_parallel.clip_grad_norm). Clipping scaled grads would clip S× early.
         if args.grad_clip > 0:
             sync.clip_grads(args.grad_clip)
         optimizer.step()
         if master is not None:
             master.master_to_model()              # round the fp32 update into the model
         sync.after_step()                         # ZeRO-1/2: gather the updated slices
+    # The fp32 masters are scaled with the model's W_q/W_k (the copies dict), or the next
+    # master_to_model would write the unclipped weights back. It runs on a skipped step too:
+    # the maxima came from forwards that did run.
     if qk_clip is not None:    # MuonClip, with the maxima this step's forwards recorded
         qk_clip.apply(dict(zip(master.model_params, master.params)) if master else None)
     if expert_loads is not None:    # loss-free balancing: an explicit step of its own
@@ -272,13 +355,16 @@ def train_step(model, optimizer, batches, args, device, scaler=None, master=None
 def evaluate(model, corpus, args, device):
     """Mean cross-entropy over eval_iters fixed validation batches (the same batches every
     time): evaluate.py's validation_loss, the one definition every script shares."""
-    return ev.validation_loss(model, corpus.val, args.batch_size, args.seq_len,
+    return scores.validation_loss(model, corpus.val, args.batch_size, args.seq_len,
                               args.eval_iters, args.seed + 1, device, autocast_ctx(args, device))
 
 
 def micro_batches(corpus, args, step, device, rank=0):
     """A batch is a pure function of (seed, step, micro-step, rank): resuming at step k
     sees exactly the data the uninterrupted run saw."""
+    # Batch index step·k + m, and the rank in the generator's seed (data.get_batch): a resume
+    # must keep --grad-accum, --batch-size and the world size, or it draws other batches
+    # (no error: just not the data the uninterrupted run would have seen).
     return [data.get_batch(corpus.train, args.batch_size, args.seq_len, args.seed,
                            step * args.grad_accum + m, rank=rank, device=device)
             for m in range(args.grad_accum)]
@@ -290,6 +376,8 @@ def micro_batches(corpus, args, step, device, rank=0):
 def model_state_report(state, n_params, precision, muon_params=0):
     """Measured bytes per rank vs the textbook formula for this run's dtypes. muon_params:
     the hidden matrices Muon steps (one momentum buffer: 4 B/param instead of Adam's 8)."""
+    # Bytes per parameter of each kind. Adam's 8 = m and v, allocated like the tensor they
+    # follow: the fp32 masters in mixed precision, so 8 whatever the model's dtype.
     if precision in LOW_PRECISION:
         formula = {"params": 2, "grads": 2, "master": 4, "optimizer": 8}
         label = f"{precision} params 2 + grads 2 + fp32 master 4 + Adam 8"
@@ -301,6 +389,8 @@ def model_state_report(state, n_params, precision, muon_params=0):
         want["optimizer"] -= 4 * muon_params
         label += f", Muon 4 on {muon_params:,} hidden-matrix params"
     lines = [f"model state, Ψ = {n_params:,} parameters ({label}):"]
+    # Exact equality is expected: state is measured from the tensors themselves
+    # (plumbing.model_state_bytes), so "!=" means a buffer the formula does not know about.
     for key, per in formula.items():
         ok = "==" if state[key] == want[key] else "!="
         lines.append(f"  {key:<10} measured {state[key]:>12,} B  {ok} formula "
@@ -314,6 +404,9 @@ def model_state_report(state, n_params, precision, muon_params=0):
 def activation_formula(seq, batch, hidden, heads, layers, bytes_per_value=2):
     """Korthikanti et al. 2022, eq. 2: s·b·h·(34 + 5·a·s/h) bytes per layer in 16-bit (a
     GPT-3 block with dropout and a 4h MLP). Scaled by bytes_per_value/2 for fp32."""
+    # 34·sbh: attention 11 (its input, Q, K, V, the output projection's input, a dropout
+    # mask), MLP 19 (with a 4h GELU), two LayerNorm inputs 4; 5·a·s²·b: the scores'
+    # softmax output, its dropout mask and the dropout output, per head -- the s² term.
     per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden)
     return per_layer * layers * bytes_per_value / 2
 
@@ -340,6 +433,8 @@ class Run:
 def build_model(args, rt, resume):
     """The config (the checkpoint's when resuming), the corpus and the model on the device."""
     if resume:
+        # the checkpoint's config wins; model flags that disagree with it were already
+        # refused by resume.check_model_flags (inside find_resume)
         args.preset = resume["args"].get("preset") or "small"   # the banner names it
         cfg = GPTConfig(**resume["config"]).validate()
     else:
@@ -349,16 +444,22 @@ def build_model(args, rt, resume):
                          block_size=args.block_size, attn=args.attn, n_expert=args.n_expert,
                          moe_balance=args.moe_balance, moe_aux_coef=args.moe_aux_coef,
                          moe_bias_rate=args.moe_bias_rate)
+    # The tokenizer is trained on the corpus (and cached) for this vocabulary size. A resume
+    # needs the checkpoint's byte for byte: other merges and every id means another string.
     corpus = data.load_corpus(args.data, vocab_size=args.vocab_size or cfg.vocab_size)
     if resume and data.encoding_to_state(corpus.enc) != resume["tokenizer"]:
         raise UserError(f"the checkpoint was trained on another corpus/tokenizer "
                         f"({resume['corpus']}); pass the same --data and --vocab-size")
+    # --vocab-size other than the preset's, or a corpus that ran out of pairs to merge
+    # (data.train_bpe): the embedding and the head follow the tokenizer's real size.
     if corpus.enc.n_vocab != cfg.vocab_size:
         cfg = get_config(args.preset, **{**asdict(cfg), "vocab_size": corpus.enc.n_vocab})
     args.seq_len = args.seq_len or cfg.block_size
     if args.seq_len > cfg.block_size:
         raise UserError(f"--seq-len {args.seq_len} is longer than the model's context "
                         f"(block_size={cfg.block_size})")
+    # init_weights draws from its own generator seeded with --seed: every data-parallel rank
+    # builds bit-identical weights without a broadcast.
     model = GPT(cfg, seed=args.seed).to(rt.device)
     if resume and not args.dp:      # (a --dp resume reads its shards into the wrapper)
         model.load_state_dict(resume["model"])
@@ -368,11 +469,18 @@ def build_model(args, rt, resume):
 def build_optimizer(args, model, sync, master):
     """AdamW over decay / no-decay groups, or Muon on the hidden matrices + AdamW."""
     if args.optimizer != "muon":
+        # Groups from sync: matrices decay, 1-D norm gains do not; under ZeRO these are flat
+        # slices cut at parameter boundaries. lr is a placeholder: optim.set_lr writes the
+        # schedule's value before every step.
         return torch.optim.AdamW(sync.optimizer_groups(args.weight_decay), lr=args.lr,
                                  betas=(args.beta1, args.beta2), eps=1e-8)
     if args.dp not in (None, "ddp"):
         raise UserError(f"--optimizer muon runs without --dp or with --dp ddp: --dp {args.dp} "
                         "shards flat slices and Newton–Schulz needs whole matrices")
+    # names and trained_params iterate model.parameters() in the same order (requires_grad
+    # only), so the zip gives Muon the fp32 masters under the model's names. No rank or
+    # world_size is passed: under --dp ddp every rank runs Newton–Schulz on every matrix
+    # (optim.Muon's shard() would split that work, one owner per matrix).
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = trained_params(model, master)
     return optim.build_optimizer(zip(names, params), "muon", lr=args.lr,
@@ -383,12 +491,18 @@ def build_optimizer(args, model, sync, master):
 def build(args, rt):
     """-> Run: the model (checkpointed, in its precision, wrapped for --dp), its optimizer
     and loss scaler, the corpus, and where a --resume continues from."""
+    # A torchrun restart (attempt > 0) of a run that saves resumes by itself, but only from
+    # a save of this very launch (resume.find_resume compares launch ids).
     restarted = attempt() != "0" and bool(args.save_interval) and not args.resume
     found = saved.find_resume(args, restarted)
     resume = found[0] if found else None
     model, corpus = build_model(args, rt, resume)
     if resume is None and not restarted and args.save_interval:
         saved.check_overwrite(args, asdict(model.config))    # another run's file: refused
+    # The order below matters: the masters exist before the optimizer (it must step them,
+    # not the 16-bit weights); checkpointing wraps the functions before QKClip wraps them
+    # again (its recorder then sits outside the selective recomputation); --dp wraps the
+    # model before the optimizer, whose groups come from the wrapper's (maybe flat) tensors.
     master = None
     if args.precision in LOW_PRECISION:
         if args.dp:
@@ -401,6 +515,7 @@ def build(args, rt):
     else:
         sync = data_parallel.OneProcess(model, trained_params(model, master))
     optimizer = build_optimizer(args, model, sync, master)
+    # only fp16 scales: bf16's 8 exponent bits cover fp32's range
     scaler = LossScaler(args.loss_scale, args.scale_window, enabled=args.precision == "fp16")
     run_id = resume.get("run_id") if resume else None
     run = Run(model, optimizer, scaler, master, sync, corpus, 0, {"loss": [], "val": []},
@@ -409,6 +524,8 @@ def build(args, rt):
               ExpertLoads() if model.config.n_expert else None)
     if resume:
         _, full, where = found
+        # Adam's m, v and step counts continue: fresh moments would re-run Adam's bias
+        # correction from t = 1 and the losses would part from the uninterrupted run's.
         if args.dp:
             data_parallel.apply_generation(full, where, sync, optimizer, rt.rank)
         else:
@@ -416,6 +533,7 @@ def build(args, rt):
         scaler.load_state_dict(resume["scaler"])
         run.step = resume["step"]
         run.history = resume["history"]
+        # last, so that nothing drawn while building shifts the restored streams
         saved.restore_rng_state(resume["rng"])
     return run
 
@@ -437,6 +555,9 @@ def banner(args, rt, run, n_params, tokens_per_step):
            f"{corpus.bytes_per_token:.2f} bytes/token | {tokens_per_step:,} tokens/step | "
            f"{args.precision}, checkpointing {args.checkpointing}, device {rt.device}"
            + (f" | --dp {args.dp} on {rt.world_size} ranks" if args.dp else ""))
+    # Two yardsticks for the log: log V, the loss of a uniform guess, where step 1 should
+    # start (N(0, 0.02) weights give near-uniform logits), and the unigram loss of a model
+    # that ignores context, which a trained GPT must beat (tests/test_train.py).
     if run.step == 0:
         baseline = data.unigram_baseline_loss(corpus.train, corpus.val, cfg.vocab_size)
         run.history["unigram"] = baseline
@@ -448,15 +569,19 @@ def crash_on_purpose(args, rt, step):
     """--crash-at-step: the last rank leaves abruptly (first attempt only), like a lost
     node; --hang-at-step: it stops itself (SIGSTOP), like a frozen one. Under torchrun
     --max-restarts both show a restart and a resume."""
+    # First attempt only: the restarted attempt must get past this step, or torchrun
+    # would restart into the same crash until --max-restarts runs out.
     if rt.rank != rt.world_size - 1 or attempt() != "0":
         return
     if args.crash_at_step == step:
         print(f"rank {rt.rank}: crashing on purpose at step {step} (--crash-at-step)",
               flush=True)
-        os._exit(1)
+        os._exit(1)         # no cleanup, no flush: what a lost node looks like to its peers
     if args.hang_at_step == step:
         print(f"rank {rt.rank} (pid {os.getpid()}): stopping itself at step {step} "
               "(--hang-at-step)", flush=True)
+        # SIGSTOP cannot be caught: the process freezes with its sockets open, and its
+        # peers wait in the next collective until --timeout ends the job (status 3).
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
@@ -468,6 +593,10 @@ def log_line(args, rt, run, loss, lr, timer, state, act_bytes, sent_per_step, sk
             f"{'/rank' if args.dp else ''} | act {fmt_bytes(act_bytes)}")
     if args.dp:
         line += f" | sent {fmt_bytes(sent_per_step)}/step"
+    # MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM): FLOPs per token (6N + 12·L·d·T)
+    # × tokens/s over the peak of all world_size GPUs. Checkpointing's recomputation is not
+    # model FLOPs (counting it gives "hardware FLOPs utilisation"), so --checkpointing full
+    # shows a lower MFU for the same busy GPU: ~6N of work in a ~8N step, about 3/4.
     peak = gpu_peak_flops(rt.device)
     if peak:
         flops = run.model.flops_per_token(args.seq_len) * tokens_per_step / timer.seconds
@@ -487,12 +616,15 @@ def train(args, rt):
     run = build(args, rt)
     with torch.device("meta"):      # count from the config: ZeRO-3/FSDP hold only shards
         n_params = GPT(run.model.config, seed=None).num_params()
+    # the global batch in tokens: b·T per micro-batch, k micro-batches, on every rank
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * rt.world_size
     banner(args, rt, run, n_params, tokens_per_step)
     if args.save_interval:        # a read-only or full disk: now, not at the first save
         check_writable(os.path.dirname(os.path.abspath(args.ckpt)),
                        saved.checkpoint_bytes(n_params, args))
     first_step = run.step
+    # --stop-after ends this invocation early, but the schedule keeps --steps as its length,
+    # so a resumed run continues the same cosine (test_resume_reproduces_the_uninterrupted_run)
     last = min(args.steps, first_step + (args.stop_after or args.steps))
     if first_step and first_step >= args.steps:
         print0(f"nothing to do: the checkpoint is already at step {first_step} of --steps "
@@ -504,9 +636,12 @@ def train(args, rt):
     with GracefulStop() as stop:    # Ctrl-C: finish the step, save, say how to resume
         while run.step < last:
             crash_on_purpose(args, rt, run.step)
+            # every group's lr (× its lr_scale: Muon's own) is written before each step
             lr = learning_rate(run.step, args)
             optim.set_lr(run.optimizer, lr)
             batches = micro_batches(run.corpus, args, run.step, rt.device, rt.rank)
+            # bytes this rank put on the wire in the step: plumbing.comm counts the collectives
+            # it wraps (FSDP2's run inside PyTorch and are not seen)
             wire_before = comm.total_wire
             with StepTimer(rt.device) as timer:
                 loss, act_bytes, skipped = train_step(run.model, run.optimizer, batches, args,
@@ -516,7 +651,8 @@ def train(args, rt):
             if run.expert_loads is not None and not skipped:
                 run.history.setdefault("imbalance", []).append(run.expert_loads.imbalance)
             state = state_rows(run, rt)        # measured while the gradients still exist
-            run.sync.zero_grad()
+            run.sync.zero_grad()        # set to None: freed until the next backward
+            # A collective every rank makes every step: skip it on one rank and all hang.
             loss, signum = global_mean(loss, rt, stop.signum)   # every rank stops together
             run.history["loss"].append(loss)
             run.step += 1
@@ -525,10 +661,14 @@ def train(args, rt):
                 print0(log_line(args, rt, run, loss, lr, timer, state, act_bytes,
                                 sent / (run.step - first_step), skipped, tokens_per_step)
                        + f" | eta {fmt_duration(per_step * (last - run.step))}")
+            # every rank evaluates (a ZeRO-3 forward gathers weights: a collective), all on the
+            # same fixed batches -- the rank is not in their seed
             if run.step % args.eval_interval == 0 or run.step == args.steps:
                 val = evaluate(run.model, run.corpus, args, rt.device)
                 run.history["val"].append((run.step, val))
                 print0(f"step {run.step:4d} | val loss {val:.4f}")
+            # on the interval, at this invocation's last step, or after a signal; under --dp
+            # every rank writes its own shard, so every rank takes this branch together
             if args.save_interval and (run.step % args.save_interval == 0 or
                                        run.step == last or signum):
                 saved.save(args, rt, run)
@@ -552,7 +692,7 @@ def train(args, rt):
 
 def loss_curve(args, history):
     """The training loss of every step and the validation losses, as an SVG next to the
-    checkpoint (plots.py: written by hand, one point per step). -> its path."""
+    checkpoint (core/plots.py: written by hand, one point per step). -> its path."""
     series = {"train": list(enumerate(history["loss"], start=1)),
               "val": [(step, val) for step, val in history["val"]]}
     name = os.path.splitext(os.path.basename(args.ckpt))[0] + "_loss"
@@ -592,10 +732,14 @@ def global_mean(value, rt, signum=0):
     so every rank stops after the same step (SIGINT wins over SIGTERM)."""
     if not rt.distributed:
         return value, signum
+    # The loss and two 0/1 flags in ONE all-reduce (SUM): a flag > 0 means some rank got
+    # that signal. float64: the flags stay exact and the loss sum loses nothing. On the
+    # rank's device, because NCCL moves CUDA tensors only.
     t = torch.tensor([value, signum == signal.SIGINT, signum == signal.SIGTERM],
                      dtype=torch.float64, device=rt.device)
     comm.all_reduce(t)
     signum = signal.SIGINT if t[1] else signal.SIGTERM if t[2] else 0
+    # ÷ N: every rank's loss is a mean over the same number of tokens
     return float(t[0]) / rt.world_size, int(signum)
 
 
@@ -610,8 +754,12 @@ def stopped(args, run, signum):
 
 
 def sample(model, enc, args, device):
+    """The end-of-run sample, printed by rank 0 (every rank runs generate: a sharded
+    model's forward is collective). sample.py does the same from a saved checkpoint."""
     model.eval()
     prompt = enc.encode_ordinary(args.prompt)
+    # the room left in the context; a --prompt longer than block_size fails in the
+    # forward -- one error line, after the checkpoint was saved
     n = min(args.sample_tokens, model.config.block_size - len(prompt))
     with autocast_ctx(args, device):
         out = model.generate(prompt, n, temperature=args.temperature, top_k=args.top_k,
@@ -662,6 +810,11 @@ def add_data_flags(p):
 
 def add_optimizer_flags(p):
     g = p.add_argument_group("optimisation")
+    # GPT-3's recipe (Brown et al. 2020, appendix B): β2 0.95 (not Adam's 0.999: v tracks
+    # the gradients' scale within ~20 steps, so a burst of large gradients cannot make
+    # m/√v large for long), weight decay 0.1, clipping at norm 1.0, cosine to 10% of
+    # the peak (min-lr = lr/10). The peak is 5× GPT-3 Small's 6e-4: small models take
+    # larger steps, and the 600-step demo needs them.
     g.add_argument("--steps", type=int, default=600, help="optimizer steps")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=3e-4, help="final learning rate")
@@ -697,6 +850,8 @@ def add_data_parallel_flags(p):
     g.add_argument("--dp", default=None, choices=data_parallel.MODES,
                    help="ddp, zero1, zero2, zero3 (by hand) or fsdp (PyTorch's fully_shard); not "
                         "given: one process")
+    # 1 MB, not PyTorch DDP's 25: `small`'s ~3.9M fp32 gradients (~16 MB) would fill one
+    # 25 MB bucket, launched only when backward ends -- nothing left to overlap with.
     g.add_argument("--bucket-mb", type=float, default=1.0, help="ddp gradient bucket size")
     g.add_argument("--crash-at-step", type=int, default=-1, help="the last rank exits abruptly "
                    "at this step (first attempt only): try it under torchrun --max-restarts=1")
@@ -729,51 +884,45 @@ def add_run_flags(p):
     g.add_argument("--prompt", default="def ", help="prompt of the final sample")
     g.add_argument("--temperature", type=float, default=0.8, help="final sample's temperature")
     g.add_argument("--top-k", type=int, default=50, help="final sample's top-k")
-    g.add_argument("--estimate", action="store_true", help="print the memory formulas for "
-                   "--params parameters on --gpus ranks and exit")
-    g.add_argument("--params", default="7B", help="--estimate: parameter count (7B, 1.5e9)")
-    g.add_argument("--gpus", type=int, default=64, help="--estimate: data-parallel ranks")
-    g.add_argument("--est-shape", default="32,4096,32,4096,1",
-                   help="layers,hidden,heads,seq,batch for --estimate's activation rows")
-    g.add_argument("--bench-steps", type=int, default=3, help="steps per bench row")
 
 
-def parse_args(argv=None):
-    p = ArgumentParser(
-        description="Train the shared GPT (single process; distributed modes: see README).",
-        formatter_class=HelpFormatter)
-    p.add_argument("mode", nargs="?", default="train", choices=["train", "bench"],
-                   help="train, or bench: measure each technique's cost against fp32")
+def build_parser(description):
+    """Every flag group of the loop; scripts/train_bench.py adds its own group to these."""
+    p = ArgumentParser(description=description, formatter_class=HelpFormatter)
     add_model_flags(p)
     add_data_flags(p)
     add_optimizer_flags(p)
     add_memory_flags(p)
     add_data_parallel_flags(p)
     add_run_flags(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def check_args(args):
+    """The counts that must be >= 1 and a positive --timeout, one line each."""
     require_at_least_one(args, ("steps", "batch_size", "grad_accum", "log_interval",
                                 "eval_interval", "eval_iters", "warmup_steps", "keep"))
     if args.timeout is not None and args.timeout <= 0:
         raise UserError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-    if args.mode == "bench" and args.attn is None:
-        args.attn = "math"     # so the s² attention scores show up in the activation column
     return args
+
+
+def parse_args(argv=None):
+    p = build_parser("Train the shared GPT (single process; distributed modes: see README). "
+                     "What each technique costs, measured: python -m scripts.train_bench.")
+    return check_args(p.parse_args(argv))
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.estimate or args.mode == "bench":
-        import train_bench      # measuring the techniques (it imports this file): at the call
-    if args.estimate:
-        return train_bench.estimate(args)
     rt = setup_runtime(args.device, args.timeout)
-    if args.dp and not rt.distributed and args.mode != "bench":
+    if args.dp and not rt.distributed:
         raise UserError(f"--dp {args.dp} needs processes to talk to: launch with "
                         f"torchrun --standalone --nproc_per_node=N train.py --dp {args.dp} ...")
-    if rt.world_size > 1 and not args.dp and args.mode != "bench":
+    if rt.world_size > 1 and not args.dp:
         raise UserError(f"{rt.world_size} processes but no --dp mode: choose one of "
                         f"{', '.join(data_parallel.MODES)}")
-    return train_bench.bench(args, rt) if args.mode == "bench" else train(args, rt)
+    return train(args, rt)
 
 
 if __name__ == "__main__":

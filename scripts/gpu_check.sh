@@ -41,10 +41,10 @@ cat "$OUT/env.txt"
 step "gpu tier" pytest_gpu.log python -m pytest -m gpu -rA --durations=0
 step "multigpu tier" pytest_multigpu.log python -m pytest -m multigpu -rA --durations=0
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    step "gpu bench" gpu_bench.log python gpu_bench.py --out-dir "$OUT/bench"
+    step "gpu bench" gpu_bench.log python -m scripts.gpu_bench --out-dir "$OUT/bench"
 else
     step "gpu bench (no CUDA: toy size on the CPU)" gpu_bench.log \
-        python gpu_bench.py --device cpu --tiny --threads 1 --out-dir "$OUT/bench"
+        python -m scripts.gpu_bench --device cpu --tiny --threads 1 --out-dir "$OUT/bench"
 fi
 echo "logs in $OUT; status $status"
 exit $status

@@ -1,5 +1,5 @@
 """
-Run each command line given on argv (e.g. "quantize.py gptq") twice in this one process --
+Run each command line given on argv (e.g. "quantize.py gptq", "-m scripts.serve_bench") twice in this one process --
 with --help, and with a mistyped flag -- and print one JSON object per command: the exit
 statuses, each flag's help entry, and what the mistyped flag printed. tests/test_cli.py
 starts it once for every script (importing torch once instead of thirty times).
@@ -16,13 +16,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(argv):
-    """-> (exit status, everything printed) of `python argv...`, run in this process."""
+    """-> (exit status, everything printed) of `python argv...` (a script of the repo, or
+    `-m package.module` as run from the repo root), run in this process."""
     out = io.StringIO()
+    module = argv[1] if argv[0] == "-m" else None
+    if module:
+        argv = [os.path.join(ROOT, *module.split(".")) + ".py", *argv[2:]]
     sys.argv = list(argv)
     status = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            runpy.run_path(os.path.join(ROOT, argv[0]), run_name="__main__")
+            if module:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(os.path.join(ROOT, argv[0]), run_name="__main__")
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     return status, out.getvalue()

@@ -12,7 +12,7 @@ import sys
 import torch
 
 import parallel
-from plumbing import UserError, print0, setup_runtime
+from core.plumbing import UserError, print0, setup_runtime
 
 COMMON = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--steps", "2",
           "--warmup-steps", "1", "--check"]

@@ -14,9 +14,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-import pipeline
+from parallelism import pipeline
 from model import GPT, get_config
-from plumbing import UserError, print0, setup_runtime
+from core.plumbing import UserError, print0, setup_runtime
 
 SEQ, MB = 16, 2
 rt = setup_runtime("cpu")

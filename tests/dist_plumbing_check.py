@@ -6,7 +6,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from plumbing import comm, print0, setup_runtime, teardown_runtime
+from core.plumbing import comm, print0, setup_runtime, teardown_runtime
 
 rt = setup_runtime("cpu")
 r, n = rt.rank, rt.world_size

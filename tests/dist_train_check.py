@@ -13,7 +13,7 @@ import sys
 import torch
 
 import train
-from plumbing import Runtime, print0, setup_runtime
+from core.plumbing import Runtime, print0, setup_runtime
 
 what, tmp, data_path = sys.argv[1:4]
 STEPS = 5

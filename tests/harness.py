@@ -34,17 +34,27 @@ def in_repo(script):
     return os.path.join(ROOT, script)
 
 
+def script_argv(script):
+    """"train.py" -> [its absolute path]; "-m scripts.serve_bench" -> ["-m", the module]
+    (an entry point under a folder, run as a module; PYTHONPATH makes the repo importable
+    from the temporary working folder, as the repo root does for a reader)."""
+    script = str(script)
+    if script.startswith("-m "):
+        return ["-m", script[3:].strip()]
+    return [in_repo(script)]
+
+
 def run_python(script, args=(), timeout=120, env=None, cwd=None):
-    """`python script args...` as a user would type it. cwd None: the session's working
-    folder (a temporary one, see the module docstring)."""
-    return _run([sys.executable, in_repo(script), *map(str, args)], timeout, env, cwd)
+    """`python script args...` (or `python -m module args...`) as a user would type it.
+    cwd None: the session's working folder (a temporary one, see the module docstring)."""
+    return _run([sys.executable, *script_argv(script), *map(str, args)], timeout, env, cwd)
 
 
 def torchrun(script, args=(), nproc=2, timeout=180, env=None, cwd=None, extra=()):
     """`torchrun --standalone --nproc_per_node=nproc script args...` on the CPU.
     extra: more torchrun flags (e.g. --max-restarts=1)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", *extra, in_repo(script), *map(str, args)]
+           f"--nproc_per_node={nproc}", *extra, *script_argv(script), *map(str, args)]
     return _run(cmd, timeout, env, cwd)
 
 

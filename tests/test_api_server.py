@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-import data
-import openai_api
-from api_server import make_server
+from core import data
+from serving import openai_api
+from serving.api_server import make_server
 from model import GPT, get_config
 from serve import Engine, SamplingParams, decode_tokens
 

@@ -10,28 +10,31 @@ import pytest
 
 from harness import run_python
 
-# Every command line with flags of its own: a script, or a script and its subcommand.
+# Every command line with flags of its own: a script, or a script and its subcommand, or an
+# entry point under a folder run as a module from the repo root (`python -m scripts.X`).
 COMMANDS = [
-    "train.py", "data.py", "sample.py", "optim.py",
-    "parallel.py", "parallel.py plan", "pipeline.py",
+    "train.py", "-m core.data", "sample.py", "optim.py",
+    "parallel.py", "parallel.py plan", "-m parallelism.pipeline",
     "lora.py", "rl.py", "spec_decode.py",
-    "kvcache.py", "serve.py", "serve.py bench",
+    "kvcache.py", "serve.py", "-m scripts.serve_bench",
     "quantize.py rtn", "quantize.py gptq", "quantize.py awq", "quantize.py smoothquant",
     "quantize.py qat", "quantize.py prune", "quantize.py compare",
-    "evaluate.py ppl", "evaluate.py task", "evaluate.py calibration",
-    "evaluate.py uncertainty", "evaluate.py contamination",
-    "curate.py stats", "curate.py dedup", "curate.py filter", "curate.py mix",
-    "curate.py sweep",
-    "gpu_bench.py", "model.py export", "model.py convert",
-    "mla.py", "streaming.py measure", "streaming.py generate",
+    "evaluate.py ppl", "evaluate.py task", "-m scripts.calibration",
+    "-m scripts.uncertainty", "-m scripts.contamination",
+    "curate.py stats", "curate.py dedup", "curate.py filter", "-m scripts.curate_mix",
+    "-m scripts.curate_sweep",
+    "-m scripts.gpu_bench", "-m core.checkpoint export", "-m core.checkpoint convert",
+    "-m scripts.mla_bench", "streaming.py measure", "streaming.py generate",
     "disagg.py run", "disagg.py bench", "kv_router.py bench",
+    "-m scripts.train_bench", "-m scripts.lora_estimate",
 ]
 # Modules that are read, not run: --help says so and names the command that runs them.
 LIBRARIES = [
-    "plumbing.py", "resume.py", "train_bench.py", "moe.py", "plots.py", "nf4.py", "openai_api.py", "planner.py",
-    "tensor_parallel.py", "ring_attention.py", "parallel_check.py",
-    "calibrated.py", "qat.py", "prune.py", "uncertainty.py", "contamination.py",
-    "calibration.py", "curate_sweep.py", "curate_mix.py", "lora_estimate.py", "rl_ledger.py",
+    "-m core.plumbing", "-m training.resume", "-m core.moe", "-m core.plots",
+    "-m compression.nf4", "-m serving.openai_api", "-m parallelism.planner",
+    "-m parallelism.tensor_parallel", "-m parallelism.ring_attention",
+    "-m parallelism.parallel_check", "-m compression.calibrated", "-m compression.qat",
+    "-m compression.prune",
 ]
 
 

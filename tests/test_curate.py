@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 
 import curate
-import curate_mix
-import curate_sweep
-import data
+from scripts import curate_mix
+from scripts import curate_sweep
+from core import data
 from harness import run_python
 from model import GPT, get_config
-from plumbing import UserError
+from core.plumbing import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -310,8 +310,12 @@ def test_empty_domain_is_an_error():
     (["mix", "--tokens", "-5"], "--tokens"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
+    """curate.py's modes, and the mixture and the sweep (scripts/curate_mix.py,
+    scripts/curate_sweep.py, built on curate.py's flags)."""
+    mains = {"mix": curate_mix.main, "sweep": curate_sweep.main}
+    main = mains.get(argv[0], curate.main)
     with pytest.raises(SystemExit) as e:
-        curate.run_cli(curate.main, argv)
+        curate.run_cli(main, argv[1:] if argv[0] in mains else argv)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("error:") and message in err and "\n" not in err
 
@@ -370,7 +374,7 @@ def test_mix_writes_a_file_train_py_reads(tmp_path):
     """`mix` end to end on a small subset: documents separated by EOT, the manifest's
     tokens are the union tokenizer's count, and data.read_documents accepts the file."""
     out = tmp_path / "cur"
-    r = run_python("curate.py", ["mix", "--weights", "lib=0.5,tests=0.3,arith=0.2", "--max-bytes-per-domain",
+    r = run_python("-m scripts.curate_mix", ["--weights", "lib=0.5,tests=0.3,arith=0.2", "--max-bytes-per-domain",
                                  "40000", "--arith-docs", "20", "--vocab-size", "300", "--tokens", "100000",
                                  "--out-dir", str(out)],
                    timeout=600)
@@ -403,7 +407,10 @@ def test_train_on_reads_the_stream_and_learns_it():
 @pytest.mark.parametrize("mode", ["stats", "dedup", "filter", "mix", "sweep"])
 def test_help_shows_every_default_once(mode, capsys):
     with pytest.raises(SystemExit) as e:
-        curate.parse_args([mode, "--help"])
+        if mode in ("mix", "sweep"):
+            {"mix": curate_mix.main, "sweep": curate_sweep.main}[mode](["--help"])
+        else:
+            curate.parse_args([mode, "--help"])
     out = capsys.readouterr().out
     flags = [line for line in out.splitlines() if line.startswith("  --")]
     stated = out.count("(default:") + out.count("not given")

@@ -1,4 +1,4 @@
-"""Tests for data.py: tokenizer (trainer vs a from-scratch reference, tiktoken agreement,
+"""Tests for core/data.py: tokenizer (trainer vs a from-scratch reference, tiktoken agreement,
 round trips, cache), corpus, batches, baseline, the arithmetic task, errors, CLI."""
 import math
 import os
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
+from core import data  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNICODE_SAMPLES = [
@@ -319,8 +319,8 @@ def test_task_scoring():
 
 # ---------------------------------------------------------------------------- CLI
 def run_cli(*args, cache):
-    env = dict(os.environ, NANOSCALE_CACHE=str(cache))
-    return subprocess.run([sys.executable, os.path.join(REPO, "data.py"), *args], env=env,
+    env = dict(os.environ, NANOSCALE_CACHE=str(cache), PYTHONPATH=REPO)
+    return subprocess.run([sys.executable, "-m", "core.data", *args], env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -13,13 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import data
-import contamination
+from core import data
+from scripts import calibration
+from scripts import contamination
 import evaluate as ev
-import uncertainty
+from core import scores
+from scripts import uncertainty
 from model import GPT, get_config
-from plots import svg_bar_chart, svg_line_plot, terminal_bars, terminal_plot
-from plumbing import UserError, run_cli
+from core.plots import svg_bar_chart, svg_line_plot, terminal_bars, terminal_plot
+from core.plumbing import UserError, run_cli
 
 BYTES = data.make_encoding({bytes([i]): i for i in range(256)})
 
@@ -127,7 +129,7 @@ def test_continuation_logprobs_equal_a_plain_forward():
     c1, c2, c3 = rand(5), rand(5), rand(9)
     pairs = [(c1, rand(1)), (c1, rand(4)), (c2, rand(3)), (c3, rand(2)), (c1, rand(6)), (c3, rand(1))]
     for reuse in (True, False):
-        lps, logits = ev.continuation_logprobs(model, pairs, reuse_cache=reuse, keep_logits=True,
+        lps, logits = scores.continuation_logprobs(model, pairs, reuse_cache=reuse, keep_logits=True,
                                                chunk=4)
         for (ctx, cont), lp, lg in zip(pairs, lps, logits):
             full = model(torch.tensor([ctx + cont]))[0][0]          # plain forward, alone
@@ -136,7 +138,7 @@ def test_continuation_logprobs_equal_a_plain_forward():
             torch.testing.assert_close(lg, full[len(ctx) - 1:-1], atol=1e-5, rtol=1e-5)
             assert lp.sum().item() == pytest.approx(want.sum().item(), abs=1e-4)
     with pytest.raises(UserError):
-        ev.continuation_logprobs(model, [(c1, [])])
+        scores.continuation_logprobs(model, [(c1, [])])
 
 
 def rigged(seed=0):
@@ -147,7 +149,7 @@ def rigged(seed=0):
         model.output.weight[10] += 0.2 * torch.randn(model.config.n_embd,
                                                      generator=torch.Generator().manual_seed(seed))
     problems = data.make_problems(40, 0, 2, "+", "test")
-    outs = ev.greedy_answers(model, BYTES, problems, 8)
+    outs = scores.greedy_answers(model, BYTES, problems, 8)
     fixed = [data.Problem(p.prompt, data.extract_answer(BYTES.decode(o))) if 10 in o and i % 2 else p
              for i, (p, o) in enumerate(zip(problems, outs))]
     return model, fixed
@@ -187,25 +189,25 @@ def test_api_reproduces_lora_rl_and_train():
     loops (copied above / rl's sampler), and the scripts now return the shared numbers."""
     import lora, rl, train
     model, problems = rigged()
-    em = ev.exact_match(model, BYTES, problems)
+    em = scores.exact_match(model, BYTES, problems)
     assert 0 < em < 1
     pairs = [(BYTES.encode_ordinary(p.prompt), BYTES.encode_ordinary(p.answer + data.TERMINATOR))
              for p in problems]
     old_em, old_loss = lora_exact_match_as_it_was(model, BYTES, problems, pairs)
     assert em == old_em
-    assert ev.answer_loss(model, BYTES, problems) == pytest.approx(old_loss, abs=1e-5)
-    assert lora.evaluate(model, BYTES, problems) == (em, ev.answer_loss(model, BYTES, problems))
+    assert scores.answer_loss(model, BYTES, problems) == pytest.approx(old_loss, abs=1e-5)
+    assert lora.evaluate(model, BYTES, problems) == (em, scores.answer_loss(model, BYTES, problems))
     nl = BYTES.encode_ordinary(data.TERMINATOR)[0]
     prompts = [BYTES.encode_ordinary(p.prompt) for p in problems]
     old_greedy, _ = rl.sample(model, prompts, 1, 0, 8, list(range(len(problems))), nl)
-    assert ev.greedy_answers(model, BYTES, problems, 8) == old_greedy
+    assert scores.greedy_answers(model, BYTES, problems, 8) == old_greedy
     got = rl.evaluate(model, BYTES, problems, k=2, max_new=8)
-    assert ev.exact_match(model, BYTES, problems, 8) == got["greedy"]
+    assert scores.exact_match(model, BYTES, problems, 8) == got["greedy"]
     assert got["greedy_out"] == old_greedy
     tokens = np.random.default_rng(0).integers(0, 256, 3000).astype(np.uint16)
     args = types.SimpleNamespace(eval_iters=3, batch_size=2, seq_len=16, seed=4, precision="fp32")
     want = train_validation_loss_as_it_was(model, tokens, args)
-    assert ev.validation_loss(model, tokens, 2, 16, 3, 5, "cpu") == pytest.approx(want, abs=1e-6)
+    assert scores.validation_loss(model, tokens, 2, 16, 3, 5, "cpu") == pytest.approx(want, abs=1e-6)
     got = train.evaluate(model, types.SimpleNamespace(val=tokens), args, "cpu")
     assert got == pytest.approx(want, abs=1e-6)
 
@@ -227,9 +229,15 @@ def test_ngram_detector_finds_exactly_the_planted_items():
     assert ev.auroc(contamination.ngram_overlap(dirty, items, 13), planted) == 1.0
 
 
+# evaluate.py's modes, and the experiments built on it (scripts/: their own entry points)
+EXPERIMENTS = {"calibration": calibration.main, "uncertainty": uncertainty.main,
+               "contamination": contamination.main}
+
+
 def run(argv, capsys):
+    main = EXPERIMENTS.get(argv[0])
     with pytest.raises(SystemExit) as info:
-        run_cli(ev.main, argv)
+        run_cli(main or ev.main, argv[1:] if main else argv)
     err = capsys.readouterr().err.strip()
     return info.value.code, err
 
@@ -249,10 +257,10 @@ def test_bad_input_is_one_clear_error(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_contamination_experiment_prints_planted_vs_clean(capsys, tmp_path):
-    argv = ["contamination", "--checkpoint", "none", "--task-preset", "tiny", "--sft-steps", "20",
+    argv = ["--checkpoint", "none", "--task-preset", "tiny", "--sft-steps", "20",
             "--eval-problems", "60", "--planted", "10", "--repeats", "3", "--ft-clean", "40",
             "--bootstrap", "20", "--out", str(tmp_path), "--plots", str(tmp_path)]
-    result = ev.main(argv)
+    result = contamination.main(argv)
     out = capsys.readouterr().out
     assert "planted acc" in out and "contaminated" in out and "control (clean)" in out
     assert 0 <= result["contaminated"]["planted"] <= 1

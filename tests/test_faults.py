@@ -12,8 +12,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import data_parallel
-import resume as saved
+from training import data_parallel
+from training import resume as saved
 import train
 from harness import ROOT, in_repo, run_python, torchrun
 from model import GPT, get_config
@@ -139,7 +139,7 @@ def test_a_shard_from_another_save_is_refused(tmp_path):
 def one_save(root, step=2, world=1):
     """A sharded save of a tiny model in a 1-rank ZeRO-1 layout (no process group needed);
     its meta has every key a resume reads (placeholders where this test needs none)."""
-    from plumbing import Runtime
+    from core.plumbing import Runtime
     zero = data_parallel.ZeRO(GPT(get_config("tiny"), seed=step), 1, 0, 1)
     opt = torch.optim.AdamW(zero.optimizer_groups(0.1))
     meta = dict(world_size=world, step=step, save_id=f"run/step_{step}", run_id="run",
@@ -222,7 +222,7 @@ def test_sigint_one_process_saves_and_resumes(text_file, tmp_path):
 
 SECOND_SIGNAL = """
 import os, signal, sys, time
-from plumbing import GracefulStop
+from core.plumbing import GracefulStop
 with GracefulStop() as stop:
     os.kill(os.getpid(), signal.SIG{first})
     time.sleep(0.2)                      # handlers run between bytecodes
@@ -378,7 +378,7 @@ def test_a_fresh_run_refuses_to_write_over_another_run(tmp_path):
     not a checkpoint are refused in one line naming the way out; a finished run of the
     same configuration, a missing file and --overwrite are not."""
     import argparse
-    from plumbing import UserError
+    from core.plumbing import UserError
     path = str(tmp_path / "ckpt.pt")
     tiny = asdict(get_config("tiny"))
     args = argparse.Namespace(ckpt=path, overwrite=False)

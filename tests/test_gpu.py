@@ -33,24 +33,24 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data                                                       # noqa: E402
+from core import data                                                       # noqa: E402
 import evaluate                                                   # noqa: E402
 import lora                                                       # noqa: E402
-import nf4                                                        # noqa: E402
+from compression import nf4                                                        # noqa: E402
 import optim                                                      # noqa: E402
 import parallel                                                   # noqa: E402
-import pipeline                                                   # noqa: E402
+from parallelism import pipeline                                                   # noqa: E402
 import rl                                                         # noqa: E402
 import serve                                                      # noqa: E402
 import spec_decode as sd                                          # noqa: E402
 import train                                                      # noqa: E402
 from harness import ROOT, in_repo, run_python, torchrun                    # noqa: E402
 from kvcache import BlockAllocator, PagedKVCache, paged_logits    # noqa: E402
-from model import (GPT, KVCache, get_config, load_model, math_attention,  # noqa: E402
-                   sdpa_attention)
-from plumbing import (ActivationMeter, Runtime, StepTimer, comm, model_state_bytes,  # noqa: E402
-                      print0, setup_runtime)
-from ring_attention import make_ring_attn_fn                      # noqa: E402
+from core.checkpoint import load_model
+from model import GPT, KVCache, get_config, math_attention, sdpa_attention
+from core.plumbing import (ActivationMeter, Runtime, StepTimer, comm, model_state_bytes, print0,
+                           setup_runtime)
+from parallelism.ring_attention import make_ring_attn_fn                      # noqa: E402
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")
 CPU = pytest.param("cpu", id="cpu")          # the self-check: the same body, on this machine
@@ -419,9 +419,9 @@ def tiny_checkpoint(path, block_size=256):
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ON_GPU)
 def test_serve_bench_cli_baselines_match(device, tmp_path):
-    """serve.py bench --device cuda: static batching and both engine policies reproduce
+    """python -m scripts.serve_bench --device cuda: static batching and both engine policies reproduce
     sequential generate() for every request; the roofline section runs."""
-    r = run_python("serve.py", ["bench", "--checkpoint", tiny_checkpoint(tmp_path / "t.pt"),
+    r = run_python("-m scripts.serve_bench", ["--checkpoint", tiny_checkpoint(tmp_path / "t.pt"),
                                 "--device", device, "--num-requests", "8", "--prompt-len",
                                 "4:20", "--output-len", "4:30", "--block-size", "4",
                                 "--num-blocks", "80", "--max-num-batched-tokens", "32",

@@ -21,7 +21,7 @@ def table_of(output):
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu), "cpu"])
 def test_tiny_run_prints_the_table(device, text_file, tmp_path):
-    r = run_python("gpu_bench.py", TINY + ["--device", device, "--data", text_file,
+    r = run_python("-m scripts.gpu_bench", TINY + ["--device", device, "--data", text_file,
                                            "--out-dir", tmp_path], timeout=300)
     assert r.returncode == 0, r.output[-3000:]
     table = table_of(r.output)
@@ -42,6 +42,6 @@ def test_tiny_run_prints_the_table(device, text_file, tmp_path):
 
 
 def test_bad_flags_are_one_line_errors(tmp_path):
-    r = run_python("gpu_bench.py", ["--spec-methods", "nope", "--out-dir", tmp_path], timeout=60)
+    r = run_python("-m scripts.gpu_bench", ["--spec-methods", "nope", "--out-dir", tmp_path], timeout=60)
     assert r.returncode == 2 and "error: unknown spec method 'nope'" in r.output, r.output
     assert "Traceback" not in r.output

@@ -9,9 +9,9 @@ import kv_router
 from harness import run_python
 from kv_router import PrefixGroups, Replica, Router, simulate, summarize
 from model import GPT, get_config
-from plumbing import UserError
+from core.plumbing import UserError
 from serve import Engine
-from serve_bench import AgentSessions
+from scripts.serve_bench import AgentSessions
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
 

@@ -4,6 +4,7 @@ Face's rotate-half layout, checked against an independent rotate-half Llama forw
 imports to the same logits; tokenizer.json's merges reproduce tiktoken; what the GPT cannot
 represent is one clear error."""
 import json
+import os
 import random
 import re
 import struct
@@ -16,11 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import data
-import llama_format as lf
-from harness import in_repo
-from model import GPT, get_config, load_model
-from plumbing import UserError
+from core import data
+from core import llama_format as lf
+from harness import ROOT
+from core import checkpoint as checkpoint_py
+from core.checkpoint import load_model
+from model import GPT, get_config
+from core.plumbing import UserError
 
 CASES = [("tiny", {}),                                        # GQA, untied
          ("tiny", dict(n_kv_head=4, tie_embeddings=True)),   # MHA, tied
@@ -374,18 +377,18 @@ def test_export_command_line(enc, tmp_path):
     model = tiny_model(enc, seed=5)
     torch.save({"config": asdict(model.config), "model": model.state_dict(),
                 "tokenizer": data.encoding_to_state(enc)}, tmp_path / "ckpt.pt")
-    r = subprocess.run([sys.executable, in_repo("model.py"), "export", "--checkpoint",
+    r = subprocess.run([sys.executable, "-m", "core.checkpoint", "export", "--checkpoint",
                         str(tmp_path / "ckpt.pt"), "--to", str(tmp_path / "hf")],
-                       capture_output=True, text=True, timeout=120)
+                       env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     assert "model.safetensors" in r.stdout
     back, _ = load_model(str(tmp_path / "hf"))
     assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
-def test_model_py_help_lists_its_subcommands(capsys):
-    import model as model_py
+def test_checkpoint_help_lists_its_subcommands(capsys):
     with pytest.raises(SystemExit) as e:
-        model_py.main(["--help"])
+        checkpoint_py.main(["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "export" in out and "convert" in out

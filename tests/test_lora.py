@@ -14,13 +14,14 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import data
+from core import data
 import lora
-import lora_estimate
-import nf4
+from scripts import lora_estimate
+from compression import nf4
 from harness import run_python, torchrun
-from model import GPT, get_config, load_model
-from plumbing import UserError
+from core.checkpoint import load_model
+from model import GPT, get_config
+from core.plumbing import UserError
 from serve import Engine, SamplingParams
 
 # The NF4 levels as bitsandbytes defines them (QLoRA, Dettmers et al. 2023, Appendix E),
@@ -231,7 +232,7 @@ def test_nf4_matmul_backward_dequantizes_instead_of_saving():
     q = nf4.NF4Weight(w)
     x = torch.randn(5, 32, requires_grad=True)
     x2 = x.detach().clone().requires_grad_(True)
-    from plumbing import ActivationMeter
+    from core.plumbing import ActivationMeter
     with ActivationMeter() as meter:
         y = lora.NF4Matmul.apply(x, q)
     assert meter.bytes == 0                 # neither x nor an fp32 W is kept for backward
@@ -418,7 +419,7 @@ def write_base(path, seed=0, **overrides):
 BYTES = data.make_encoding({bytes([i]): i for i in range(256)})
 RELOAD = """
 import sys, torch, lora
-from model import load_model
+from core.checkpoint import load_model
 torch.manual_seed(12345)                 # a different seed from the saving process
 base, x, out, *adapters = sys.argv[1:]
 logits = {}

@@ -1,4 +1,4 @@
-# mla.py: multi-head latent attention equals a per-head textbook computation from its own
+# core/mla.py (and scripts/mla_bench.py): multi-head latent attention equals a per-head textbook computation from its own
 # weights; the absorbed path equals the unabsorbed one in prefill and decode; the latent
 # cache (dense, paged fp32/int8, the serving engine) decodes what the full forward
 # computes; the caches' bytes per token equal (d_c + d_R)·L·bytes; it trains; bad
@@ -9,10 +9,11 @@ import random
 import pytest
 import torch
 
-import mla
+from core import mla
+from scripts import mla_bench
 from kvcache import BlockAllocator, PagedKVCache, blocks_for, paged_logits
 from model import GPT, KVCache, apply_rope, get_config
-from plumbing import UserError
+from core.plumbing import UserError
 from serve import Engine, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
@@ -161,10 +162,10 @@ def test_cache_bytes_per_token_equal_the_formula(kw):
     assert PagedKVCache(cfg, 5, 4).bytes_per_token == (d_c + d_r) * L * 4
     # int8: one byte per number plus an fp32 scale for the latent and one for the rope key
     assert PagedKVCache(cfg, 5, 4, kv_dtype="int8").bytes_per_token == (d_c + d_r + 8) * L
-    assert mla.formula_bytes_per_token(cfg, 4) == (d_c + d_r) * L * 4
+    assert mla_bench.formula_bytes_per_token(cfg, 4) == (d_c + d_r) * L * 4
     gqa = get_config("tiny")
     gqa_bytes = 2 * gqa.n_kv_head * gqa.head_dim * gqa.n_layer * 4
-    assert mla.formula_bytes_per_token(gqa, 4) == gqa_bytes
+    assert mla_bench.formula_bytes_per_token(gqa, 4) == gqa_bytes
 
 
 def test_trains_gradients_reach_every_weight_and_the_loss_falls():
@@ -201,7 +202,7 @@ def test_bad_mla_configs_are_one_line_errors(bad):
 
 
 def test_cli_ledger_measures_what_the_formula_says(capsys):
-    out = mla.main(["--preset", "tiny", "--context", "12", "--new-tokens", "3",
+    out = mla_bench.main(["--preset", "tiny", "--context", "12", "--new-tokens", "3",
                     "--repeats", "1"])
     for row in out["bytes"].values():
         assert row["dense"] == row["paged"] == row["formula"]
@@ -211,4 +212,4 @@ def test_cli_ledger_measures_what_the_formula_says(capsys):
     assert set(out["decode"]) == {"MHA", "GQA 2 kv heads", "MLA absorbed", "MLA unabsorbed"}
     assert "GQA with 2.25 kv heads" in capsys.readouterr().out
     with pytest.raises(UserError, match="--new-tokens"):
-        mla.main(["--preset", "tiny", "--new-tokens", "0"])
+        mla_bench.main(["--preset", "tiny", "--new-tokens", "0"])

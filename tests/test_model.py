@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from model import GPT, KVCache, get_config, load_model, math_attention, sample_next, sdpa_attention
-from plumbing import UserError
+from core.checkpoint import load_model
+from model import GPT, KVCache, get_config, math_attention, sample_next, sdpa_attention
+from core.plumbing import UserError
 
 
 def tiny(**kw):

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import optim                                    # noqa: E402
 from model import GPT, get_config               # noqa: E402
-from plumbing import UserError                  # noqa: E402
+from core.plumbing import UserError                  # noqa: E402
 
 STEPS = 20
 
@@ -366,7 +366,7 @@ def mla_logits(model, x, layer=0):
 def test_qk_clip_mla_records_the_real_logits(absorb):
     """Both of mla.py's paths hand the recorder queries and keys whose q·k/√(width) are
     MLA's logits (the absorbed query is pre-scaled for its wider latent keys)."""
-    import mla
+    from core import mla
     model = mla.set_absorb(tiny_model(**MLA, attn="math"), absorb)
     x = batch(0, model.config)[0]
     logits0 = model(x)[0]
@@ -553,7 +553,7 @@ def _sharded_worker():
     Muon sharded by matrix; after every step the weights must equal a one-process
     torch.optim.Muon bit for bit, and each rank must hold only its matrices' momentum."""
     import torch.distributed as dist
-    from plumbing import comm, setup_runtime
+    from core.plumbing import comm, setup_runtime
     rt = setup_runtime("cpu")
     a, b = tiny_model(), tiny_model()
     pick = lambda m: [p for n, p in m.named_parameters() if optim.is_hidden_matrix(n, p)]
@@ -578,5 +578,5 @@ def _sharded_worker():
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["sharded"]:
-    from plumbing import run_cli
+    from core.plumbing import run_cli
     run_cli(lambda argv: _sharded_worker())

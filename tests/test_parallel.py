@@ -9,7 +9,7 @@ import parallel
 from dist_parallel_check import BAD, LAYOUTS
 from harness import run_python, torchrun
 from model import get_config
-from plumbing import UserError
+from core.plumbing import UserError
 
 CHECK = "tests/dist_parallel_check.py"
 

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from planner import (UserError, activation_bytes_per_layer, add_plan_arguments,
+from parallelism.planner import (UserError, activation_bytes_per_layer, add_plan_arguments,
                      check_plan_args, evaluate_layout, param_counts, parse_quantity, plan,
-                     plan_layouts, stage_layers)
+                                 plan_layouts, stage_layers)
 
 LLAMA3_405B = ["--params", "405B", "--layers", "126", "--hidden", "16384", "--heads", "128",
                "--kv-heads", "8", "--ffn", "53248", "--vocab", "128256", "--gpu-mem", "80"]

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import pipeline
+from parallelism import pipeline
 from harness import run_python, torchrun
 from model import GPT, get_config
-from plumbing import UserError
+from core.plumbing import UserError
 
 CHECK = "tests/dist_pipeline_check.py"
 
@@ -191,7 +191,7 @@ def test_one_process_runs_each_schedule_like_gradient_accumulation(schedule):
 def test_cli_show_and_one_line_error():
     actions = pipeline.main(["show", "--schedule", "zb", "--pp", "2", "--microbatches", "4"])
     assert len(actions) == 2
-    result = run_python("pipeline.py", ["show", "--schedule", "dualpipev", "--pp", "2",
+    result = run_python("-m parallelism.pipeline", ["show", "--schedule", "dualpipev", "--pp", "2",
                                         "--microbatches", "3"])
     assert result.returncode == 2, result.output
     assert "error: dualpipev needs at least 2·P = 4 microbatches" in result.output

@@ -3,7 +3,7 @@ import torch
 import torch.nn as nn
 
 from harness import torchrun
-from plumbing import ActivationMeter, model_state_bytes, fmt_bytes, UserError, pick_device
+from core.plumbing import ActivationMeter, model_state_bytes, fmt_bytes, UserError, pick_device
 
 
 @pytest.mark.slow
@@ -49,7 +49,7 @@ def test_a_mistyped_flag_is_named_even_before_a_positional_mode():
     """argparse alone reads `--stpes 10` as an unknown flag plus a mode "10" and names the
     mode; plumbing.ArgumentParser names the flag and the nearest real one."""
     import pytest
-    from plumbing import ArgumentParser, UserError
+    from core.plumbing import ArgumentParser, UserError
     p = ArgumentParser(prog="demo")
     p.add_argument("mode", nargs="?", default="train", choices=["train", "bench"])
     p.add_argument("--steps", type=int, default=3)
@@ -62,7 +62,7 @@ def test_a_mistyped_flag_is_named_even_before_a_positional_mode():
 
 
 def test_progress_prints_percent_elapsed_and_eta_at_most_every_interval(capsys):
-    from plumbing import Progress
+    from core.plumbing import Progress
     now = [0.0]
     progress = Progress("build", total=10, every=5.0, clock=lambda: now[0])
     for done in range(10):

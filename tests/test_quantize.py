@@ -8,13 +8,15 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import data
-import prune
-import qat
-import calibrated as C
+from core import data
+from compression import prune
+from compression import qat
+from compression import calibrated as C
 import quantize as Q
-from model import GPT, get_config, load_model
-from plumbing import UserError, run_cli
+from core import quant_format
+from core.checkpoint import load_model
+from model import GPT, get_config
+from core.plumbing import UserError, run_cli
 from serve import Engine, SamplingParams
 
 
@@ -64,30 +66,30 @@ def direct_dequant(w, bits, g):
 @pytest.mark.parametrize("bits,group", [(8, 0), (8, 16), (4, 16), (4, 0), (3, 8), (3, 32)])
 def test_round_trip_equals_formula_and_bits_per_param(bits, group):
     w = torch.randn(6, 32, generator=torch.Generator().manual_seed(bits + group))
-    stored = Q.rtn(w, bits, group or 32)
-    got = Q.dequantize(stored, w.shape, bits, group)
+    stored = quant_format.rtn(w, bits, group or 32)
+    got = quant_format.dequantize(stored, w.shape, bits, group)
     assert torch.equal(got, direct_dequant(w, bits, group or 32))
-    scale = Q.expand(stored["scales"].float(), group or 32)
+    scale = quant_format.expand(stored["scales"].float(), group or 32)
     assert (got - w).abs().le(scale / 2 + 1e-7).all()          # nearest level, never clipped
     # bits/param counted from the stored tensors = b + (16 + 8)/g (int8: + 16/g, no zero)
-    counted = 8 * Q.stored_nbytes(stored) / w.numel()
-    assert counted == Q.format_bits_per_param(bits, group, 32)
+    counted = 8 * quant_format.stored_nbytes(stored) / w.numel()
+    assert counted == quant_format.format_bits_per_param(bits, group, 32)
     assert counted == bits + (16 + (0 if bits == 8 else 8)) / (group or 32)
-    layer = Q.QuantLinear(stored, w.shape, bits, group)
+    layer = quant_format.QuantLinear(stored, w.shape, bits, group)
     x = torch.randn(3, 32)
     assert torch.equal(layer(x), x @ got.t())
 
 
 def test_packing_order():
     codes = torch.arange(16)
-    assert Q.pack_codes(codes, 4).tolist() == [0x01, 0x23, 0x45, 0x67, 0x89, 0xAB, 0xCD, 0xEF]
+    assert quant_format.pack_codes(codes, 4).tolist() == [0x01, 0x23, 0x45, 0x67, 0x89, 0xAB, 0xCD, 0xEF]
     c3 = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0])        # 001 010 011 100 101 110 111 000
-    assert Q.pack_codes(c3, 3).tolist() == [0b00101001, 0b11001011, 0b10111000]
+    assert quant_format.pack_codes(c3, 3).tolist() == [0b00101001, 0b11001011, 0b10111000]
     for bits in (2, 3, 4):
         x = torch.randint(0, 2 ** bits, (5, 40), generator=torch.Generator().manual_seed(bits))
-        packed = Q.pack_codes(x, bits)
+        packed = quant_format.pack_codes(x, bits)
         assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(200 * bits / 8)
-        assert torch.equal(Q.unpack_codes(packed, bits, 200).view(5, 40), x)
+        assert torch.equal(quant_format.unpack_codes(packed, bits, 200).view(5, 40), x)
 
 
 # ----------------------------------------------------------------------------------------
@@ -99,7 +101,7 @@ def gptq_reference(w, h, bits, g, damp=0.01, act_order=False):
     the inverse of the remaining columns' Hessian by Gaussian elimination (OBS)."""
     w, h = w.clone(), h.clone()
     cols = w.shape[1]
-    static = Q.group_params(w, bits, g) if act_order or g == cols else None
+    static = quant_format.group_params(w, bits, g) if act_order or g == cols else None
     order = torch.argsort(h.diagonal(), descending=True) if act_order else torch.arange(cols)
     h += damp * h.diagonal().mean() * torch.eye(cols, dtype=w.dtype)
     hinv = torch.linalg.inv(h)
@@ -111,16 +113,16 @@ def gptq_reference(w, h, bits, g, damp=0.01, act_order=False):
         zero = torch.zeros(w.shape[0], cols // g, dtype=w.dtype)
     for step, q in enumerate(order.tolist()):
         if static is None and q % g == 0:
-            s, z = Q.group_params(w[:, q:q + g], bits, g)
+            s, z = quant_format.group_params(w[:, q:q + g], bits, g)
             scale[:, q // g], zero[:, q // g] = s[:, 0], z[:, 0]
-        codes[:, q] = Q.to_codes(w[:, q], scale[:, q // g], zero[:, q // g], bits)
+        codes[:, q] = quant_format.to_codes(w[:, q], scale[:, q // g], zero[:, q // g], bits)
         wq = (codes[:, q] - zero[:, q // g]) * scale[:, q // g]
         err = (w[:, q] - wq) / hinv[q, q]
         rest = order[step + 1:]
         w[:, rest] -= err[:, None] * hinv[q, rest][None, :]
         w[:, q] = wq
         hinv = hinv - hinv[:, q:q + 1] @ hinv[q:q + 1, :] / hinv[q, q]
-    return (codes - Q.expand(zero, g)) * Q.expand(scale, g)
+    return (codes - quant_format.expand(zero, g)) * quant_format.expand(scale, g)
 
 
 def layer_problem(out=12, dim=32, n=256, seed=0, dtype=torch.float32):
@@ -134,7 +136,7 @@ def layer_problem(out=12, dim=32, n=256, seed=0, dtype=torch.float32):
 def test_gptq_equals_slow_reference(bits, g, act_order):
     w, _, h = layer_problem(dtype=torch.float64)
     stored = C.gptq(w, h, bits, g, block_size=16, act_order=act_order)   # 2 lazy blocks
-    fast = Q.dequantize(stored, w.shape, bits, g).double()
+    fast = quant_format.dequantize(stored, w.shape, bits, g).double()
     slow = gptq_reference(w, h, bits, g, act_order=act_order)
     assert (fast - slow).abs().max() < 1e-5
 
@@ -144,9 +146,9 @@ def test_gptq_beats_round_to_nearest(bits, g):
     """||WX - ŴX||² below RTN's at the same bits and groups -- clearly (≤ 0.9×), so
     skipping the error compensation (which leaves exactly RTN) fails this test."""
     w, x, h = layer_problem()
-    err = lambda stored: (x @ (w - Q.dequantize(stored, w.shape, bits, g)).t()).pow(2).sum()
+    err = lambda stored: (x @ (w - quant_format.dequantize(stored, w.shape, bits, g)).t()).pow(2).sum()
     e_gptq = err(C.gptq(w, h, bits, g))
-    e_rtn = err(Q.rtn(w, bits, g or w.shape[1]))
+    e_rtn = err(quant_format.rtn(w, bits, g or w.shape[1]))
     assert e_gptq <= 0.9 * e_rtn
 
 
@@ -187,9 +189,9 @@ def test_w8a8_smoothing_reduces_error_and_int_mm_matches():
     w, x, _ = layer_problem(out=16, dim=64)
     x[:, 3] *= 30                                   # one outlier channel, as in LLMs
     ref = x @ w.t()
-    plain = Q.QuantLinear(Q.rtn(w, 8, 0), w.shape, 8, 0, act_bits=8)
+    plain = quant_format.QuantLinear(quant_format.rtn(w, 8, 0), w.shape, 8, 0, act_bits=8)
     s = C.smooth_scales(x.abs().amax(0), [w], 0.5)
-    smooth = Q.QuantLinear(Q.rtn(w * s, 8, 0), w.shape, 8, 0, act_bits=8)
+    smooth = quant_format.QuantLinear(quant_format.rtn(w * s, 8, 0), w.shape, 8, 0, act_bits=8)
     assert (smooth(x / s) - ref).pow(2).sum() < 0.5 * (plain(x) - ref).pow(2).sum()
     # the integer path: per-token scales, integer accumulate, then both scales
     s_x = x.abs().amax(-1, keepdim=True) / 127
@@ -197,7 +199,7 @@ def test_w8a8_smoothing_reduces_error_and_int_mm_matches():
     want = (x_q @ plain.codes.float().t()) * s_x * plain.scales.float().t()
     assert torch.equal(plain(x), want)
     if hasattr(torch, "_int_mm"):
-        fast = Q.QuantLinear(Q.rtn(w, 8, 0), w.shape, 8, 0, act_bits=8, int_mm_rows=1)
+        fast = quant_format.QuantLinear(quant_format.rtn(w, 8, 0), w.shape, 8, 0, act_bits=8, int_mm_rows=1)
         assert torch.equal(fast(x), plain(x))
 
 
@@ -230,9 +232,9 @@ def test_lsq_gradients_match_autograd_of_the_formula():
     w2, s2 = w.clone().requires_grad_(), step.clone().requires_grad_()
     scale = 1 / math.sqrt(g * q_p)
     s = (s2 - s2 * scale).detach() + s2 * scale
-    v = (w2 / Q.expand(s, g)).clamp(-q_n, q_p)
+    v = (w2 / quant_format.expand(s, g)).clamp(-q_n, q_p)
     v = (v.round() - v).detach() + v
-    (v * Q.expand(s, g)).backward(up)
+    (v * quant_format.expand(s, g)).backward(up)
     assert torch.allclose(w1.grad, w2.grad, atol=1e-12)
     assert torch.allclose(s1.grad, s2.grad, atol=1e-10)
     assert (w1.grad == 0).any() and (w1.grad != 0).any()      # both regions were hit
@@ -255,8 +257,8 @@ def test_2_4_masks_and_they_stay_through_finetuning(text_file):
         assert (zeros == 2).all(), name
         packed = prune.pack_24(w, (w != 0).float())
         assert torch.equal(prune.unpack_24(packed, w.shape), w)
-        assert Q.stored_nbytes(packed) == w.numel() // 2 * 4 + w.numel() // 8
-    Q.finetune(model, corpus, 3, 1e-2, 2, 32, 0)
+        assert quant_format.stored_nbytes(packed) == w.numel() // 2 * 4 + w.numel() // 8
+    qat.finetune(model, corpus, 3, 1e-2, 2, 32, 0)
     for name, m in model.named_modules():
         if isinstance(m, prune.MaskedLinear):
             assert torch.equal(m.weight == 0, before[name] == 0), name
@@ -283,7 +285,7 @@ def test_wanda_and_magnitude_scores():
 def fp32_ckpt(tmp_path_factory, text_file):
     corpus = data.load_corpus(text_file, 512)
     model = GPT(get_config("tiny"), seed=3)
-    Q.finetune(model, corpus, 20, 3e-3, 4, 32, 0)
+    qat.finetune(model, corpus, 20, 3e-3, 4, 32, 0)
     path = tmp_path_factory.mktemp("q") / "fp32.pt"
     torch.save(dict(config=asdict(model.config), model=model.state_dict(),
                     tokenizer=data.encoding_to_state(corpus.enc), args={"data": text_file}),
@@ -296,7 +298,7 @@ def test_quantized_checkpoint_serves_what_the_quantized_model_generates(
         fp32_ckpt, tmp_path, bits, g, method):
     _, base, corpus = fp32_ckpt
     if method == "rtn":
-        qmodel = Q.quantize_model(copy.deepcopy(base), bits, g)
+        qmodel = quant_format.quantize_model(copy.deepcopy(base), bits, g)
     else:
         calib = [data.get_batch(corpus.train, 2, 32, 0, i)[0] for i in range(2)]
         qmodel = copy.deepcopy(base)
@@ -308,7 +310,7 @@ def test_quantized_checkpoint_serves_what_the_quantized_model_generates(
         torch.int8 if bits == 8 else torch.uint8)
     loaded, _ = load_model(path)
     for name, m in qmodel.named_modules():
-        if isinstance(m, Q.QuantLinear):
+        if isinstance(m, quant_format.QuantLinear):
             assert torch.equal(loaded.get_submodule(name).weight, m.dequantized())
     prompts = [corpus.val[i:i + 8].astype("int64").tolist() for i in (0, 50, 100)]
     want = [qmodel.generate(p, 12, temperature=0) for p in prompts]
@@ -375,7 +377,7 @@ def test_quantized_target_in_spec_decode(tmp_path, text_file):
     import spec_decode
     corpus = data.load_corpus(text_file, 512)
     base = GPT(get_config("tiny", block_size=128), seed=4)      # drafter training needs 96+
-    qmodel = Q.quantize_model(copy.deepcopy(base), 4, 32)
+    qmodel = quant_format.quantize_model(copy.deepcopy(base), 4, 32)
     path = str(tmp_path / "q.pt")
     Q.save_checkpoint(path, qmodel, corpus.enc, dict(method="rtn", bits=4), text_file)
     rows = spec_decode.main(["generate", "--ckpt", path, "--method", "medusa", "--prompt",
@@ -394,7 +396,7 @@ def test_gptq_quantizes_shared_experts_and_refuses_latent_attention():
     calib = [torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(i))
              for i in range(2)]
     C.sequential(model, calib, C.gptq_transform(4, 16))
-    assert Q.target_linears(model) == []          # every block linear is a QuantLinear now
+    assert quant_format.target_linears(model) == []          # every block linear is a QuantLinear now
     mla = GPT(get_config("tiny", kv_lora_rank=16, qk_rope_head_dim=4), seed=0)
     with pytest.raises(UserError, match="latent attention"):
         C.sequential(mla, calib, C.gptq_transform(4, 16))

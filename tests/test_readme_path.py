@@ -5,7 +5,6 @@ the end: no command writes over another's model. Each command has a tiny equival
 here (the same script, mode and output paths; smaller flags); a README row without one
 fails the first test, so a new command cannot skip the check.
 """
-import ast
 import hashlib
 import os
 import re
@@ -21,10 +20,10 @@ TINY_MODEL = ["--preset", "tiny", "--eval-iters", "1", "--sample-tokens", "0"]
 TINY = {
     "python train.py": ("python", ["train.py", *TINY_MODEL, "--steps", "4"]),
     "python sample.py": ("python", ["sample.py", "--prompt", "def ", "--max-new-tokens", "8"]),
-    "python train.py --estimate --params 7B --gpus 64":
-        ("python", ["train.py", "--estimate", "--params", "7B", "--gpus", "64"]),
-    "python train.py bench":
-        ("python", ["train.py", "bench", "--preset", "tiny", "--bench-steps", "1",
+    "python -m scripts.train_bench --estimate --params 7B --gpus 64":
+        ("python", ["-m scripts.train_bench", "--estimate", "--params", "7B", "--gpus", "64"]),
+    "python -m scripts.train_bench":
+        ("python", ["-m scripts.train_bench", "--preset", "tiny", "--bench-steps", "1",
                     "--batch-size", "4"]),
     "torchrun --standalone --nproc_per_node=2 train.py --dp zero2 --ckpt out/dp/ckpt.pt "
     "--steps 50":
@@ -41,10 +40,10 @@ TINY = {
     "python lora.py compare":
         ("python", ["lora.py", "compare", "--steps", "2", "--n-train", "50",
                     "--eval-problems", "4", "--batch-size", "4"]),
-    "python mla.py":
-        ("python", ["mla.py", "--preset", "tiny", "--context", "16", "--new-tokens", "2",
+    "python -m scripts.mla_bench":
+        ("python", ["-m scripts.mla_bench", "--preset", "tiny", "--context", "16", "--new-tokens", "2",
                     "--repeats", "1"]),
-    "python serve.py bench --workload agent --kv-tier host --num-blocks 96":
+    "python -m scripts.serve_bench --workload agent --kv-tier host --num-blocks 96":
         "reads the checkpoint and writes nothing (tests/test_serve.py runs the agent "
         "workload with and without the tier in process)",
     "torchrun --standalone --nproc_per_node=2 disagg.py run":
@@ -71,11 +70,11 @@ TINY = {
         ("python", ["quantize.py", "compare", "--bits-list", "4", "--qat-steps", "1",
                     "--eval-batches", "1", "--calib-batches", "1", "--prompts", "2",
                     "--repeats", "1"]),
-    "python evaluate.py calibration":
-        ("python", ["evaluate.py", "calibration", "--sft-steps", "2", "--n-train", "50",
+    "python -m scripts.calibration":
+        ("python", ["-m scripts.calibration", "--sft-steps", "2", "--n-train", "50",
                     "--eval-problems", "4"]),
     "python curate.py stats": ("python", ["curate.py", "stats", "--max-bytes-per-domain", "20000"]),
-    "python curate.py sweep":
+    "python -m scripts.curate_sweep":
         "trains several models on mixtures it writes under out/curate/ (tests/test_curate.py "
         "runs its sweep at tiny sizes); it reads no checkpoint",
 }
@@ -99,37 +98,6 @@ def test_every_readme_command_has_a_tiny_equivalent():
     assert [c for c in TINY if c not in commands] == []
 
 
-# The one import the README's reading paths name as an exception: train.py takes its
-# validation loss from evaluate.py, which comes on another path.
-NAMED_EXCEPTIONS = {("train", "evaluate")}
-
-
-def module_imports(name):
-    """The repo modules a file imports at its top (imports inside functions are the
-    doors to split-out children, taken when a mode runs)."""
-    tree = ast.parse(open(os.path.join(ROOT, f"{name}.py"), encoding="utf-8").read())
-    found = set()
-    for node in tree.body:
-        if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module.split(".")[0])
-    return {m for m in found if os.path.exists(os.path.join(ROOT, f"{m}.py"))}
-
-
-def test_reading_paths_never_need_a_later_file():
-    """Each README reading path is ordered so that every file imports only files before
-    it on the same path."""
-    section = readme().split("## Reading paths", 1)[1].split("\n## ", 1)[0]
-    paths = re.findall(r"^- \*\*(.+?):\*\* (.+?)(?=^- \*\*|\Z)", section, flags=re.M | re.S)
-    assert len(paths) >= 5
-    for title, text in paths:
-        order = list(dict.fromkeys(re.findall(r"`(\w+)\.py`", text)))
-        for i, name in enumerate(order):
-            needed = module_imports(name) - {b for a, b in NAMED_EXCEPTIONS if a == name}
-            assert needed <= set(order[:i]), (title, name, needed - set(order[:i]))
-
-
 def sha256(path):
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -144,7 +112,6 @@ def test_readme_commands_in_order_leave_the_demo_model_unchanged(tmp_path):
         if isinstance(how, str):
             continue                                  # not run here; the reason is above
         launcher, (script, *args) = how
-        script = os.path.join(ROOT, script)
         if launcher == "torchrun":
             result = torchrun(script, args, nproc=2, timeout=600, cwd=str(tmp_path))
         else:

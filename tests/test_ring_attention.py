@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from ring_attention import (_merge_partial_attention, _ring_block_forward,
-                            _visible_rectangle, cp_chunk_ids, cp_positions, cp_shard,
-                            cp_unshard, make_ring_attn_fn, ring_attention,
-                            ring_work_counter)
+from parallelism.ring_attention import (_merge_partial_attention, _ring_block_forward,
+                                        _visible_rectangle, cp_chunk_ids, cp_positions, cp_shard,
+                                        cp_unshard, make_ring_attn_fn, ring_attention,
+                                        ring_work_counter)
 from harness import torchrun
 from model import math_attention
-from plumbing import UserError
+from core.plumbing import UserError
 
 CHECK = "tests/dist_ring_check.py"
 

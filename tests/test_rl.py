@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import data
+from core import data
 import rl
 from model import GPT, get_config
-from plumbing import UserError
+from core.plumbing import UserError
 from tests.harness import run_python, torchrun
 
 BYTES = data.make_encoding({bytes([i]): i for i in range(256)})

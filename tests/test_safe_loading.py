@@ -13,15 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-import data
-import data_parallel
-import model as model_py
+from core import data
+from training import data_parallel
+from core import checkpoint as checkpoint_py
 import spec_decode
-import resume as saved
+from training import resume as saved
 import train
 from harness import run_python
-from model import GPT, get_config, load_checkpoint, load_model
-from plumbing import UserError, rng_state, run_cli
+from core.checkpoint import load_checkpoint, load_model
+from model import GPT, get_config
+from core.plumbing import UserError, rng_state, run_cli
 
 
 class Evil:
@@ -73,15 +74,15 @@ def cli_entry_points(tmp_path, ckpt):
     import kvcache
     import lora
     import rl
-    import serve
+    from scripts import serve_bench
     return {
         "train.py --resume": (train.main, ["--resume", "--ckpt", ckpt, "--preset", "tiny"]),
-        "serve.py --checkpoint": (serve.main, ["bench", "--checkpoint", ckpt, "--threads", "0"]),
+        "serve.py --checkpoint": (serve_bench.main, ["--checkpoint", ckpt, "--threads", "0"]),
         "lora.py --ckpt": (lora.main, ["--ckpt", ckpt, "--device", "cpu"]),
         "lora.py --load": (lora.main, ["--ckpt", "none", "--preset", "tiny", "--load", ckpt,
                                        "--device", "cpu"]),
         "rl.py --ckpt": (rl.main, ["--ckpt", ckpt, "--device", "cpu"]),
-        "model.py export": (model_py.main, ["export", "--checkpoint", ckpt, "--to",
+        "-m core.checkpoint export": (checkpoint_py.main, ["export", "--checkpoint", ckpt, "--to",
                                             tmp_path / "hf"]),
         "spec_decode.py --ckpt": (spec_decode.main, ["--ckpt", ckpt, "--threads",
                                                      torch.get_num_threads()]),
@@ -91,7 +92,7 @@ def cli_entry_points(tmp_path, ckpt):
 
 @pytest.mark.parametrize("entry", ["train.py --resume", "serve.py --checkpoint",
                                    "lora.py --ckpt", "lora.py --load", "rl.py --ckpt",
-                                   "model.py export", "spec_decode.py --ckpt",
+                                   "-m core.checkpoint export", "spec_decode.py --ckpt",
                                    "kvcache.py --checkpoint"])
 @pytest.mark.parametrize("which", [0, 1])
 def test_every_command_line_entry_point_refuses_a_malicious_pickle(evil, tmp_path, capsys,
@@ -111,7 +112,7 @@ def test_train_resume_from_the_real_command_line(evil):
     assert not marker.exists()
     errors = [line for line in r.output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in r.output, r.output
-    assert "python model.py convert" in errors[0]
+    assert "python -m core.checkpoint convert" in errors[0]
 
 
 def test_load_model_and_load_checkpoint_refuse_it(evil):
@@ -216,10 +217,10 @@ def test_old_checkpoint_is_refused_with_the_conversion_command_which_works(tmp_p
     torch.save({"config": model.config, "model": model.state_dict(), "rng": rng_state(),
                 "args": argparse.Namespace(lr=1e-3), "tokenizer": data.encoding_to_state(
                     data.make_encoding({bytes([i]): i for i in range(256)}))}, old)
-    with pytest.raises(UserError, match=f"convert it once: python model.py convert {old} NEW"):
+    with pytest.raises(UserError, match=f"convert it once: python -m core.checkpoint convert {old} NEW"):
         load_model(str(old))
     new = tmp_path / "new.pt"
-    model_py.main(["convert", str(old), str(new)])
+    checkpoint_py.main(["convert", str(old), str(new)])
     assert "weights_only=False" in capsys.readouterr().out     # it says what it does
     back, ckpt = load_model(str(new))
     assert ckpt["config"] == asdict(model.config) and ckpt["args"] == {"lr": 1e-3}

@@ -7,11 +7,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import data
+from core import data
 import sample
 from harness import run_python
 from model import GPT, get_config
-from plumbing import run_cli
+from core.plumbing import run_cli
 
 BYTES = data.make_encoding({bytes([i]): i for i in range(256)})   # + <|endoftext|> = 257
 

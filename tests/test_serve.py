@@ -11,15 +11,15 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import data
+from core import data
 import serve
-import serve_bench
+from scripts import serve_bench
 from harness import run_python
 from model import GPT, get_config
-from plumbing import UserError
+from core.plumbing import UserError
 from serve import Engine, SamplingParams, decode_tokens
-from serve_bench import static_batch_generate
-from api_server import make_server
+from scripts.serve_bench import static_batch_generate
+from serving.api_server import make_server
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
@@ -841,20 +841,20 @@ def test_cli_start_up_errors_are_one_line(tiny_checkpoint, tmp_path):
         assert message in r.output and "Traceback" not in r.output, r.output
 
 
-def test_cli_bench_is_its_own_mode(tiny_checkpoint):
-    """`bench` hands the rest of the command line to serve_bench.py: its flags exist only
-    there, and `bench` after a flag is a one-line error, not a server start."""
-    with pytest.raises(UserError, match="comes first"):
-        serve.main(["--checkpoint", tiny_checkpoint, "bench"])
+def test_cli_bench_is_its_own_entry_point(tiny_checkpoint):
+    """The benchmark is scripts/serve_bench.py (python -m scripts.serve_bench): its flags
+    exist only there, and serve.py's only in serve.py, each refused by the other."""
+    with pytest.raises(UserError, match="unrecognized arguments: bench"):
+        serve.build_parser().parse_args(["--checkpoint", tiny_checkpoint, "bench"])
     with pytest.raises(UserError, match="--num-requests.*must be positive"):
-        serve.main(["bench", "--checkpoint", tiny_checkpoint, "--num-requests", "0"])
+        serve_bench.main(["--checkpoint", tiny_checkpoint, "--num-requests", "0"])
     assert "--num-requests" not in serve.build_parser().format_help()
     assert "--port" not in serve_bench.build_parser().format_help()
 
 
 @pytest.mark.slow
 def test_cli_bench_runs_baselines_and_matches_them(tiny_checkpoint):
-    r = run_python("serve.py", ["bench", "--checkpoint", tiny_checkpoint, "--num-requests", "8",
+    r = run_python("-m scripts.serve_bench", ["--checkpoint", tiny_checkpoint, "--num-requests", "8",
                                 "--prompt-len", "4:20", "--output-len", "4:30",
                                 "--block-size", "4", "--num-blocks", "40",
                                 "--max-num-batched-tokens", "32", "--static-batch", "4",

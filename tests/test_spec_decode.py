@@ -13,8 +13,9 @@ import torch
 
 import spec_decode as sd
 from harness import run_python
-from model import GPT, KVCache, get_config, load_model
-from plumbing import UserError
+from core.checkpoint import load_model
+from model import GPT, KVCache, get_config
+from core.plumbing import UserError
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14], [3]]   # ragged, batch 3
 
@@ -332,7 +333,7 @@ def test_v3_checkpoint_trains_and_serves(text_file, tmp_path):
     model, _ = load_model(ckpt)
     assert model.config.mla and model.config.n_shared_expert == 1
     assert all(layer.feed_forward.router.expert_bias.abs().sum() > 0 for layer in model.layers)
-    r = run_python("serve.py", ["bench", "--checkpoint", ckpt, "--num-requests", "4",
+    r = run_python("-m scripts.serve_bench", ["--checkpoint", ckpt, "--num-requests", "4",
                                 "--prompt-len", "8:16", "--output-len", "4:8",
                                 "--no-baselines"], timeout=300)
     assert r.returncode == 0 and "continuous batching + paged KV" in r.output, r.output[-2000:]

@@ -11,7 +11,7 @@ import torch
 
 import streaming
 from model import GPT, apply_rope, get_config
-from plumbing import UserError, run_cli
+from core.plumbing import UserError, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

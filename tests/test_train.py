@@ -2,9 +2,10 @@ import pytest
 import torch
 
 import train
+from scripts import train_bench
 from harness import run_python
 from model import GPT, get_config
-from plumbing import ActivationMeter, UserError, model_state_bytes
+from core.plumbing import ActivationMeter, UserError, model_state_bytes
 
 
 def tiny_args(text_file, *extra):
@@ -183,7 +184,7 @@ def test_training_learns_below_the_unigram_baseline(text_file, tmp_path):
 
 
 def test_estimate_prints_the_formulas(capsys):
-    train.main(["--estimate", "--params", "7.5B", "--gpus", "64"])
+    train_bench.main(["--estimate", "--params", "7.5B", "--gpus", "64"])
     out = capsys.readouterr().out
     # the ZeRO paper's example: 7.5B on 64 ranks -> 120 / 31.4 / 16.6 / 1.9 GB
     for figure in ("120.0 GB", "31.4 GB", "16.6 GB", "1.9 GB"):
@@ -191,7 +192,7 @@ def test_estimate_prints_the_formulas(capsys):
 
 
 def test_bench_rows(text_file, capsys):
-    rows = train.main(["bench", "--preset", "tiny", "--data", text_file, "--batch-size", "4",
+    rows = train_bench.main(["--preset", "tiny", "--data", text_file, "--batch-size", "4",
                        "--seq-len", "64", "--bench-steps", "2"])
     by = {label: (state, act) for label, state, act, *_ in rows}
     assert by["full checkpointing"][1] < by["selective checkpointing"][1] < by["baseline fp32"][1]
@@ -208,8 +209,10 @@ def test_bench_rows(text_file, capsys):
     (["--estimate", "--params", "lots"], "cannot read a parameter count"),
 ])
 def test_bad_input_gets_one_clear_message(argv, message, capsys, text_file):
+    """train.py's flags, and --estimate's (scripts/train_bench.py adds them to train.py's)."""
+    main = train_bench.main if "--estimate" in argv else train.main
     with pytest.raises(SystemExit) as e:
-        train.run_cli(train.main, argv + ["--data", text_file])
+        train.run_cli(main, argv + ["--data", text_file])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err

@@ -1,0 +1,89 @@
+"""
+scripts/calibration.py -- is the model as sure as it is right?
+
+    python -m scripts.calibration [--bins 10] [--sft-steps 800]
+
+The experiment: the ECE (evaluate.ece), the Brier score and the NLL of the reference
+answers, for two confidences of the greedy answer (its sequence probability and its first
+token's), at T = 1 and at the temperature fitted on a dev split (evaluate.fit_temperature,
+whose trade-offs evaluate.py's header states); accuracy is the same at every T. The
+reliability diagram (accuracy per bin, T = 1 vs the fitted T) is drawn as SVG.
+
+(The calibration *data* of quantization is another matter: compression/calibrated.py.)
+An entry point in scripts/ (nothing imports it): an experiment built on evaluate.py -- its metrics
+(ece,
+brier, nll, fit_temperature), its flags and its task model -- that asks how sure, not
+how good.
+"""
+import time
+
+import evaluate as ev
+from core.plots import svg_bar_chart, terminal_bars
+from core.plumbing import ArgumentParser, HelpFormatter, print0, run_cli
+
+
+def answer_nll(rec, temperature=1.0):
+    """NLL of the reference answers, nats per problem (sum over its tokens)."""
+    return ev.nll(rec["logits"], rec["labels"], temperature) * len(rec["labels"]) / len(rec["refs"])
+
+
+def run(args, device):
+    """`python -m scripts.calibration`: ECE, Brier and NLL at T = 1 and at the fitted T."""
+    _, enc, _ = ev.load_base(args, device)
+    model, _ = ev.task_model(args, enc, device)
+    dev, test = ev.eval_problems(args)
+    t0 = time.perf_counter()
+    rec_dev = ev.answer_records(model, enc, dev, args.max_new)
+    rec_test = ev.answer_records(model, enc, test, args.max_new)
+    T = ev.fit_temperature(rec_dev["logits"], rec_dev["labels"])
+    print0(f"task model {args.task_preset}: dev {len(dev)} / test {len(test)} held-out problems | "
+           f"fitted T = {T:.3f} on dev (NLL {answer_nll(rec_dev):.4f} -> "
+           f"{answer_nll(rec_dev, T):.4f} nats/answer) | {time.perf_counter() - t0:.1f} s")
+    print0(f"test split, {args.bins} equal-width bins:")
+    print0(f"{'confidence':<22}{'T':>7}{'accuracy':>10}{'mean conf':>11}{'ECE':>8}"
+           f"{'Brier':>8}{'NLL':>9}")
+    result = {}
+    reliability = {}
+    labels = None
+    for temp in (1.0, T):
+        seq, first, _ = ev.confidences(rec_test, temp)
+        for kind, conf in (("sequence prob", seq), ("first-token prob", first)):
+            e, bins = ev.ece(conf, rec_test["correct"], args.bins)
+            b = ev.brier(conf, rec_test["correct"])
+            n = answer_nll(rec_test, temp)
+            print0(f"{kind:<22}{temp:7.3f}{rec_test['correct'].mean():10.1%}{conf.mean():11.3f}"
+                   f"{e:8.4f}{b:8.4f}{n:9.4f}")
+            result[f"{kind} T={temp:.3f}"] = dict(ece=e, brier=b, nll=n, conf=float(conf.mean()))
+            if kind == "sequence prob":
+                reliability[f"T={temp:.2f}"] = [0.0 if c == 0 else a for _, _, c, a, _ in bins]
+                labels = [f"{lo:.2f}" for lo, _, _, _, _ in bins]
+                counts = [c for _, _, c, _, _ in bins]
+                print0(f"{'':<22}items per bin: {counts}")
+    print0("NLL = of the reference answer (what T minimises); accuracy is the same at every T: "
+           "greedy answers do not depend on it.")
+    path = svg_bar_chart("reliability", labels, reliability, diagonal=True, ymax=1.0,
+                         title=f"reliability (sequence prob, test): accuracy per bin, "
+                               f"T=1 vs T={T:.2f}",
+                         xlabel="confidence bin (start)", ylabel="accuracy", directory=args.plots)
+    print0(terminal_bars(labels, reliability, width=30, vmax=1.0))
+    print0(f"plot: {path}")
+    result["T"] = T
+    return result
+
+
+def parse_args(argv=None):
+    common, task = ev.parent_parsers()
+    p = ArgumentParser(description=(
+        "Calibration of the task model: ECE, Brier, NLL and the reliability diagram, at T "
+        "= 1 and after temperature scaling."
+    ), parents=[common, task], formatter_class=HelpFormatter)
+    p.add_argument("--bins", type=int, default=10, help="equal-width confidence bins")
+    return ev.check_args(p.parse_args(argv))
+
+
+def main(argv=None):
+    return ev.run_timed(run, parse_args(argv), "calibration")
+
+
+if __name__ == "__main__":
+    run_cli(main)
