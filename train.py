@@ -58,7 +58,9 @@ from model import GPT, GPTConfig, PRESETS, get_config
 from core.plumbing import (ActivationMeter, ArgumentParser, GracefulStop, HelpFormatter,
                            Interrupted, StepTimer, UserError, attempt, check_writable, comm,
                            fmt_bytes, fmt_count, fmt_duration, gpu_peak_flops, print0,
-                           require_at_least_one, run_cli, seed_everything, setup_runtime,
+                           STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_STEPS, long_phase,
+                           require_at_least_one, run_cli, seed_everything,
+                           set_collective_timeout, setup_runtime, tighten_after_first_step,
                            warmup_cosine)
 
 # The two 16-bit formats. bf16 keeps fp32's 8 exponent bits (range to ~3e38) with only 8
@@ -497,8 +499,10 @@ def build(args, rt):
     found = saved.find_resume(args, restarted)
     resume = found[0] if found else None
     model, corpus = build_model(args, rt, resume)
-    if resume is None and not restarted and args.save_interval:
-        saved.check_overwrite(args, asdict(model.config))    # another run's file: refused
+    # A fresh start -- the first attempt, or a restart with no save of its own launch --
+    # checks what it would write over: a refusal holds on every restart too
+    if resume is None and args.save_interval:
+        saved.check_overwrite(args, asdict(model.config), restarted)
     # The order below matters: the masters exist before the optimizer (it must step them,
     # not the 16-bit weights); checkpointing wraps the functions before QKClip wraps them
     # again (its recorder then sits outside the selective recomputation); --dp wraps the
@@ -555,6 +559,14 @@ def banner(args, rt, run, n_params, tokens_per_step):
            f"{corpus.bytes_per_token:.2f} bytes/token | {tokens_per_step:,} tokens/step | "
            f"{args.precision}, checkpointing {args.checkpointing}, device {rt.device}"
            + (f" | --dp {args.dp} on {rt.world_size} ranks" if args.dp else ""))
+    if rt.distributed:             # the two phases of hang detection (plumbing.py)
+        later = ("the same (--step-timeout 0)" if args.step_timeout == 0 else
+                 f"{min(args.step_timeout, rt.timeout):g} s" if args.step_timeout else
+                 f"max({STEP_TIMEOUT_FLOOR:g} s, {STEP_TIMEOUT_STEPS} x the first step)")
+        print0(f"hang detection: a collective waits {rt.timeout:g} s for a silent peer at "
+               f"start-up and in the first step, then {later}; saves and evaluations "
+               f"{rt.timeout:g} s" + (" (NCCL: its watchdog aborts the process at the "
+                                       "deadline)" if rt.backend == "nccl" else ""))
     # Two yardsticks for the log: log V, the loss of a uniform guess, where step 1 should
     # start (N(0, 0.02) weights give near-uniform logits), and the unigram loss of a model
     # that ignores context, which a trained GPT must beat (tests/test_train.py).
@@ -633,6 +645,7 @@ def train(args, rt):
     if first_step:
         print0(f"resumed at step {first_step} from {saved.location(args)}")
     state, act_bytes, sent, t_start = None, 0, 0, time.time()
+    tight = 0.0                     # the collective timeout after the first step (0: none)
     with GracefulStop() as stop:    # Ctrl-C: finish the step, save, say how to resume
         while run.step < last:
             crash_on_purpose(args, rt, run.step)
@@ -661,20 +674,14 @@ def train(args, rt):
                 print0(log_line(args, rt, run, loss, lr, timer, state, act_bytes,
                                 sent / (run.step - first_step), skipped, tokens_per_step)
                        + f" | eta {fmt_duration(per_step * (last - run.step))}")
-            # every rank evaluates (a ZeRO-3 forward gathers weights: a collective), all on the
-            # same fixed batches -- the rank is not in their seed
-            if run.step % args.eval_interval == 0 or run.step == args.steps:
-                val = evaluate(run.model, run.corpus, args, rt.device)
-                run.history["val"].append((run.step, val))
-                print0(f"step {run.step:4d} | val loss {val:.4f}")
-            # on the interval, at this invocation's last step, or after a signal; under --dp
-            # every rank writes its own shard, so every rank takes this branch together
-            if args.save_interval and (run.step % args.save_interval == 0 or
-                                       run.step == last or signum):
-                saved.save(args, rt, run)
-                print0(f"saved step {run.step} to {saved.location(args)}")
+            # hang detection's second phase: a step's time is known now (plumbing.py)
+            if run.step == first_step + 1:
+                tight = tighten_after_first_step(rt, args.step_timeout, timer.seconds)
+            evaluate_and_save(args, rt, run, last, signum, tight)
             if signum:
                 stopped(args, run, signum)
+    if tight:                       # the report and the sample: long steps again
+        set_collective_timeout(rt.timeout)
     elapsed = time.time() - t_start
     if state is not None:
         final_report(args, rt, run, state, n_params, act_bytes, sent / (run.step - first_step))
@@ -688,6 +695,31 @@ def train(args, rt):
         sample(run.model, run.corpus.enc, args, rt.device)
     run.history["elapsed"] = elapsed
     return run.history
+
+
+def evaluate_and_save(args, rt, run, last, signum, tight):
+    """The validation and the checkpoint of this step, when they are due. Both take longer
+    than a step (and a save can take much longer on one rank than on the others), so their
+    collectives wait the start-up timeout, not the tight one (plumbing.long_phase)."""
+    due_eval = run.step % args.eval_interval == 0 or run.step == args.steps
+    # on the interval, at this invocation's last step, or after a signal; under --dp
+    # every rank writes its own shard, so every rank takes this branch together
+    due_save = args.save_interval and (run.step % args.save_interval == 0 or
+                                       run.step == last or signum)
+    if not (due_eval or due_save):
+        return
+    with long_phase(rt.timeout, tight):
+        # every rank evaluates (a ZeRO-3 forward gathers weights: a collective), all on
+        # the same fixed batches -- the rank is not in their seed
+        if due_eval:
+            val = evaluate(run.model, run.corpus, args, rt.device)
+            run.history["val"].append((run.step, val))
+            print0(f"step {run.step:4d} | val loss {val:.4f}")
+        if due_save:
+            if args.save_delay and rt.rank == rt.world_size - 1:
+                time.sleep(args.save_delay)       # fault injection: a slow disk on one rank
+            saved.save(args, rt, run)
+            print0(f"saved step {run.step} to {saved.location(args)}")
 
 
 def loss_curve(args, history):
@@ -858,8 +890,16 @@ def add_data_parallel_flags(p):
     g.add_argument("--hang-at-step", type=int, default=-1, help="the last rank stops itself "
                    "(SIGSTOP) at this step (first attempt only): the --timeout watchdog")
     g.add_argument("--timeout", type=float, default=None, help="seconds a collective waits "
-                   "for a silent peer before the job exits (status 3) for torchrun to restart "
-                   "(default: 300 on CPU, 600 on GPU)")
+                   "for a silent peer during start-up, the first step, saves and evaluations "
+                   "before the job exits (status 3) for torchrun to restart (default: 300 on "
+                   "CPU, 600 on GPU)")
+    g.add_argument("--step-timeout", type=float, default=None, help="seconds a collective "
+                   "waits after the first step (not given: max(60, 20 x the first step's "
+                   "time), at most --timeout; 0: --timeout throughout). Under NCCL its "
+                   "watchdog aborts the process at this deadline")
+    g.add_argument("--save-delay", type=float, default=0, help="fault injection: the last "
+                   "rank sleeps this many seconds in every save, like a slow disk (saves "
+                   "wait --timeout, so a tight --step-timeout must not end the job)")
 
 
 def add_run_flags(p):
@@ -904,6 +944,8 @@ def check_args(args):
                                 "eval_interval", "eval_iters", "warmup_steps", "keep"))
     if args.timeout is not None and args.timeout <= 0:
         raise UserError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if (args.step_timeout is not None and args.step_timeout < 0) or args.save_delay < 0:
+        raise UserError("--step-timeout and --save-delay must be >= 0 seconds")
     return args
 
 

@@ -190,9 +190,21 @@ def encoding_to_state(enc: tiktoken.Encoding) -> dict:
 
 
 def encoding_from_state(state: dict) -> tiktoken.Encoding:
-    return tiktoken.Encoding(name=state["name"], pat_str=state["pat_str"],
-                             mergeable_ranks=state["mergeable_ranks"],
-                             special_tokens=state["special_tokens"])
+    """The inverse of encoding_to_state. The state comes from a file a user named (a
+    checkpoint's "tokenizer"): anything but the four fields of the right types is one
+    UserError, not a KeyError from deep inside tiktoken."""
+    shape = dict(name=str, pat_str=str, mergeable_ranks=dict, special_tokens=dict)
+    if not isinstance(state, dict) or not all(isinstance(state.get(k), t)
+                                              for k, t in shape.items()):
+        raise UserError("the checkpoint's tokenizer is not a tokenizer state of this repo "
+                        "(needs name, pat_str, mergeable_ranks, special_tokens)")
+    try:
+        return tiktoken.Encoding(name=state["name"], pat_str=state["pat_str"],
+                                 mergeable_ranks=state["mergeable_ranks"],
+                                 special_tokens=state["special_tokens"])
+    except Exception as e:        # bad regex, non-bytes ranks, ...: the same answer
+        raise UserError(f"the checkpoint's tokenizer cannot be rebuilt "
+                        f"({type(e).__name__}: {str(e)[:80]})") from None
 
 
 # ---------------------------------------------------------------------------------------

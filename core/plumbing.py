@@ -21,10 +21,13 @@ core/plumbing.py -- the few things every script needs and none of them teaches:
          before the process group): the first rank to claim the error prints it, the
          others wait (≤ 10 s) until it has. Argument errors too (`ArgumentParser`).
          NANOSCALE_TEST_DELAY_RANK0=SECONDS (read only in run_cli) makes rank 0 late.
-       - hangs: the process group's timeout bounds every collective (default 300 s on
-         CPU, 600 s on GPU; torch's is 30 min); a heartbeat thread per rank writes (time,
-         collectives entered) to the store each second, so a rank whose collective times
-         out names the collective and the silent peers, then exits 3 for torchrun
+       - hangs: the process group's timeout bounds every collective, in two phases (as
+         torchtitan does): generous for start-up and the first step (default 300 s on
+         CPU, 600 s on GPU; torch's is 30 min), then tight once a step's time is known
+         (`set_collective_timeout`; train.py --step-timeout), generous again around the
+         long steps (`long_phase`: saves, evaluation). A heartbeat thread per rank writes
+         (time, collectives entered) to the store each second, so a rank whose collective
+         times out names the collective and the silent peers, then exits 3 for torchrun
          --max-restarts. (gloo raises in the waiting rank; NCCL's watchdog aborts instead.)
        - Ctrl-C (`GracefulStop`, `Interrupted`): the first SIGINT/SIGTERM is a request the
          loop honours at the end of its step (save, then exit 130 / 143); a second one, a
@@ -176,6 +179,75 @@ class Heartbeat:
         return ", ".join(silent + behind) or "no peer looks stopped (a mismatched collective?)"
 
 
+def set_collective_timeout(seconds):
+    """From now on every collective of the default process group waits at most `seconds`
+    for its peers. torchtitan does the same after the first step (its train_timeout_seconds,
+    100 s by default): start-up (rendezvous, the first forward, allocator warm-up) may take
+    minutes, a step's time is known after one. gloo raises in the waiting rank when it runs
+    out; NCCL's own watchdog thread aborts the communicator and, with
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (the default), tears the process down at that same
+    deadline -- before this repo's one-line diagnosis can print. -> whether it took effect
+    (False without a process group, or on a torch without the seam)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:          # a private seam of c10d (torch >= 2.2); absent: one phase
+        return False
+    setter(datetime.timedelta(seconds=seconds), None)
+    if comm.heartbeat is not None:
+        comm.heartbeat.timeout = seconds
+    return True
+
+
+# Hang detection, second phase: after the first step the collective timeout tightens to
+# train.py's --step-timeout, or by default to STEP_TIMEOUT_STEPS x the first step's time, never below
+# STEP_TIMEOUT_FLOOR (a busy machine makes steps uneven) nor above --timeout. A frozen peer
+# is then named in about a minute on a small run instead of after 300 s (torchrun's
+# SIGTERM -> SIGKILL grace for a stopped process, 30 s, comes on top). Turn it to 0 to keep
+# --timeout throughout and watch `train.py --dp ... --hang-at-step 20` wait five times longer.
+STEP_TIMEOUT_FLOOR = 60.0
+STEP_TIMEOUT_STEPS = 20
+
+
+def tighten_after_first_step(rt, requested, first_step_seconds):
+    """Hang detection's second phase (train.py calls it after the first step of every
+    invocation): set the tight timeout. requested: --step-timeout (None: automatic, 0: one
+    phase). -> the seconds set, or 0.0 when there is one phase only (one process,
+    --step-timeout 0, a torch without the c10d seam)."""
+    if not rt.distributed or requested == 0:
+        return 0.0
+    auto = max(STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_STEPS * first_step_seconds)
+    seconds = min(requested or auto, rt.timeout)
+    if not set_collective_timeout(seconds):
+        print0("hang detection: this torch cannot change a process group's timeout: "
+               f"--timeout ({rt.timeout:g} s) holds for every step")
+        return 0.0
+    print0(f"hang detection: the first step took {first_step_seconds:.2f} s; from now on a "
+           f"collective waits {seconds:g} s for a silent peer (saves and evaluations "
+           f"{rt.timeout:g} s)")
+    return seconds
+
+
+class long_phase:
+    """`with long_phase(start_timeout, step_timeout):` around a step that is longer than a
+    training step -- a checkpoint save, an evaluation -- so that a slow disk or a long
+    validation does not look like a frozen peer: its collectives wait the generous start-up
+    timeout, and the tight one applies again after it. Both None/0: nothing changes."""
+
+    def __init__(self, start_timeout, step_timeout):
+        self.start, self.step = start_timeout, step_timeout
+
+    def __enter__(self):
+        if self.step:
+            set_collective_timeout(self.start)
+        return self
+
+    def __exit__(self, *exc):
+        if self.step:
+            set_collective_timeout(self.step)
+        return False
+
+
 def teardown_runtime():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -286,16 +358,23 @@ def collective_failure(error):
 
 def report_once(line):
     """Print `line` on stderr once per job. One process: print it. Under torchrun: the
-    first rank to claim it in the job's store prints; the others wait until it has (so
-    torchrun does not kill the printer when they exit), at most 10 s."""
+    first rank to claim it in the job's store prints, then waits (at most 10 s) until every
+    rank has reached its own error; the others wait until it has printed. And every rank
+    on this path exits 2 even when torchrun's SIGTERM comes first -- torchrun terminates
+    the other ranks as soon as one exits, and without the handler they would show as
+    killed by a signal (-15) instead of as the user error they all found."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         print(line, file=sys.stderr, flush=True)
         return
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
     try:
         store = job_store("user-error")
         if store.add("claims", 1) == 1:
             print(line, file=sys.stderr, flush=True)
             store.set("printed", "1")
+            world, deadline = int(os.environ["WORLD_SIZE"]), time.time() + 10
+            while store.add("claims", 0) < world and time.time() < deadline:
+                time.sleep(0.05)
         else:
             store.wait(["printed"], datetime.timedelta(seconds=10))
     except Exception:        # no store to agree through: better twice than never
@@ -519,8 +598,13 @@ def load_checkpoint(path, map_location="cpu", what="checkpoint", fix=None):
             from None
     except EOFError:
         raise UserError(f"{path} is empty or truncated (not a PyTorch checkpoint)") from None
-    except (RuntimeError, ValueError, OSError) as e:
-        first = (str(e).splitlines() or [type(e).__name__])[0][:120]
+    except Exception as e:
+        # Anything else the unpickler or the zip reader throws at a file that is not a
+        # checkpoint -- RuntimeError, ValueError, OSError, but also IndexError ("pop from
+        # empty list" for a text file whose first byte happens to be a pickle opcode),
+        # struct.error, UnicodeDecodeError... -- is the same answer to the user: this file
+        # is not a checkpoint. (KeyboardInterrupt and SystemExit are not Exceptions.)
+        first = (str(e).splitlines() or [""])[0][:120] or type(e).__name__
         raise UserError(f"{path} is not a readable PyTorch checkpoint (truncated or another "
                         f"format: {first})") from None
 

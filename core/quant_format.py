@@ -210,15 +210,23 @@ def model_from_checkpoint(ckpt, device="cpu"):
     spec_decode.py run). Activation quantization (W8A8) is not part of a plain GPT: such a
     checkpoint runs weight-only here."""
     q = ckpt["quantization"]
-    if q.get("format") != FORMAT_VERSION:
-        raise UserError(f"quantized checkpoint format {q.get('format')!r} is not "
+    if not isinstance(q, dict) or q.get("format") != FORMAT_VERSION:
+        found = q.get("format") if isinstance(q, dict) else type(q).__name__
+        raise UserError(f"quantized checkpoint format {found!r} is not "
                         f"{FORMAT_VERSION}: re-run quantize.py --save")
-    model = GPT(GPTConfig(**ckpt["config"]).validate(), seed=None)
-    state = dict(ckpt["model"])
-    for name, meta in q["layers"].items():
-        state[name + ".weight"] = dequantize(ckpt["quantized"][name], meta["shape"],
-                                             meta["bits"], meta["group_size"])
-    model.load_state_dict(state)
+    try:
+        model = GPT(GPTConfig(**ckpt["config"]).validate(), seed=None)
+        state = dict(ckpt["model"])
+        for name, meta in q["layers"].items():
+            state[name + ".weight"] = dequantize(ckpt["quantized"][name], meta["shape"],
+                                                 meta["bits"], meta["group_size"])
+        model.load_state_dict(state)
+    except UserError:
+        raise
+    except Exception as e:        # a damaged or hand-edited file: one line, no traceback
+        raise UserError(f"the quantized checkpoint is damaged or not quantize.py's "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})"
+                        ) from None
     return model.to(device).eval()
 
 

@@ -301,6 +301,56 @@ def test_read_only_and_full_disks(text_file, tmp_path, capsys):
 # ----------------------------------------------------------------------------------------
 # Under torchrun
 
+def every_file(folder):
+    return sorted(os.path.relpath(os.path.join(d, f), folder)
+                  for d, _, names in os.walk(folder) for f in names)
+
+
+@pytest.mark.slow
+def test_dp_read_only_and_full_disks(text_file, tmp_path):
+    """--dp zero2 on 2 ranks. A read-only disk, a missing folder on it, a file where the
+    folder should be: one `error:` line, every rank exits 2, no step runs. A disk that
+    fills during the second save: one line, the failed save leaves no file at all (not a
+    shard, not a temporary file), and `latest` and the export stay on the first save."""
+    probe = tmp_path / "probe" / "c.pt"
+    r = torchrun("train.py", tiny(text_file, probe, "--steps", "2", "--dp", "zero2",
+                                  "--save-interval", "2"), nproc=2)
+    assert r.returncode == 0, r.output
+    one_save = sum(os.path.getsize(probe.parent / f) for f in every_file(probe.parent)
+                   if not f.endswith(".svg"))
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, f"{(one_save * 3 // 2) // 4096 * 4096 + 4096}")
+    (disk / "afile").write_text("not a folder")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        for ckpt, why in ((disk / "c.pt", "Read-only file system"),
+                          (disk / "new" / "c.pt", "Read-only file system"),
+                          (disk / "afile" / "c.pt", "is a file, not a folder")):
+            r = torchrun("train.py", tiny(text_file, ckpt, "--steps", "2", "--dp", "zero2"),
+                         nproc=2)
+            assert r.returncode != 0 and r.output.count("exitcode  : 2") == 2, r.output
+            assert len(error_lines(r.output)) == 1 and why in r.output, r.output
+            assert "step    1 |" not in r.output
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
+        ckpt = disk / "c.pt"
+        r = torchrun("train.py", tiny(text_file, ckpt, "--steps", "4", "--dp", "zero2",
+                                      "--save-interval", "2"), nproc=2)
+        assert r.returncode != 0 and "saved step 2" in r.output, r.output
+        lines = error_lines(r.output)
+        assert len(lines) == 1 and "no space left on device" in lines[0], r.output
+        shards = disk / "c_shards"
+        assert every_file(disk) == ["afile", "c.pt", "c_loss.svg", *[
+            f"c_shards/{f}" for f in ("latest", "step_2/meta.pt", "step_2/shard-0.pt",
+                                      "step_2/shard-1.pt")]] or every_file(disk) == [
+            "afile", "c.pt", *[f"c_shards/{f}" for f in ("latest", "step_2/meta.pt",
+                                                        "step_2/shard-0.pt",
+                                                        "step_2/shard-1.pt")]], \
+            every_file(disk)
+        assert (shards / "latest").read_text() == "step_2"
+        assert torch.load(ckpt, weights_only=True)["step"] == 2
+    finally:
+        subprocess.run(["umount", str(disk)])
+
 @pytest.mark.slow
 def test_one_error_line_when_rank0_is_late(text_file, tmp_path):
     late = {"NANOSCALE_TEST_DELAY_RANK0": "4"}
@@ -324,8 +374,12 @@ def zero1_reference(text_file, tmp_path_factory):
 
 @pytest.mark.slow
 def test_frozen_rank_is_named_and_the_restart_finishes(text_file, tmp_path, zero1_reference):
+    """Two-phase hang detection: start-up waits --timeout (120 s here), every step after the
+    first waits --step-timeout (6 s): the frozen rank is named within 6 s + slack, which
+    only the second phase can do."""
     args = ["train.py", *tiny(text_file, tmp_path / "h.pt", "--steps", "30", "--dp", "zero1",
-                              "--save-interval", "2", "--timeout", "8")]
+                              "--save-interval", "2", "--timeout", "120",
+                              "--step-timeout", "6")]
     live = Live(torchrun_cmd(2, *args, "--hang-at-step", "3", extra=["--max-restarts=1"]))
     pid = int(live.until("stopping itself at step 3", timeout=120).split("pid ")[1].split(")")[0])
     t0 = time.time()
@@ -335,24 +389,58 @@ def test_frozen_rank_is_named_and_the_restart_finishes(text_file, tmp_path, zero
     status, out = live.finish(timeout=180)
     assert "rank 0:" in line and "rank 1 (no heartbeat" in line, line
     assert re.search(r"in (all_reduce|reduce_scatter|all_gather|barrier) \(world\)", line), line
-    assert detected < 8 + 10, detected
+    assert detected < 6 + 10, detected
     assert status == 0 and "restart 1: resuming from the last checkpoint" in out, out
     same_losses(losses(tmp_path / "h.pt"), zero1_reference)
 
 
+def test_a_slow_save_does_not_look_like_a_frozen_peer(text_file, tmp_path):
+    """--step-timeout 2, but the last rank's every save takes 4 s longer (--save-delay):
+    saves wait the start-up --timeout (plumbing.long_phase), so the run finishes."""
+    ckpt = tmp_path / "slow.pt"
+    r = torchrun("train.py", tiny(text_file, ckpt, "--steps", "6", "--dp", "zero1",
+                                  "--save-interval", "2", "--timeout", "60",
+                                  "--step-timeout", "2", "--save-delay", "4"), nproc=2)
+    assert r.returncode == 0, r.output
+    assert "a collective waits 2 s for a silent peer" in r.output, r.output
+    assert r.output.count("saved step") == 3
+
+
 @pytest.mark.slow
-def test_restart_does_not_adopt_another_runs_checkpoint(text_file, tmp_path):
+def test_a_refusal_survives_a_restart(text_file, tmp_path):
+    """Another model's flags in a folder holding an older run's checkpoint: refused on the
+    first attempt, and refused again on torchrun's restart -- which used to train the new
+    model over the old checkpoint and exit 0. The old file is byte for byte unchanged, no
+    step ran, and the output says why on each attempt."""
     ckpt = tmp_path / "s.pt"
     old = torchrun("train.py", tiny(text_file, ckpt, "--steps", "2", "--save-interval", "2"),
                    nproc=1)
     assert old.returncode == 0, old.output
+    before = ckpt.read_bytes()
     new = torchrun("train.py", tiny(text_file, ckpt, "--steps", "3", "--n-layer", "1",
-                                    "--save-interval", "3", "--crash-at-step", "1"),
+                                    "--save-interval", "3"),
                    nproc=1, extra=["--max-restarts=1"])
-    assert new.returncode == 0, new.output
-    assert "another run's checkpoint" in new.output and "starting from step 0" in new.output
-    saved = torch.load(ckpt, weights_only=True)
-    assert saved["config"]["n_layer"] == 1 and saved["step"] == 3
+    assert new.returncode != 0, new.output
+    assert "holds another model" in new.output, new.output                  # attempt 0
+    assert "restart 1:" in new.output and "never writes over it" in new.output  # attempt 1
+    assert new.output.count("exitcode  : 2") >= 1 and "step    1 |" not in new.output
+    assert ckpt.read_bytes() == before
+
+
+def test_a_restart_never_writes_over_a_checkpoint_its_launch_did_not_create(text_file,
+                                                                             tmp_path):
+    """A finished run of the SAME model may be trained again by a fresh run -- but if that
+    run crashes before its first save, its restart finds no save of its own launch there
+    and refuses to write over the older run's file (--overwrite would allow it)."""
+    ckpt = tmp_path / "s.pt"
+    old = torchrun("train.py", tiny(text_file, ckpt, "--steps", "2", "--save-interval", "2"),
+                   nproc=1)
+    assert old.returncode == 0, old.output
+    before = ckpt.read_bytes()
+    new = torchrun("train.py", tiny(text_file, ckpt, "--steps", "4", "--save-interval", "3",
+                                    "--crash-at-step", "1"), nproc=1, extra=["--max-restarts=1"])
+    assert new.returncode != 0 and "never writes over it" in new.output, new.output
+    assert ckpt.read_bytes() == before
 
 
 @pytest.mark.slow

@@ -32,12 +32,14 @@ its slice is exactly the update a single process would make.
 Checkpoints are sharded the same way: each rank writes the flat ranges it owns, and a
 resume with any world size (or any mode) reads the ranges it now needs -- resharding.
 """
+import errno
 import math
 import os
 import shutil
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from core.plumbing import load_checkpoint
 from core.plumbing import (UserError, atomic_save, comm, decay_groups, fmt_bytes, model_state_bytes,
@@ -609,16 +611,44 @@ def generations(root):
     return ([first] if first else []) + rest
 
 
-def save_sharded_checkpoint(root, step, dp, optimizer, rt, meta, keep=2):
-    """Every rank writes its ranges into root/step_K/, then rank 0 points `latest` at it
-    and removes the saves beyond the newest `keep` of this run (meta["run_id"]) and every
-    save of another run: a crash mid-save leaves `latest` on the previous complete
-    checkpoint, and an unreadable `latest` has `keep - 1` older ones to fall back on.
-    Collective (barriers): every rank calls it."""
-    folder = os.path.join(root, f"step_{step}")
-    save_shards(folder, dp, optimizer, rt.rank, meta)
+def all_or_nothing(rt, write, undo):
+    """write() on every rank, then every rank learns whether every rank succeeded (one
+    all-reduce of the worst errno): a save is all its files or none. On any failure undo()
+    runs on rank 0 (it removes what the others wrote) and every rank raises the same
+    OSError -- the failing rank's reason, "No space left on device" or "Read-only file
+    system" -- which resume.save turns into one line. Collective: every rank calls it."""
+    code = 0
+    try:
+        write()
+    except (OSError, RuntimeError) as e:      # torch.save reports ENOSPC as RuntimeError
+        code = next((x.errno for x in (e, e.__cause__, e.__context__)
+                     if isinstance(x, OSError) and x.errno), errno.EIO)
     if rt.distributed:
-        comm.barrier()
+        worst = torch.tensor([float(code)], device=rt.device)
+        comm.all_reduce(worst, op=dist.ReduceOp.MAX)
+        code = int(worst.item())
+    if code:
+        if rt.is_main:
+            undo()
+        if rt.distributed:
+            comm.barrier()             # nobody raises before the folder is gone
+        raise OSError(code, os.strerror(code))
+
+
+def save_sharded_checkpoint(root, step, dp, optimizer, rt, meta, keep=2, before_commit=None):
+    """Every rank writes its ranges into root/step_K/; before_commit() (the single-file
+    export) runs next; only then rank 0 points `latest` at it and removes the saves beyond
+    the newest `keep` of this run (meta["run_id"]) and every save of another run. A crash
+    mid-save leaves `latest` on the previous complete checkpoint; a save that fails on any
+    rank (a full disk) removes step_K/ entirely (all_or_nothing); an unreadable `latest`
+    has `keep - 1` older ones to fall back on. Collective (barriers): every rank calls it."""
+    folder = os.path.join(root, f"step_{step}")
+
+    def undo():
+        shutil.rmtree(folder, ignore_errors=True)
+    all_or_nothing(rt, lambda: save_shards(folder, dp, optimizer, rt.rank, meta), undo)
+    if before_commit is not None:
+        all_or_nothing(rt, before_commit, undo)
     if rt.is_main:
         with open(os.path.join(root, "latest.tmp"), "w") as f:
             f.write(f"step_{step}")

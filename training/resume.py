@@ -126,9 +126,7 @@ def find_resume(args, restarted=False):
             problems.append(str(e))
             continue
         if restarted and resume.get("launch_id") != os.environ.get("TORCHELASTIC_RUN_ID"):
-            print0(f"restart {attempt()}: {path} is another run's checkpoint (run "
-                   f"{resume.get('run_id')}), not resumed: starting from step 0")
-            return None
+            return None       # another launch's: not adopted (check_overwrite refuses it)
         if problems:
             print0(f"warning: {problems[0]}; falling back to the previous checkpoint {path} "
                    f"(step {resume['step']})")
@@ -150,14 +148,22 @@ def find_resume(args, restarted=False):
     raise UserError(f"--resume: checkpoint {args.ckpt!r} not found")
 
 
-def check_overwrite(args, config):
+def check_overwrite(args, config, restarted=False):
     """A fresh run (no --resume) would write over args.ckpt. Refused in one line when the
     file holds a checkpoint of another model configuration, an unfinished run (--resume
     continues it), or something that is not a checkpoint of this repo; --overwrite
-    forces it. A finished run of this very configuration may be trained again."""
+    forces it. A finished run of this very configuration may be trained again -- but not
+    by a torchrun restart: a restart found no save of its own launch there (find_resume),
+    so the file is another launch's, and a restart never writes over it. The refusal is
+    the same on every attempt (exit 2 each time: torchrun retries any failed attempt, and
+    each retry refuses again before building anything), so no restart changes the outcome."""
     path = args.ckpt
     if args.overwrite or not os.path.exists(path):
         return
+    if restarted:
+        raise UserError(f"restart {attempt()}: {path} was not written by this launch (another "
+                        "run's checkpoint): a torchrun restart never writes over it; "
+                        "--ckpt NEW writes elsewhere, --overwrite replaces it")
     try:
         old = load_checkpoint(path, map_location="cpu", what="checkpoint")
     except UserError:
@@ -221,12 +227,17 @@ def write_checkpoint(args, rt, run):
                 step=run.step, args=vars(args), rng=plain_rng_state(),
                 tokenizer=data.encoding_to_state(run.corpus.enc), corpus=run.corpus.name,
                 history=run.history, world_size=rt.world_size, mode=args.dp, **ids)
-    data_parallel.save_sharded_checkpoint(shards_dir(args), run.step, run.sync,
-                                          run.optimizer, rt, meta, args.keep)
     weights = data_parallel.full_state_dict(run.model, run.sync)  # collective: zero3, fsdp
-    if rt.is_main:
-        export = {k: v for k, v in meta.items() if k not in ("rng", "scaler")}
-        atomic_save({**export, "model": weights, "exported_from": args.dp}, args.ckpt)
+
+    def export():             # the weights as one file, before `latest` moves (rank 0)
+        if rt.is_main:
+            plain = {k: v for k, v in meta.items() if k not in ("rng", "scaler")}
+            atomic_save({**plain, "model": weights, "exported_from": args.dp}, args.ckpt)
+    # shards, then the export, then `latest`: a failure at any point (a full disk on any
+    # rank) removes the new save folder, and `latest` stays on the previous save
+    data_parallel.save_sharded_checkpoint(shards_dir(args), run.step, run.sync,
+                                          run.optimizer, rt, meta, args.keep,
+                                          before_commit=export)
     if rt.distributed:
         comm.barrier()
 
