@@ -22,7 +22,8 @@ What it teaches, and what each technique costs:
     model to prefer the right answer among a few: its accuracy sits above generation's and
     above chance (1/choices) even for a model that cannot write the answer.
   - Calibration (scripts/calibration.py; Guo et al. 2017): expected calibration error over
-    equal-width confidence bins, ECE = Σ_b |B_b|/n · |acc(B_b) − conf(B_b)|; temperature
+    equal-width confidence bins, ECE = Σ_b |B_b|/n · |acc(B_b) − conf(B_b)|, bins (lo, hi]
+    as in Guo et al.'s code or torchmetrics' [lo, hi) with 1.0 apart (ece's closed); temperature
     scaling divides every logit by one T > 0 fitted on a dev split to minimise the NLL of
     the reference answers. It costs nothing at inference, never changes the greedy answer
     (argmax is invariant to T), and fixes only a global over/under-confidence.
@@ -30,7 +31,8 @@ What it teaches, and what each technique costs:
     detect a wrong answer, each scored by AUROC (Mann-Whitney U with ties, here) and by
     the accuracy-coverage curve of abstaining on the least confident.
   - Contamination (scripts/contamination.py): plant test problems in a fine-tune, measure the
-    accuracy inflation, and detect them by n-gram overlap, loss and Min-K% Prob (here).
+    accuracy inflation, and detect them by n-gram overlap, loss and Min-K% Prob (here; its
+    token count by the floor of Shi et al.'s code, or at least one token by ceil).
 The arithmetic-task accuracy of a Python-trained LM is near zero, so the task modes train a
 task model first (SFT on core/data.py's format_example texts, cached under out/evaluate/).
 Imports only the shared modules. The metrics lora.py, rl.py and train.py report
@@ -54,8 +56,8 @@ from core.scores import continuation_logprobs, greedy_answers, prompt_ids
 from core.checkpoint import load_model
 from model import GPT, GPTConfig, PRESETS, get_config
 from core.plots import svg_bar_chart, terminal_bars
-from core.plumbing import (ArgumentParser, HelpFormatter, UserError, atomic_save, print0, run_cli,
-                           seed_everything)
+from core.plumbing import (ArgumentParser, HelpFormatter, UserError, atomic_save,
+                           load_checkpoint, print0, run_cli, seed_everything)
 
 # train.py's default output: what ppl and task score when --checkpoint is not given
 DEFAULT_CKPT = os.path.join("out", "ckpt.pt")
@@ -67,32 +69,61 @@ OUT_DIR = os.path.join("out", "evaluate")
 # ----------------------------------------------------------------------------------------
 # The metrics, by hand
 
-def ece(conf, correct, n_bins=15):
-    """Expected calibration error over n_bins equal-width bins ((lo, hi], the first also
-    holds 0). -> (ece, bins) with bins = [(lo, hi, count, accuracy, mean confidence)]."""
+# Which side of a bin is closed. "right": (lo, hi], a confidence on an edge goes to the bin
+# below it and 0 to the first bin -- the rule of Guo et al. 2017's code (gpleiss/
+# temperature_scaling's _ECELoss: conf > lo and conf <= hi; it counts a confidence of 0 in
+# no bin, which a softmax maximum never is) and of torchmetrics' old loop. "left": [lo, hi)
+# and a bin of its own for exactly 1.0 -- torchmetrics' calibration_error today
+# (torch.bucketize(conf, linspace(0, 1, n + 1), right=True) - 1 over n + 1 bins). They
+# differ only on confidences exactly at an edge; in float32 a sure answer's probability
+# often is exactly 1.0 (docs/evaluate.md measures how far the two ECEs part).
+ECE_BINS = ("right", "left")
+
+
+def ece(conf, correct, n_bins=15, closed="right"):
+    """Expected calibration error over n_bins equal-width bins. closed="right": bins (lo, hi],
+    the first also holding 0; "left": torchmetrics' [lo, hi), plus a last bin [1, 1] for
+    exactly 1.0 (see ECE_BINS). -> (ece, bins), bins = [(lo, hi, count, accuracy, mean conf)]."""
     if n_bins < 1:
         raise UserError(f"the bin count must be at least 1, got {n_bins}")
-    conf = np.asarray(conf, dtype=np.float64)
+    if closed not in ECE_BINS:
+        raise UserError(f"ECE bins closed on the 'right' or the 'left', got {closed!r}")
+    conf = np.asarray(conf)
+    # The edges in the confidences' own precision, as both references build them (torch.
+    # linspace, float32 for a float32 softmax): a float32 0.7 is below 0.7 in float64 but
+    # on the edge in float32, so float64 edges would put it in another bin than theirs.
+    # Anything else (lists, float64) is binned in float64; the sums below are float64.
+    dtype = torch.float32 if conf.dtype == np.float32 else torch.float64
+    edges = torch.linspace(0.0, 1.0, n_bins + 1, dtype=dtype).numpy()
+    conf = conf.astype(edges.dtype)
     correct = np.asarray(correct, dtype=np.float64)
-    edges = np.linspace(0.0, 1.0, n_bins + 1)
-    # Only the n_bins - 1 interior edges are searched: side="left" puts a confidence equal
-    # to an edge in the bin below it, c = 0 (below every edge) in bin 0 and c = 1 in the
-    # last; a value outside [0, 1] would land in an end bin rather than vanish.
-    which = np.searchsorted(edges[1:-1], conf, side="left")   # edges[i-1] < c <= edges[i]
+    if closed == "right":
+        # Only the n_bins - 1 interior edges are searched: side="left" puts a confidence
+        # equal to an edge in the bin below it, c = 0 (below every edge) in bin 0 and c = 1
+        # in the last; a value outside [0, 1] would land in an end bin rather than vanish.
+        which = np.searchsorted(edges[1:-1], conf, side="left")   # edges[i-1] < c <= edges[i]
+        spans = list(zip(edges[:-1], edges[1:]))
+    else:
+        # side="right" is torch.bucketize's right=True: edges[i-1] <= c < edges[i] gives i,
+        # minus 1 the bin; c = 1.0 is past the last edge, bin n_bins, the one of its own.
+        # Clipped, so a value outside [0, 1] lands in an end bin as above (torchmetrics'
+        # scatter_add would fail on it instead).
+        which = np.clip(np.searchsorted(edges, conf, side="right") - 1, 0, n_bins)
+        spans = list(zip(edges[:-1], edges[1:])) + [(1.0, 1.0)]
     total, bins = 0.0, []
-    for b in range(n_bins):
+    for b, (lo, hi) in enumerate(spans):
         inside = which == b
         count = int(inside.sum())
         # an empty bin reports NaN (no data), not 0: an accuracy of 0 would read as a bin
         # that is confidently wrong
         acc = float(correct[inside].mean()) if count else float("nan")
-        mean_conf = float(conf[inside].mean()) if count else float("nan")
+        mean_conf = float(conf[inside].astype(np.float64).mean()) if count else float("nan")
         if count:
             # |B_b|/n · |acc(B_b) - conf(B_b)|: weighted by the bin's share of the items,
             # so a sparse bin barely moves the ECE. More bins with fewer items each bias
             # ECE upward (|noise| is > 0 on average); 15 is Guo et al. 2017's choice.
             total += count / len(conf) * abs(acc - mean_conf)
-        bins.append((float(edges[b]), float(edges[b + 1]), count, acc, mean_conf))
+        bins.append((float(lo), float(hi), count, acc, mean_conf))
     return total, bins
 
 
@@ -217,14 +248,45 @@ def entropy(counts):
     return float(-(p * np.log(p)).sum())
 
 
-def min_k_prob(logprobs, k_percent=20.0):
-    """Min-K% Prob (Shi et al. 2023): mean of the ceil(k% · n) lowest token log-probs."""
+# How many of n tokens Min-K% Prob averages. "floor": int(n · k/100), Shi et al.'s released
+# code (swj0419/detect-pretrain-code, src/run.py: k_length = int(len(all_prob) * ratio)) --
+# the float product as they write it, so k = 29 of 100 tokens is 28 there and here. It can
+# select no token (k% · n < 1), where their np.mean of nothing gives NaN; here that is
+# refused (UserError), an AUROC over NaN scores being no score. "ceil": max(1, ceil(n ·
+# k/100)), this repo's earlier rule: never zero, and a 3-token answer at k = 20% averages one
+# token. They differ whenever k% · n is not whole; on the arithmetic items (5-9 scored
+# tokens) at k = 20 the floor averages the single lowest token, the ceil the two lowest of 6+.
+MIN_K_RULES = ("floor", "ceil")
+
+
+def min_k_count(n, k_percent, rule="floor"):
+    """The number of lowest log-probs Min-K% Prob averages over n tokens (MIN_K_RULES)."""
+    if rule not in MIN_K_RULES:
+        raise UserError(f"the Min-K% rule is 'floor' or 'ceil', got {rule!r}")
+    if rule == "floor":
+        return int(n * (k_percent / 100))          # k_percent / 100: their `ratio`, 0.2 for 20
+    return max(1, math.ceil(n * k_percent / 100))
+
+
+def min_k_prob(logprobs, k_percent=20.0, rule="floor"):
+    """Min-K% Prob (Shi et al. 2023): the mean of the k% lowest token log-probs, k% of n
+    counted by `rule` (min_k_count; floor: Shi et al.'s code). Zero tokens: UserError."""
     # Shi et al.'s argument: a text seen in training has few very unlikely tokens, so the
     # mean of its lowest k% log-probs is higher (less negative) than an unseen text's; a
-    # mean over all tokens would be dominated by the easy ones. Higher = more likely seen.
-    # ceil and at least 1: a 3-token answer at k = 20% still averages one token.
-    k = max(1, math.ceil(len(logprobs) * k_percent / 100))
-    return float(torch.sort(logprobs).values[:k].mean())    # ascending: the k lowest
+    # mean over all tokens would be dominated by the easy ones. Higher = more likely seen
+    # (their code stores the negative, -mean, and ranks by its negative again: the same order).
+    n = len(logprobs)
+    if n == 0:
+        raise UserError("Min-K% Prob of a text with no scored token is undefined")
+    k = min_k_count(n, k_percent, rule)
+    if k == 0:
+        raise UserError(f"Min-{k_percent:g}% of a {n}-token text is int({n} x "
+                        f"{k_percent / 100:g}) = 0 tokens (the floor rule of Shi et al.'s "
+                        f"code); raise --min-k to {math.ceil(100 / n)} or more, or take "
+                        "--min-k-rule ceil (at least one token)")
+    # float64: their log-probs are Python floats (float64), so the mean is taken at that
+    # precision; ascending sort, the first k are the k lowest
+    return float(torch.sort(logprobs.double()).values[:k].mean())
 
 
 # ----------------------------------------------------------------------------------------
@@ -306,8 +368,9 @@ def _load_cached(path, meta, device):
     caller then trains and saves it)."""
     if not os.path.exists(path):
         return None
-    # weights_only=True: a cache file is data and is never allowed to run code
-    ck = torch.load(path, map_location=device, weights_only=True)
+    # weights_only=True: a cache file is data and is never allowed to run code; an
+    # unreadable one (a disk that filled mid-write by another tool) is one line, not a trace
+    ck = load_checkpoint(path, map_location=device, what="cached task model")
     # any difference in what shaped it (steps, seed, data, ...): stale, retrain rather
     # than silently reuse another experiment's model
     if ck.get("meta") != meta:
@@ -727,10 +790,13 @@ def check_args(args):
     # getattr(args, name, 1) and the like: a flag the mode does not define reads as valid,
     # so one function checks every parser (this file's and the scripts')
     for name in ("bootstrap", "threads", "sft_steps", "sft_batch", "n_train", "eval_problems",
-                 "max_new", "batch_size", "max_tokens", "repeats", "ft_clean", "ft_batch", "ngram"):
+                 "max_new", "batch_size", "max_tokens", "repeats", "ft_clean", "ft_batch"):
         if getattr(args, name, 1) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, "
                             f"got {getattr(args, name)}")
+    # --ngram 0 is the size chosen from the items' lengths (scripts/contamination.py)
+    if getattr(args, "ngram", 0) < 0:
+        raise UserError(f"--ngram must be at least 0 (0: chosen from the items), got {args.ngram}")
     if getattr(args, "bins", 1) < 1:
         raise UserError(f"--bins must be at least 1, got {args.bins}")
     if getattr(args, "temperature", 1.0) <= 0:

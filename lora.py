@@ -865,7 +865,8 @@ def add_training_flags(g):
 
 
 def add_run_flags(g):
-    g.add_argument("--ckpt", default="out/ckpt.pt", help="'none' = random --preset model")
+    g.add_argument("--checkpoint", "--ckpt", dest="ckpt", default="out/ckpt.pt",
+                   help="the base model; 'none' = random --preset model (--ckpt: the old name)")
     g.add_argument("--preset", default="tiny", help=f"with --ckpt none: {', '.join(PRESETS)}")
     g.add_argument("--seed", type=int, default=0, help="data, adapter init, dropout")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")

@@ -25,9 +25,11 @@ embedding, head and norms stay fp32 here, as most weight-only schemes keep them)
     the columns not yet quantized, weighted by the inverse Hessian of the layer's squared
     output error, H = 2XX^T from calibration activations. Same bytes as RTN; adds one
     calibration forward per group of layers and O(in^3) per layer; loses less than RTN.
+    Groups are fitted as IST-DASLab/gptq fits them (--gptq-group-fit, calibrated.py).
   - AWQ (Lin et al. 2023): scale up the input channels whose activations are large (s = mean|x|
     ^alpha, alpha from a grid), fold 1/s into the previous norm or linear. Same bytes; adds a
-    calibration forward and a grid search; protects the salient channels.
+    calibration forward and a grid search; protects the salient channels. alpha is scored
+    as llm-awq scores it, on the attention's / MLP's output (--awq-objective).
   - SmoothQuant (Xiao et al. 2023): s_j = max|X_j|^alpha / max|W_j|^(1-alpha) moves activation
     outliers into the weights, so both can be int8 (W8A8). Adds an activation quantization per
     matmul at run time; buys an int8 x int8 -> int32 matmul (torch._int_mm, used only where
@@ -329,22 +331,23 @@ def ptq(base, method, bits, group_size, calib, args, int_mm_rows=None):
         # sequential: one calibration forward per stage (q/k/v, o, gate/up, down), i.e.
         # 4·n_layer passes, each on the outputs of the stages already quantized, so a
         # layer's Hessian H = 2XX^T is taken on the inputs it will see when deployed.
-        transform = calibrated.gptq_transform(bits, group_size, block_size=args.block_size,
-                                              damp=args.damp, act_order=args.act_order)
+        # errors collects each layer's output error and RTN's on the same inputs.
+        errors = []
+        transform = calibrated.gptq_transform(bits, group_size, errors,
+                                              block_size=args.block_size, damp=args.damp,
+                                              act_order=args.act_order,
+                                              group_fit=args.gptq_group_fit)
         passes = calibrated.sequential(model, calib, transform)
-        return model, passes, "act-order" if args.act_order else ""
+        return model, passes, gptq_note(args, errors)
     if method == "awq":
         # AWQ's statistic is mean|x_j| per input channel (Lin et al. 2023, "searching to
-        # scale"); the grid search scores each α on the first --awq-tokens rows only
-        # (stats.sample()): cost = grid · (quantize + matmul) per group of consumers.
-        def choose(stats, weights):
-            mean_abs = (stats.abs_sum / stats.n).float()
-            return calibrated.awq_search(stats.sample(), weights, mean_abs, bits, group_size,
-                                         args.grid)
+        # scale"); the grid search scores each α by --awq-objective on the first
+        # --awq-tokens tokens (0: all): cost = grid · (quantize + the scored module's run).
         # One forward serves every group: W·diag(s) with 1/s folded into the producer is an
         # identity in fp32, so earlier scalings do not change later statistics. Then RTN.
-        alphas = calibrated.scale_model(model, calib, choose, keep=args.awq_tokens)
-        return quantize_model(model, bits, group_size), 1, f"alpha {min(alphas)}..{max(alphas)}"
+        alphas = calibrated.awq_scale(model, calib, bits, group_size, args.grid,
+                                      args.awq_objective, args.awq_quantizer, args.awq_tokens)
+        return quantize_model(model, bits, group_size), 1, awq_note(args, alphas)
 
     # Anything else falls through to SmoothQuant: only cmd_ptq and cmd_compare call this,
     # with known names -- a method added by hand needs its own branch above this line.
@@ -354,6 +357,25 @@ def ptq(base, method, bits, group_size, calib, args, int_mm_rows=None):
         return calibrated.smooth_scales(stats.abs_max, weights, args.alpha), args.alpha
     calibrated.scale_model(model, calib, smooth)
     return calibrated.w8a8_model(model, int_mm_rows), 1, f"alpha {args.alpha}"
+
+
+def gptq_note(args, errors):
+    """The ledger's note for a GPTQ row: its non-default options, then the layer error,
+    Σ over layers of E||(W - Ŵ)x||² on the calibration inputs, and the ratio to RTN's."""
+    opts = ["act-order"] if args.act_order else []
+    if args.gptq_group_fit != "block-start":
+        opts.append(f"--gptq-group-fit {args.gptq_group_fit}")
+    ours, rtn = sum(e for e, _ in errors), sum(r for _, r in errors)
+    err = f"layer err {ours:.4g} ({ours / rtn:.3f}× rtn)" if rtn > 0 else ""
+    return "; ".join(opts + [err] if err else opts)
+
+
+def awq_note(args, alphas):
+    """The ledger's note for an AWQ row: its non-default options and the α range chosen."""
+    opts = [f"--awq-objective {args.awq_objective}"] if args.awq_objective != "module" else []
+    if args.awq_quantizer != "llm-awq":
+        opts.append(f"--awq-quantizer {args.awq_quantizer}")
+    return "; ".join(opts + [f"alpha {min(alphas)}..{max(alphas)}"])
 
 
 def int_mm_decision(base):
@@ -405,20 +427,29 @@ def cmd_ptq(args, base, corpus, ev, table, int_mm_rows):
 
 def cmd_compare(args, base, corpus, ev, table, int_mm_rows):
     """Every method on one table; -> None (compare writes its table, never a checkpoint).
-    Rows: fp32 (main), then per bits rtn, gptq, gptq act-order, awq; SmoothQuant; QAT
-    with its controls; pruning -- tests/test_quantize.py counts them."""
+    Rows: fp32 (main), then per bits rtn, gptq, gptq with the other group fit, gptq
+    act-order, awq, awq by this repo's earlier rule (the variants at int4/int3 only);
+    SmoothQuant; QAT with its controls; pruning -- tests/test_quantize.py counts them."""
     bits_list = bits_of(args)
     # One calibration set for all: GPTQ, AWQ, SmoothQuant and Wanda see the same tokens,
     # so the ledger compares the methods, not their samples.
     calib = calibration(corpus, base, args, "compare")
     for bits in bits_list:
         g = default_group(bits, args.group_size)
-        # a copy of args with act_order on: the act-order GPTQ row beside the plain one
-        act_order = argparse.Namespace(**{**vars(args), "act_order": True})
-        for method, opts in (("rtn", args), ("gptq", args), ("gptq", act_order), ("awq", args)):
-            # no act-order row at int8 (per-row groups, near lossless already: nothing to
-            # show) nor when --act-order is given (the plain gptq row is act-order already)
-            if opts is act_order and (bits == 8 or args.act_order):
+        # copies of args with options changed: each variant's row beside the default's
+        act_order = variant(args, act_order=True)
+        fit = variant(args, gptq_group_fit=other_fit(args.gptq_group_fit))
+        awq_ours = variant(args, awq_objective="linear", awq_quantizer="stored")
+        for method, opts in (("rtn", args), ("gptq", args), ("gptq", fit), ("gptq", act_order),
+                             ("awq", args), ("awq", awq_ours)):
+            # no variant row at int8 (per-row groups, near lossless already: nothing to
+            # show), no act-order row when --act-order is given (the plain gptq row is
+            # act-order already), no group-fit row where the two fits cannot differ (static
+            # groups, or groups no smaller than the lazy block), no second AWQ row when the
+            # flags already ask for the earlier rule
+            if opts is not args and (bits == 8 or (opts is act_order and args.act_order)
+                                     or (opts is fit and not fits_differ(args, bits, g))
+                                     or (opts is awq_ours and not awq_default(args))):
                 continue
             t0 = time.perf_counter()
             model, passes, note = ptq(base, method, bits, g, calib, opts)
@@ -438,6 +469,28 @@ def cmd_compare(args, base, corpus, ev, table, int_mm_rows):
     for row in prune.compare_rows(base, corpus, ev, calib, args):
         table.add(row)
     return None
+
+
+def variant(args, **change):
+    """A copy of the parsed flags with some of them changed (args itself stays as it is)."""
+    return argparse.Namespace(**{**vars(args), **change})
+
+
+def other_fit(fit):
+    """The GPTQ group fit that is not `fit`: compare's second row."""
+    return next(f for f in calibrated.GROUP_FITS if f != fit)
+
+
+def fits_differ(args, bits, g):
+    """Whether GPTQ's two group fits can give other weights: only when a group can start
+    inside a lazy block (groups smaller than the block, no static groups)."""
+    return not args.act_order and bits != 8 and 0 < g < args.block_size
+
+
+def awq_default(args):
+    """Whether the AWQ flags are llm-awq's (then compare adds a row with this repo's earlier
+    rule, per-linear objective and stored quantizer, for the difference)."""
+    return args.awq_objective == "module" and args.awq_quantizer == "llm-awq"
 
 
 def run_mode(args, base, corpus, ev, table, int_mm_rows):
@@ -490,7 +543,7 @@ def main(argv=None):
             raise UserError(f"--bits {bits} is not supported: choose one of {SUPPORTED_BITS}")
     # 0 steps is allowed (QAT then exports its initial fake-quantized weights); getattr
     # with a default because each subcommand defines only some of these flags
-    for name in ("steps", "qat_steps", "finetune_steps", "calib_batches"):
+    for name in ("steps", "qat_steps", "finetune_steps", "calib_batches", "awq_tokens"):
         if getattr(args, name, 0) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 0")
     if args.mode == "prune" and not 0 <= args.sparsity < 1:
@@ -578,17 +631,30 @@ def build_parser():
     # keeps the Cholesky factorisation defined when XX^T is singular (dead inputs, fewer
     # tokens than inputs); 128 columns per lazy batch, as in Frantar et al. 2022 ("lazy
     # batch-updates"). Raise --damp and GPTQ moves toward RTN (H toward a multiple of I).
+    # --gptq-group-fit: which weights a group inside a lazy block is fitted on
+    # (compression/calibrated.py, GROUP_FITS: the reference's block-start, or updated).
     gptq_flags = _parent(
         "GPTQ",
         ("--damp", dict(type=float, default=0.01, help="dampening λ = damp · mean(diag H)")),
         ("--block-size", dict(type=int, default=128, help="columns per lazy batch")),
-        ("--act-order", dict(action="store_true", help="columns by decreasing diag H")))
+        ("--act-order", dict(action="store_true", help="columns by decreasing diag H")),
+        ("--gptq-group-fit", dict(default="block-start", choices=calibrated.GROUP_FITS,
+                                  help="a group's scale/zero from the weights at its block's "
+                                  "start (IST-DASLab/gptq) or as updated so far")))
     # 20 grid points as llm-awq's auto_scale; α = 0 is plain RTN, so AWQ never scores
-    # worse than RTN on its own calibration sample
+    # worse than RTN on its own calibration sample. Objective and quantizer of the search:
+    # llm-awq's by default, this repo's earlier ones as options (calibrated.AWQ_OBJECTIVES).
     awq_flags = _parent(
         "AWQ",
         ("--grid", dict(type=int, default=20, help="α grid points on [0, 1)")),
-        ("--awq-tokens", dict(type=int, default=512, help="calibration tokens in the search")))
+        ("--awq-tokens", dict(type=int, default=0, help="calibration tokens the search scores "
+                              "(0: all, as llm-awq)")),
+        ("--awq-objective", dict(default="module", choices=calibrated.AWQ_OBJECTIVES,
+                                 help="score α by the attention/MLP output (llm-awq) or by "
+                                 "each linear's own")),
+        ("--awq-quantizer", dict(default="llm-awq", choices=list(calibrated.AWQ_QUANTIZERS),
+                                 help="the search's rounding: llm-awq's min/max fp32, or the "
+                                 "stored format's")))
     # α = 0.5, the paper's default: the difficulty split evenly between activations and
     # weights; α -> 1 moves more of the outliers into the weights
     sq_flags = _parent("SmoothQuant", ("--alpha", dict(type=float, default=0.5,
@@ -622,6 +688,11 @@ def _subcommands(p, common, fmt, gptq_flags, awq_flags, sq_flags, train):
     prune.add_argument("--criterion", default="wanda", choices=["magnitude", "wanda"],
                        help="|W|, or |W|·||X||")
     prune.add_argument("--finetune-steps", type=int, default=0, help="masked fine-tuning")
+    # per-block: locuslab/wanda's prune_wanda (a block's statistics, then all of it pruned);
+    # per-stage re-collects after each pruned stage (compression/prune.py, SCHEDULES)
+    wanda_schedule = dict(default="per-block", choices=["per-block", "per-stage"],
+                          help="Wanda's statistics: once a block, or again after each stage")
+    prune.add_argument("--wanda-schedule", **wanda_schedule)
     # compare takes --bits-list instead of `fmt`'s single --bits, so it adds its own
     # --group-size (the same default rule)
     cmp = add("compare", "every method at --bits-list, QAT, pruning: one table",
@@ -630,6 +701,7 @@ def _subcommands(p, common, fmt, gptq_flags, awq_flags, sq_flags, train):
     cmp.add_argument("--group-size", type=int, default=None, help="not given: 0 for int8, 32 "
                      "for int3/int4")
     cmp.add_argument("--qat-steps", type=int, default=100, help="QAT and fine-tuning steps")
+    cmp.add_argument("--wanda-schedule", **wanda_schedule)
     return p
 
 

@@ -909,7 +909,8 @@ def add_task_flags(g):
 
 
 def add_run_flags(g):
-    g.add_argument("--ckpt", default="out/ckpt.pt", help="whose tokenizer; 'none' = 256 bytes")
+    g.add_argument("--checkpoint", "--ckpt", dest="ckpt", default="out/ckpt.pt",
+                   help="whose tokenizer; 'none' = 256 bytes (--ckpt: the old name)")
     g.add_argument("--preset", default="draft", help="the policy (and student)")
     g.add_argument("--cache-dir", default=os.path.join("out", "rl"),
                    help="where SFT'd models are cached; '' = off")

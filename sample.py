@@ -19,6 +19,7 @@ Each sample runs model.generate: one prefill over the prompt, then one cached de
 per token. A typed "\\n" in a prompt is a newline (code prompts span lines). Same --seed,
 same prompt -> the same completion.
 """
+import argparse
 import sys
 
 import torch
@@ -110,7 +111,9 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=None,
                    help="nucleus sampling mass in (0, 1]; when not given: no nucleus cut")
     p.add_argument("--seed", type=int, default=0, help="sample i of a prompt uses seed + i")
-    p.add_argument("--echo", action="store_true", help="print the prompt before its completion")
+    p.add_argument("--echo", action=argparse.BooleanOptionalAction, default=True,
+                   help="print the prompt before its completion (--no-echo: the completion "
+                        "alone, e.g. to pipe it on)")
     p.add_argument("--no-stop", dest="stop_at_eot", action="store_false",
                    help="keep going past the end-of-text token (when not given: stop there)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")

@@ -746,8 +746,10 @@ def load_served_model(args):
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if not os.path.exists(args.checkpoint):
+        if args.checkpoint != DEFAULT_CHECKPOINT:      # the user named it: say so, no advice
+            raise UserError(f"--checkpoint {args.checkpoint!r} not found")
         raise UserError(f"checkpoint {args.checkpoint!r} not found: train one with "
-                        f"`python train.py` (writes {DEFAULT_CHECKPOINT}) or pass --checkpoint")
+                        f"`python train.py` (writes it), or name one with --checkpoint")
     model, ckpt = load_model(args.checkpoint, pick_device(args.device))
     if "tokenizer" not in ckpt:
         raise UserError(f"{args.checkpoint} carries no tokenizer (not written by train.py?)")

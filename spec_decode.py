@@ -904,8 +904,11 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=1, help="generate: copies of the prompt")
     p.add_argument("--seed", type=int, default=0, help="sampling and prompt seed")
     g = p.add_argument_group("models and drafters")
-    g.add_argument("--ckpt", default="out/ckpt.pt", help="the target (train.py)")
-    g.add_argument("--draft-ckpt", default="out/draft.pt", help="draft model (--preset draft)")
+    g.add_argument("--checkpoint", "--ckpt", dest="ckpt", default="out/ckpt.pt",
+                   help="the target (train.py; --ckpt: the old name)")
+    g.add_argument("--draft-checkpoint", "--draft-ckpt", dest="draft_ckpt",
+                   default="out/draft.pt",
+                   help="draft model (--preset draft; --draft-ckpt: the old name)")
     g.add_argument("--out-dir", default=os.path.join("out", "spec_decode"),
                    help="where trained drafters are cached")
     g.add_argument("--heads", type=int, default=4, help="Medusa heads (max gamma)")

@@ -410,10 +410,11 @@ def train_fresh(cfg, corpus, steps, seed, batch_size=16, lr=3e-3, bos=None):
 
 
 def load_or_train(args):
-    """-> (model, corpus, description). --checkpoint, else out/ckpt.pt if present, else (or
-    with --checkpoint none) a fresh --preset model trained for --train-steps steps here
-    (0 = random init), with <|endoftext|> first in every training row if --bos."""
-    path = args.checkpoint or (DEFAULT_CKPT if os.path.exists(DEFAULT_CKPT) else None)
+    """-> (model, corpus, description). By default a fresh --preset model trained for
+    --train-steps steps here (0 = random init), with <|endoftext|> first in every training
+    row if --bos: the model this page's figures are measured on. --checkpoint PATH runs
+    another model instead (the demo's out/ckpt.pt, say), and says what that changes."""
+    path = args.checkpoint
     if path and path != "none":
         model, ckpt = load_model(path, args.device)
         # the stream comes from the corpus the checkpoint trained on (its saved --data),
@@ -425,6 +426,13 @@ def load_or_train(args):
                 != corpus.enc._mergeable_ranks:
             raise UserError(f"{path}'s tokenizer is not the one of corpus "
                             f"{data_path or 'stdlib'}: pass the --data it was trained on")
+        if args.bos:
+            # the sink probe looks for attention on a leading <|endoftext|>: a model trained
+            # without one in front of its rows (train.py's) has no such sink to find
+            print(f"note: --checkpoint {path}: a model trained elsewhere; unless it saw "
+                  "<|endoftext|> first in its training rows (train.py's models do not), "
+                  "--bos gives it a token it never learnt to sink on, and the losses are "
+                  "its own, not the fresh sink model's of docs/streaming.md")
         # .float(): run_measure's byte counts (per_token) assume 4-byte K/V
         return model.float().eval(), corpus, path
     return fresh_model(args)
@@ -636,9 +644,10 @@ def run_generate(args):
 def parse_args(argv=None):
     fmt = HelpFormatter
     common = ArgumentParser(add_help=False)
-    common.add_argument("--checkpoint", default=None, help=f"model to run (not given: "
-                        f"{DEFAULT_CKPT} if present, else a fresh --preset model trained here; "
-                        f"'none': the fresh model even if {DEFAULT_CKPT} exists)")
+    common.add_argument("--checkpoint", default=None, help="model to run (not given or "
+                        f"'none': the fresh --preset model trained here, the one the docs "
+                        f"measure; e.g. {DEFAULT_CKPT}: the demo model, which was not trained "
+                        "with a sink token)")
     common.add_argument("--preset", default="tiny", choices=list(PRESETS),
                         help="size of the fresh model")
     common.add_argument("--train-steps", type=int, default=6000,

@@ -693,8 +693,18 @@ def train(args, rt):
         print0(f"loss curve: {loss_curve(args, run.history)}")
     if args.sample_tokens and run.step > 0:
         sample(run.model, run.corpus.enc, args, rt.device)
+    if args.save_interval and run.step > 0:
+        next_steps(args)
     run.history["elapsed"] = elapsed
     return run.history
+
+
+def next_steps(args):
+    """The demo's last lines: what a reader can do with the checkpoint just written."""
+    flag = "" if args.ckpt == "out/ckpt.pt" else f" --checkpoint {args.ckpt}"
+    print0(f"next: python sample.py{flag}   (talk to the model)\n"
+           f"      python serve.py{flag} --port 8000   (serve it: an OpenAI-compatible API)\n"
+           f"      python evaluate.py ppl{flag}   (perplexity and bits/byte)")
 
 
 def evaluate_and_save(args, rt, run, last, signum, tight):
@@ -909,7 +919,8 @@ def add_run_flags(p):
     g.add_argument("--log-interval", type=int, default=10, help="steps between log lines")
     g.add_argument("--eval-interval", type=int, default=100, help="steps between validations")
     g.add_argument("--eval-iters", type=int, default=20, help="validation batches")
-    g.add_argument("--ckpt", default="out/ckpt.pt", help="checkpoint path")
+    g.add_argument("--checkpoint", "--ckpt", dest="ckpt", default="out/ckpt.pt",
+                   help="checkpoint path (written, and read by --resume; --ckpt: the same)")
     g.add_argument("--save-interval", type=int, default=100, help="0 = never save")
     g.add_argument("--resume", action="store_true", help="continue from --ckpt (the newest "
                    "readable of the --keep generations)")

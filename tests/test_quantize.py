@@ -134,11 +134,109 @@ def layer_problem(out=12, dim=32, n=256, seed=0, dtype=torch.float32):
 @pytest.mark.parametrize("bits,g,act_order", [(4, 8, False), (3, 16, False), (8, 32, False),
                                               (4, 8, True)])
 def test_gptq_equals_slow_reference(bits, g, act_order):
+    """The textbook fits each group on the weights updated so far: the `updated` group fit
+    (at g = 8 < block 16 the default block-start fit differs; see the fasterquant tests)."""
     w, _, h = layer_problem(dtype=torch.float64)
-    stored = C.gptq(w, h, bits, g, block_size=16, act_order=act_order)   # 2 lazy blocks
+    stored = C.gptq(w, h, bits, g, block_size=16, act_order=act_order,   # 2 lazy blocks
+                    group_fit="updated")
     fast = quant_format.dequantize(stored, w.shape, bits, g).double()
     slow = gptq_reference(w, h, bits, g, act_order=act_order)
     assert (fast - slow).abs().max() < 1e-5
+
+
+def fasterquant_reference(w, h, bits, groupsize, blocksize, percdamp=0.01):
+    """IST-DASLab/gptq's fasterquant (gptq.py; groups, no act-order), line by line under its
+    own names, with this repo's quantizer (quant_format.group_params: the stored format's
+    fp16 scales; gptq's Quantizer keeps them fp32, the same min/max rule with 0 in range).
+    The line under test: a group's find_params reads W[:, (i1 + i):(i1 + i + groupsize)]
+    -- W, which gets the error feedback only at each block's end, not W1, the block's
+    working copy. -> (codes, scales, zeros)."""
+    W, H = w.clone(), h.clone()
+    columns = W.shape[1]
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    damp = percdamp * torch.mean(torch.diag(H))
+    diag = torch.arange(columns)
+    H[diag, diag] += damp
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Q = torch.zeros_like(W)
+    scales = torch.zeros(W.shape[0], columns // groupsize, dtype=W.dtype)
+    zeros = torch.zeros_like(scales)
+    for i1 in range(0, columns, blocksize):
+        i2 = min(i1 + blocksize, columns)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w_col = W1[:, i]
+            d = Hinv1[i, i]
+            if (i1 + i) % groupsize == 0:                          # find_params, on W
+                scale, zero = quant_format.group_params(W[:, (i1 + i):(i1 + i + groupsize)],
+                                                        bits, groupsize)
+                scales[:, (i1 + i) // groupsize] = scale[:, 0]
+                zeros[:, (i1 + i) // groupsize] = zero[:, 0]
+            Q[:, i1 + i] = torch.clamp(torch.round(w_col / scale[:, 0]) + zero[:, 0],
+                                       0, 2 ** bits - 1)            # quant.py's quantize
+            q = scale[:, 0] * (Q[:, i1 + i] - zero[:, 0])
+            err1 = (w_col - q) / d
+            W1[:, i:] -= err1.unsqueeze(1).matmul(Hinv1[i, i:].unsqueeze(0))
+            Err1[:, i] = err1
+        W[:, i2:] -= Err1.matmul(Hinv[i1:i2, i2:])
+    return Q, scales, zeros
+
+
+def stored_as_reference(stored, shape, bits):
+    """The stored tensors, unpacked: (codes, scales, zeros) as fasterquant_reference's."""
+    codes = quant_format.unpack_codes(stored["codes"], bits, shape[0] * shape[1])
+    return codes.view(shape), stored["scales"], stored["zeros"]
+
+
+@pytest.mark.parametrize("bits,g,block", [(4, 8, 16), (3, 8, 32), (3, 16, 24)])
+def test_gptq_default_group_fit_equals_fasterquant(bits, g, block):
+    """Groups smaller than the lazy block (two or four per block; at (16, 24) a group runs
+    across a block's end): the default equals the written-out fasterquant bit for bit in
+    float32 -- the same operations in the same order, so no float ties to set aside. The
+    `updated` fit gives other codes here, so the test would fail on that rule."""
+    w, _, h = layer_problem()
+    codes, scales, zeros = fasterquant_reference(w, h, bits, g, block)
+    ours = stored_as_reference(C.gptq(w, h, bits, g, block_size=block), w.shape, bits)
+    assert torch.equal(ours[0], codes.to(ours[0].dtype))
+    assert torch.equal(ours[1], scales.half()) and torch.equal(ours[2], zeros.to(torch.uint8))
+    other = stored_as_reference(C.gptq(w, h, bits, g, block_size=block, group_fit="updated"),
+                                w.shape, bits)
+    assert not torch.equal(other[0], ours[0])
+
+
+@pytest.mark.parametrize("bits,g,block", [(4, 8, 16), (3, 8, 32)])
+def test_gptq_updated_group_fit_equals_fasterquant_with_one_group_per_block(bits, g, block):
+    """`updated` = fasterquant with blocksize = groupsize (every group then starts a block,
+    where W holds all the feedback so far). The lazy feedback is summed in another order,
+    so in float32 the weights differ in the last bits; in float64 that is ~1e-16 and the
+    stored codes, scales and zeros come out equal (a different one would need a weight
+    within ~1e-16 of a rounding boundary: the float tie set aside)."""
+    w, _, h = layer_problem(dtype=torch.float64)
+    codes, scales, zeros = fasterquant_reference(w, h, bits, g, g)
+    ours = stored_as_reference(C.gptq(w, h, bits, g, block_size=block, group_fit="updated"),
+                               w.shape, bits)
+    assert torch.equal(ours[0], codes.to(ours[0].dtype))
+    assert torch.equal(ours[1], scales.half()) and torch.equal(ours[2], zeros.to(torch.uint8))
+
+
+def test_gptq_layer_errors_are_the_objective():
+    """gptq_transform's errors: E||(W - Ŵ)x||² from the Hessian's XᵀX, = the mean over the
+    calibration tokens computed directly; GPTQ's below RTN's."""
+    w, x, _ = layer_problem()
+    stats = C.ActStats(w.shape[1])
+    stats.add(x)
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    errors = []
+    layer = C.gptq_transform(4, 8, errors)("layer", lin, stats)
+    direct = (x.double() @ (w - layer.dequantized()).double().t()).pow(2).sum(1).mean()
+    assert math.isclose(errors[0][0], float(direct), rel_tol=1e-9)
+    assert errors[0][0] < errors[0][1]
 
 
 @pytest.mark.parametrize("bits,g", [(8, 0), (4, 8), (3, 16)])
@@ -146,7 +244,8 @@ def test_gptq_beats_round_to_nearest(bits, g):
     """||WX - ŴX||² below RTN's at the same bits and groups -- clearly (≤ 0.9×), so
     skipping the error compensation (which leaves exactly RTN) fails this test."""
     w, x, h = layer_problem()
-    err = lambda stored: (x @ (w - quant_format.dequantize(stored, w.shape, bits, g)).t()).pow(2).sum()
+    err = lambda stored: (x @ (w - quant_format.dequantize(stored, w.shape, bits, g)).t()
+                          ).pow(2).sum()
     e_gptq = err(C.gptq(w, h, bits, g))
     e_rtn = err(quant_format.rtn(w, bits, g or w.shape[1]))
     assert e_gptq <= 0.9 * e_rtn
@@ -159,17 +258,17 @@ CONFIGS = {"gqa": {}, "mha": dict(n_kv_head=4), "moe": dict(n_expert=4, expert_t
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
-@pytest.mark.parametrize("method", ["awq", "smoothquant"])
+@pytest.mark.parametrize("method", ["awq", "awq-linear", "smoothquant"])
 def test_scaling_is_an_identity_before_quantization(method, cfg):
     model = tiny(**CONFIGS[cfg])
     calib = batches(model)
     scaled = copy.deepcopy(model)
-    if method == "awq":
-        choose = lambda st, ws: C.awq_search(st.sample(), ws, (st.abs_sum / st.n).float(),
-                                             4, 16, n_grid=5)
+    if method.startswith("awq"):        # llm-awq's module objective, or the per-linear one
+        objective = "linear" if method == "awq-linear" else "module"
+        infos = C.awq_scale(scaled, calib, 4, 16, n_grid=5, objective=objective, tokens=48)
     else:
         choose = lambda st, ws: (C.smooth_scales(st.abs_max, ws, 0.5), 0.5)
-    infos = C.scale_model(scaled, calib, choose, keep=48)
+        infos = C.scale_model(scaled, calib, choose)
     x = batches(model, 1, seed=5)[0]
     assert (scaled(x)[0] - model(x)[0]).abs().max() < 1e-5
     changed = [not torch.equal(a, b) for a, b in zip(model.state_dict().values(),
@@ -183,6 +282,79 @@ def test_awq_search_finds_a_better_scale_than_rtn():
     err = lambda wq, xin: (xin @ wq.t() - x @ w.t()).pow(2).sum()
     assert alpha > 0
     assert err(C.fake_quant(w * s, 3, 8), x / s) < 0.95 * err(C.fake_quant(w, 3, 8), x)
+
+
+def llm_awq_round(w, bits, g):
+    """llm-awq's pseudo_quantize_tensor (zero_point=True), one group of g inputs at a time:
+    plain min/max of the group (0 need not be inside), an fp32 scale."""
+    out, qmax = torch.empty_like(w), 2 ** bits - 1
+    for c0 in range(0, w.shape[1], g):
+        grp = w[:, c0:c0 + g]
+        lo, hi = grp.min(1, keepdim=True).values, grp.max(1, keepdim=True).values
+        scale = (hi - lo).clamp(min=1e-5) / qmax
+        zero = (-torch.round(lo / scale)).clamp(0, qmax)
+        out[:, c0:c0 + g] = (torch.clamp(torch.round(grp / scale) + zero, 0, qmax) - zero) * scale
+    return out
+
+
+def brute_force_alpha(run, linears, inputs, bits, g, n_grid=20):
+    """llm-awq's _search_module_scale written out: for α = 0, 1/20, ..., 19/20, s = mean|x|^α
+    (clamped at 1e-4, over every calibration token) / √(max s · min s); the module run with
+    each linear's weight set to Q(W·s)/s; the α of least mean squared difference to the fp32
+    output. run(weights) -> the module's output on `inputs` (a list of its input tensors)."""
+    xs = torch.cat([x.reshape(-1, x.shape[-1]) for x in inputs])
+    # summed in float64, as ActStats does (llm-awq: in the model's dtype); ~1e-7 relative,
+    # which moves no argmin here (the errors of neighbouring α differ by far more)
+    mean_abs = (xs.double().abs().sum(0) / xs.shape[0]).float()
+    ref = run([lin.weight for lin in linears])
+    errors = []
+    for i in range(n_grid):
+        s = mean_abs.pow(i / n_grid).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        out = run([llm_awq_round(lin.weight * s, bits, g) / s for lin in linears])
+        errors.append((ref - out).pow(2).mean().item())
+    return errors.index(min(errors)) / n_grid
+
+
+@torch.no_grad()
+def test_awq_alpha_is_the_brute_force_best_by_the_module_output():
+    """Block 0 of a tiny GQA model, int3 g8: each group's α is the best of a brute-force
+    search of llm-awq's objective -- q/k/v by the attention's output, gate/up by the MLP's,
+    down by its own -- with llm-awq's quantizer. The per-linear objective picks other α for
+    q/k/v and gate/up here, the stored format's quantizer another for down: the test would
+    fail on either of this repo's earlier rules."""
+    model = tiny(seed=2)
+    calib = batches(model)
+    alphas = C.awq_scale(copy.deepcopy(model), calib, 3, 8)
+    linear = C.awq_scale(copy.deepcopy(model), calib, 3, 8, objective="linear")
+    stored = C.awq_scale(copy.deepcopy(model), calib, 3, 8, quantizer="stored")
+    block = model.layers[0]
+    att, mlp = block.attention, block.feed_forward
+    cos, sin = model.rope(torch.arange(calib[0].shape[1]))
+    x_att = [block.attention_norm(model.tok_embeddings(idx)) for idx in calib]
+    x_mlp = [block.ffn_norm(model.tok_embeddings(idx) + att(x, cos, sin))
+             for idx, x in zip(calib, x_att)]
+    x_down = [torch.nn.functional.silu(mlp.w1(x)) * mlp.w3(x) for x in x_mlp]
+
+    def attention_with(ws):
+        a = copy.deepcopy(att)
+        a.wq.weight[:], a.wk.weight[:], a.wv.weight[:] = ws
+        return torch.cat([a(x, cos, sin) for x in x_att])
+
+    def mlp_with(ws):
+        m = copy.deepcopy(mlp)
+        m.w1.weight[:], m.w3.weight[:] = ws
+        return torch.cat([m(x) for x in x_mlp])
+
+    def down_with(ws):
+        return torch.cat([x @ ws[0].t() for x in x_down])
+
+    # block 0's groups in scale_groups' order: q/k/v, (no wv -> wo under GQA), gate/up, down
+    want = [brute_force_alpha(attention_with, [att.wq, att.wk, att.wv], x_att, 3, 8),
+            brute_force_alpha(mlp_with, [mlp.w1, mlp.w3], x_mlp, 3, 8),
+            brute_force_alpha(down_with, [mlp.w2], x_down, 3, 8)]
+    assert alphas[:3] == want
+    assert linear[0] != want[0] and linear[1] != want[1] and stored[2] != want[2]
 
 
 def test_w8a8_smoothing_reduces_error_and_int_mm_matches():
@@ -249,7 +421,7 @@ def test_2_4_masks_and_they_stay_through_finetuning(text_file):
     corpus = data.load_corpus(text_file, 512)
     model = GPT(get_config("tiny"), seed=0)
     calib = [data.get_batch(corpus.train, 2, 32, 0, i)[0] for i in range(2)]
-    assert prune.prune_model(model, calib, 0.5, "2:4", "wanda") == 8    # 2 blocks × 4 stages
+    assert prune.prune_model(model, calib, 0.5, "2:4", "wanda") == 2    # 2 blocks, 1 pass each
     before = {n: m.weight.detach().clone() for n, m in model.named_modules()
               if isinstance(m, prune.MaskedLinear)}
     for name, w in before.items():
@@ -349,7 +521,12 @@ def test_cli_prune_saves_a_dense_checkpoint_with_the_zeros(fp32_ckpt, tmp_path, 
 def test_cli_compare_runs_every_row(fp32_ckpt, tmp_path, text_file):
     rows = Q.main(["compare", "--ckpt", fp32_ckpt[0], "--data", text_file, "--qat-steps", "2",
                    "--out-dir", str(tmp_path), *SMALL_RUN])
-    assert len(rows) == 1 + 3 + 4 + 4 + 1 + 1 + 2 * 3 + 5        # fp32 ... wanda + steps
+    # fp32; int8 rtn gptq awq; int4 and int3: rtn, gptq, gptq --gptq-group-fit updated,
+    # gptq act-order, awq, awq by the earlier rule; smoothquant; QAT; pruning
+    assert len(rows) == 1 + 3 + 6 + 6 + 1 + 1 + 2 * 3 + 5        # fp32 ... wanda + steps
+    notes = [r["note"] for r in rows if r["method"] == "gptq"]
+    assert sum("--gptq-group-fit updated" in n for n in notes) == 2
+    assert all("layer err" in n for n in notes)
     assert (tmp_path / "compare.md").read_text().count("\n") == len(rows) + 2
 
 

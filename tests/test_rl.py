@@ -157,6 +157,13 @@ def test_kl_ratio_correction_multiplies_k3_by_the_ratio():
     assert plain.item() == pytest.approx(0.1 * (k3(-1, -1.2) + k3(-2, -2.5)) / 2, rel=1e-6)
     assert fixed.item() == pytest.approx(0.1 * (k3(-1, -1.2) * ratio[0] +
                                                 k3(-2, -2.5) * ratio[1]) / 2, rel=1e-6)
+    # ... and the gradient flows through ρ too (TRL does not detach it):
+    # d(k3·ρ)/dlogp = ρ·(1 - e^(ref - logp)) + k3·ρ, the last term absent if ρ were detached
+    fixed.backward()
+    want = [0.1 / 2 * r * (1 - math.exp(rf - lp) + k3(lp, rf))
+            for r, lp, rf in zip(ratio, (-1.0, -2.0), (-1.2, -2.5))]
+    assert logp.grad[:, 0].tolist() == pytest.approx(want, rel=1e-5)
+    logp.grad = None
     same, _ = rl.grpo_loss(logp, old.clone().copy_(logp.detach()), ref, *args, beta=0.1,
                            norm="bnpo", kl_ratio=True)
     assert same.item() == pytest.approx(0.1 * (k3(-1, -1.2) + k3(-2, -2.5)) / 2, rel=1e-6)

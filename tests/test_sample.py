@@ -35,20 +35,22 @@ def test_one_prompt_equals_generate_with_the_same_knobs(checkpoint, capsys):
     sample.main(["--checkpoint", path, "--prompt", "def f", "--max-new-tokens", "12",
                  "--seed", "3", "--temperature", "0.9", "--top-k", "20", "--no-stop"])
     got = capsys.readouterr().out
-    assert got == expected(model, "def f", 12, 3, temperature=0.9, top_k=20) + "\n"
+    # the prompt is echoed by default: the completion continues the line it starts
+    assert got == "def f" + expected(model, "def f", 12, 3, temperature=0.9, top_k=20) + "\n"
 
 
 def test_samples_use_consecutive_seeds_and_greedy_ignores_them(checkpoint, capsys):
     path, model = checkpoint
     sample.main(["--checkpoint", path, "--prompt", "ab", "--max-new-tokens", "6",
-                 "--num-samples", "2", "--seed", "7", "--top-p", "0.9", "--no-stop"])
+                 "--num-samples", "2", "--seed", "7", "--top-p", "0.9", "--no-stop",
+                 "--no-echo"])
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "---- sample 1/2 ----" and out[2] == "---- sample 2/2 ----"
     assert out[1] == expected(model, "ab", 6, 7, temperature=0.8, top_k=50, top_p=0.9)
     assert out[3] == expected(model, "ab", 6, 8, temperature=0.8, top_k=50, top_p=0.9)
     for seed in ("1", "2"):
         sample.main(["--checkpoint", path, "--prompt", "ab", "--max-new-tokens", "6",
-                     "--temperature", "0", "--seed", seed, "--no-stop", "--echo"])
+                     "--temperature", "0", "--seed", seed, "--no-stop"])   # echo: the default
     greedy = capsys.readouterr().out.splitlines()
     assert greedy[0] == greedy[1] == "ab" + expected(model, "ab", 6, 0, temperature=0)
 
@@ -57,7 +59,7 @@ def test_prompts_from_a_pipe_one_per_line_with_typed_newlines(checkpoint, capsys
     path, model = checkpoint
     monkeypatch.setattr(sys, "stdin", io.StringIO("x = 1\\ny\n\nimport os\n"))
     sample.main(["--checkpoint", path, "--max-new-tokens", "5", "--temperature", "0",
-                 "--no-stop"])
+                 "--no-stop", "--no-echo"])
     out = capsys.readouterr().out
     want = [expected(model, "x = 1\ny", 5, 0, temperature=0),
             expected(model, "import os", 5, 0, temperature=0)]
@@ -85,4 +87,4 @@ def test_command_line(checkpoint):
     result = run_python("sample.py", ["--checkpoint", path, "--prompt", "q", "--seed", "1",
                                       "--max-new-tokens", "4", "--no-stop"], timeout=120)
     assert result.returncode == 0, result.output
-    assert result.output == expected(model, "q", 4, 1, temperature=0.8, top_k=50) + "\n"
+    assert result.output == "q" + expected(model, "q", 4, 1, temperature=0.8, top_k=50) + "\n"

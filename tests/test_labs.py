@@ -1,0 +1,92 @@
+"""
+labs.py and labs/*.md kept true: every lab parses, every lab's patch still applies to the
+current files (a patch that no longer fits fails here, naming the lab), a knob lab's
+recorded figures come back, and a fixed subset of break labs -- about one per topic
+family -- is caught by its tests on a patched copy and not on an untouched one (what
+`python labs.py check` does for all of them, docs/labs.md).
+"""
+import os
+import shutil
+
+import pytest
+
+import labs
+from core.plumbing import UserError
+
+# one break lab per topic family, cheap enough for the suite (the full check: docs/labs.md)
+CHECKED = ["optim-ns-wrong-coefficient"]
+RUN = "optim-muon-one-ns-step"          # a knob lab whose command takes a few seconds
+
+
+@pytest.fixture(scope="module")
+def every_lab():
+    return labs.all_labs()
+
+
+def test_every_lab_parses_with_what_its_kind_needs(every_lab):
+    assert len({lab.name for lab in every_lab}) == len(every_lab)
+    for lab in every_lab:
+        assert lab.question and lab.kind in labs.KINDS, lab.name
+        if lab.kind == "break":
+            assert lab.patch and lab.tests and lab.fires, lab.name
+            assert all("::" in t or t.endswith(".py") for t in lab.tests), lab.name
+        else:
+            assert lab.command and lab.figure and (lab.patch or lab.flags), lab.name
+            float(lab.before), float(lab.after), float(lab.spread)     # numbers
+
+
+def test_every_patch_still_applies(every_lab, tmp_path):
+    """Applied to a copy of just the files each patch touches: fast, and it fails with the
+    lab's name when the code under a lab has changed."""
+    for lab in every_lab:
+        if not lab.patch:
+            continue
+        root = tmp_path / lab.name
+        for path in labs.parse_patch(lab.patch):
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(os.path.join(labs.ROOT, path), root / path)
+        labs.apply_patch(lab.patch, str(root), lab.name)
+        for path in labs.parse_patch(lab.patch):      # and it changed something
+            assert (root / path).read_text() != open(os.path.join(labs.ROOT, path)).read()
+
+
+def test_a_stale_patch_is_one_line_naming_the_lab(tmp_path):
+    (tmp_path / "f.py").write_text("a = 1\nb = 2\n")
+    stale = "--- a/f.py\n+++ b/f.py\n@@ -1,1 +1,1 @@\n-a = 3\n+a = 4\n"
+    with pytest.raises(UserError, match="lab old-one: its patch no longer applies to f.py"):
+        labs.apply_patch(stale, str(tmp_path), "old-one")
+    fresh = "--- a/f.py\n+++ b/f.py\n@@ -2,1 +2,1 @@\n-b = 2\n+b = 5\n"
+    labs.apply_patch(fresh, str(tmp_path), "new-one")
+    assert (tmp_path / "f.py").read_text() == "a = 1\nb = 5\n"
+
+
+def test_a_lab_missing_a_field_is_refused_by_name(tmp_path):
+    (tmp_path / "t.md").write_text("## t-broken\nkind: break\nquestion: what if?\n")
+    with pytest.raises(UserError, match="t-broken.*needs a patch, tests and fires"):
+        labs.parse_labs(str(tmp_path / "t.md"))
+
+
+def test_the_subset_names_real_labs_of_several_topics(every_lab):
+    by_name = {lab.name: lab for lab in every_lab}
+    assert all(by_name[n].kind == "break" for n in CHECKED)
+    assert by_name[RUN].kind == "knob"
+
+
+@pytest.mark.slow
+def test_break_labs_are_caught_and_the_tree_is_untouched(capsys):
+    before = {p: os.path.getmtime(os.path.join(labs.ROOT, p))
+              for p in os.listdir(labs.ROOT) if p.endswith(".py")}
+    for name in CHECKED:
+        labs.main(["check", name])
+        assert "1 of 1 break labs caught" in capsys.readouterr().out, name
+    after = {p: os.path.getmtime(os.path.join(labs.ROOT, p)) for p in before}
+    assert after == before                           # the reader's files: not touched
+
+
+@pytest.mark.slow
+def test_a_knob_lab_reproduces_its_recorded_figures(capsys):
+    rows = labs.main(["run", RUN])[0]
+    lab = next(lab for lab in labs.all_labs() if lab.name == RUN)
+    for label, measured, recorded, _ in rows:
+        assert abs(measured - float(recorded)) <= float(lab.spread), (label, measured)
+    assert "within" in capsys.readouterr().out
