@@ -60,7 +60,8 @@ import torch.nn.functional as F
 
 from core import data
 from core import scores
-from core.checkpoint import load_checkpoint, load_model
+from core.checkpoint import load_model
+from core.plumbing import load_checkpoint
 from model import GPT, get_config, PRESETS
 from compression.nf4 import NF4Matmul, NF4Weight, nf4_bits_report
 from core.plumbing import (ActivationMeter, ArgumentParser, HelpFormatter, Runtime, StepTimer,

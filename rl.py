@@ -58,7 +58,8 @@ import torch.nn.functional as F
 
 from core import data
 from core import scores
-from core.checkpoint import load_checkpoint, load_model
+from core.checkpoint import load_model
+from core.plumbing import load_checkpoint
 from training import rl_ledger
 from model import GPT, KVCache, get_config, PRESETS
 from core.plumbing import (ActivationMeter, ArgumentParser, HelpFormatter, Progress, StepTimer,

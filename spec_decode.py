@@ -36,7 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core import data
-from core.checkpoint import load_checkpoint, load_model
+from core.checkpoint import load_model
+from core.plumbing import load_checkpoint
 from model import Block, KVCache, RMSNorm
 from core.plumbing import (ArgumentParser, UserError, fmt_bytes, fmt_duration, print0,
                            require_at_least_one, run_cli, warmup_cosine)

@@ -31,10 +31,7 @@ from core.plumbing import ArgumentParser, UserError, fmt_bytes, load_checkpoint,
 from model import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------------------
-# Checkpoints: one file with everything needed to rebuild the model anywhere, holding data
-# only (dicts, lists, numbers, strings, tensors), so that torch.load(weights_only=True)
-# reads it. A pickle may name any Python callable and unpickling calls it: a checkpoint
-# from someone else, opened with weights_only=False, can run anything.
+# Loading (the file itself is opened by plumbing.load_checkpoint: weights_only=True)
 
 def load_model(path, device="cpu"):
     """-> (model, checkpoint dict). The checkpoint carries its config (a plain dict) and its

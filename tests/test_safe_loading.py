@@ -20,7 +20,8 @@ import spec_decode
 from training import resume as saved
 import train
 from harness import run_python
-from core.checkpoint import load_checkpoint, load_model
+from core.checkpoint import load_model
+from core.plumbing import load_checkpoint
 from model import GPT, get_config
 from core.plumbing import UserError, rng_state, run_cli
 

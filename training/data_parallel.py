@@ -41,9 +41,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from core.plumbing import load_checkpoint
-from core.plumbing import (UserError, atomic_save, comm, decay_groups, fmt_bytes, model_state_bytes,
-                           print0, tensor_bytes)
+from core.plumbing import (UserError, atomic_save, comm, decay_groups, fmt_bytes,
+                           load_checkpoint, model_state_bytes, print0, tensor_bytes)
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 # ZeRO-3 gathers the embedding before its backward like every other unit (as FSDP does),

@@ -24,10 +24,9 @@ import torch
 
 from core import data
 from training import data_parallel
-from core.plumbing import load_checkpoint
 from model import PRESETS
-from core.plumbing import (UserError, atomic_save, attempt, comm, generation_paths, os_reason,
-                           print0, rng_state, set_rng_state)
+from core.plumbing import (UserError, atomic_save, attempt, comm, generation_paths,
+                           load_checkpoint, os_reason, print0, rng_state, set_rng_state)
 
 
 def save_checkpoint(path, model, optimizer, scaler, master, step, args, corpus, history,
