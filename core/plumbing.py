@@ -305,15 +305,17 @@ class Progress:
         self.label, self.total, self.every, self.clock = label, max(1, total), every, clock
         self.t0 = self.last = clock()
 
-    def update(self, done):
+    def update(self, done, now_on=""):
+        """`done` items finished; `now_on` names the one starting (a bench's configuration)."""
         now = self.clock()
         if now - self.last < self.every and done < self.total:
             return
         self.last = now
         elapsed = now - self.t0
-        left = elapsed / max(done, 1) * (self.total - done)
+        # no estimate before the first item is done: nothing to base it on
+        left = fmt_duration(elapsed / done * (self.total - done)) if done else "?"
         print0(f"{self.label}: {100 * done // self.total}% ({done}/{self.total}) | "
-               f"{fmt_duration(elapsed)} | eta {fmt_duration(left)}")
+               f"{fmt_duration(elapsed)} | eta {left}" + (f" | now: {now_on}" if now_on else ""))
 
 
 def require_at_least_one(args, names):

@@ -467,7 +467,10 @@ def tier_bench(args, model, enc):
                         "pass while waiting)")
     clock, cfg = CLOCKS[args.clock], model.config
     pools = _int_list(args.pool_sizes, "pool-sizes") if args.pool_sizes else [args.num_blocks]
-    tiers = args.tiers.split(",") if args.tiers else [args.kv_tier]
+    # not given: without the second tier and with --kv-tier's, side by side (the pool alone
+    # is the row the tier is measured against)
+    tiers = (args.tiers.split(",") if args.tiers else
+             list(dict.fromkeys(["none", args.kv_tier])))
     if any(t not in serve.TIER_KINDS for t in tiers):
         raise UserError(f"--tiers takes a comma list of {', '.join(serve.TIER_KINDS)}, got "
                         f"{args.tiers!r}")
@@ -553,7 +556,8 @@ def build_parser():
     g.add_argument("--pool-sizes", default=None,
                    help="comma list of --num-blocks to run; not given: --num-blocks")
     g.add_argument("--tiers", default=None,
-                   help="comma list of second tiers to run (none,host,file); not given: --kv-tier")
+                   help="comma list of second tiers to run (none,host,file); not given: none "
+                   "and --kv-tier's")
     return p
 
 

@@ -16,8 +16,8 @@ imports train.py for the loop's pieces and flags; train.py does not know it exis
 import argparse
 
 from training import data_parallel
-from core.plumbing import (StepTimer, UserError, comm, fmt_bytes, fmt_count, print0, run_cli,
-                           seed_everything, setup_runtime)
+from core.plumbing import (Progress, StepTimer, UserError, comm, fmt_bytes, fmt_count, print0,
+                           run_cli, seed_everything, setup_runtime)
 import train
 from train import activation_formula, build, micro_batches, state_rows, train_step
 
@@ -86,7 +86,11 @@ def bench(args, rt):
         if args.batch_size % 4:
             raise UserError("bench needs --batch-size divisible by 4 (for the accumulation row)")
     results = []
-    for label, changes in rows:
+    # one progress line per configuration: a full bench takes minutes and the table
+    # comes only at the end (the estimate assumes the rows cost alike; they do not quite)
+    progress = Progress("bench", len(rows), every=0)
+    for i, (label, changes) in enumerate(rows):
+        progress.update(i, now_on=label)
         run_args = argparse.Namespace(**{**vars(args), **changes, "steps": args.bench_steps,
                                          "save_interval": 0, "sample_tokens": 0,
                                          "resume": False})
@@ -100,8 +104,8 @@ def bench(args, rt):
                 _, act, _ = train_step(run.model, run.optimizer, batches, run_args, rt.device,
                                        run.scaler, run.master, run.sync, run.qk_clip)
             sent = comm.total_wire - wire
-            rows = state_rows(run, rt)
-            state = rows["total"] - rows["opt_scalars"]
+            ledger = state_rows(run, rt)
+            state = ledger["total"] - ledger["opt_scalars"]
             run.sync.zero_grad()
             times.append(timer.seconds)
         t = min(times[1:] or times)          # the first step pays one-time costs
@@ -134,6 +138,9 @@ def parse_args(argv=None):
     g.add_argument("--est-shape", default="32,4096,32,4096,1",
                    help="layers,hidden,heads,seq,batch for --estimate's activation rows")
     g.add_argument("--bench-steps", type=int, default=3, help="steps per bench row")
+    # the configuration the README's trade-off rows state: 4 sequences of 256 tokens a
+    # step (train.py's own default, 8, doubles every activation and every step time)
+    p.set_defaults(batch_size=4)
     args = train.check_args(p.parse_args(argv))
     if args.attn is None:
         args.attn = "math"     # so the s² attention scores show up in the activation column

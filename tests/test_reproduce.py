@@ -1,0 +1,67 @@
+"""
+reproduce.py: every run's command still runs (at --quick sizes) and every cell of the
+trade-off table fills from what it printed; a figure that went missing is shown as missing,
+never carried over; the table says when, where and at which commit it was measured.
+"""
+import re
+
+import pytest
+
+import reproduce
+from core.plumbing import UserError
+
+
+def test_readers_take_figures_from_tables_and_lines():
+    out = ("bench: preset tiny, attention math, 4×32 tokens/step/rank\n"
+           "baseline fp32                     920.1 KB       1.2 MB   1.00       10\n"
+           "| rtn | int4 g32 | 4.750 | 146.3 KB |\n"
+           "step 10 | val loss 6.1\nstep 20 | val loss 5.9\n")
+    assert reproduce.cell("baseline fp32", 1)(out) == "1.2 MB"
+    assert reproduce.cell("baseline fp32", 9)(out) is None           # no such column
+    assert reproduce.md_cell("| rtn | int4 g32 |", 3)(out) == "146.3 KB"
+    assert reproduce.grab(r"(\d+×\d+) tokens")(out) == "4×32"
+    assert reproduce.last(r"val loss ([\d.]+)")(out) == "5.9"
+    assert reproduce.ratio(reproduce.cell("baseline fp32", 0),
+                           reproduce.cell("baseline fp32", 1))(out) == "0.77"
+    assert reproduce.number("1,536") == 1536 and reproduce.number("2.5 MB") == 2.5e6
+
+
+def test_a_missing_figure_is_marked_and_listed_never_invented(tmp_path):
+    path = tmp_path / "t.md"
+    results = {"train_bench": {"status": 0, "seconds": 1.0,
+                               "figures": {"base_state": "920.1 KB", "base_act": None}}}
+    gaps = reproduce.write_table(str(path), results, quick=True, seconds=1.0)
+    text = path.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| fp32 baseline"))
+    assert "920.1 KB" in row and reproduce.MISSING in row
+    assert any("train_bench.base_act" in m for _, m in gaps)
+    assert any("dp.ddp_state (not run)" in m for _, m in gaps)      # a run not made
+    assert re.search(r"Measured by `python reproduce.py --quick` on \d{4}-\d\d-\d\d: .*"
+                     r"CPU cores.*torch .*; commit ", text)
+
+
+def test_every_placeholder_names_a_figure_its_run_reads():
+    for technique, *cells in reproduce.ROWS:
+        for run, figure in re.findall(r"\{(\w+)\.(\w+)\}", "".join([technique, *cells])):
+            assert run in reproduce.RUN_BY_NAME, (technique, run)
+            assert figure == "cmd" or figure in reproduce.RUN_BY_NAME[run].figures, \
+                (technique, run, figure)
+
+
+def test_only_refuses_an_unknown_run_and_adds_what_a_run_needs():
+    with pytest.raises(UserError, match="no run named nope"):
+        reproduce.chosen_runs("lora,nope")
+    assert [r.name for r in reproduce.chosen_runs("spec")] == ["demo", "draft", "spec"]
+
+
+@pytest.mark.slow
+def test_quick_runs_every_command_and_fills_every_cell(tmp_path, capsys):
+    out = tmp_path / "tradeoffs.md"
+    result = reproduce.main(["--quick", "--out", str(out)])
+    failed = {name: r["status"] for name, r in result["results"].items() if r["status"]}
+    assert not failed, (failed, capsys.readouterr().out[-3000:])
+    assert set(result["results"]) == set(reproduce.RUN_BY_NAME)
+    assert result["gaps"] == [], result["gaps"]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + len(reproduce.ROWS)                      # header + one per row
+    assert reproduce.MISSING not in out.read_text()
