@@ -759,10 +759,8 @@ def train(args, rt):
     timeline = []
     balance = []
     elapsed = 0.0
-    lr_sum = 0.0                # Σ lr so far: --check's weight tolerance grows with it
     for step in range(args.steps):
         lr = learning_rate(step, args)
-        lr_sum += lr
         for group in (g for opt in optimizers for g in opt.param_groups):
             group["lr"] = lr
         # the same global batch on every rank (seeded by (seed, step), rank left at 0): each
@@ -789,7 +787,7 @@ def train(args, rt):
             # the one process's loads from its weights BEFORE check_step steps its optimizer
             loads = parallel_check.reference_loads(ref, batch[0]) if loss_free else None
             parallel_check.check_step(step, shard, layout, ref, ref_optimizer, batch,
-                                      (loss, norm), args.grad_clip, lr_sum)
+                                      (loss, norm), args.grad_clip, lr, optimizer)
             if loss_free:
                 parallel_check.check_expert_bias(step, shard, ref, loads)
     print0(parallel_check.ledger(shard, layout, cfg, args, rt, optimizer))

@@ -112,36 +112,71 @@ def reference_step(ref, layout, x, y):
 
 def compare(shard, ref, what, tensor_of, atol, rtol=1e-4):
     """Every tensor this rank holds against the matching slice of the reference's.
-    tensor_of(p) picks the parameter itself or its gradient."""
+    tensor_of(p) picks the parameter itself or its gradient. Allowed: atol + rtol times
+    the tensor's largest entry -- per tensor, not per element: a gradient is a sum over
+    every token of the batch, and summed in another order its small entries (a sum of
+    terms that cancel) carry the rounding of its large terms, about 1e-7 of them in fp32.
+    Measured: `small`'s embedding gradient 7e-6 apart at step 9 of a tp=2 run, both sums
+    right. A wrong sum (a missing all-reduce, a wrong scale) misses by the entries
+    themselves."""
     ref_params = dict(ref.named_parameters())
     worst = 0.0
     for name, p in shard.params:
         full = tensor_of(ref_params[name])
-        tp_dim = shard.placement[name].tp_dim
-        if tp_dim is not None:
-            size = p.shape[tp_dim]
-            full = full.narrow(tp_dim, shard.coords["tp"] * size, size)
         mine = tensor_of(p)
         if mine is None and full is None:
             continue
-        if not torch.allclose(mine, full, atol=atol, rtol=rtol):
+        full = reference_slice(shard, name, full, mine)
+        diff = (mine - full).abs().max().item()
+        allowed = atol + rtol * full.abs().max().item()
+        if not diff <= allowed:                      # (not <=: a NaN fails too)
             raise AssertionError(f"{what} of {name} differs from one process: max |diff| "
-                                 f"{(mine - full).abs().max().item():.3e}")
-        worst = max(worst, (mine - full).abs().max().item())
+                                 f"{diff:.3e} > {allowed:.3e}")
+        worst = max(worst, diff)
     return worst
 
 
-def check_step(step, shard, layout, ref, ref_optimizer, batch, ours, grad_clip, lr_sum):
-    """The same step on one process, after ours (whose .grad are still there): loss, norm,
-    every gradient, then every weight after both optimizers stepped. ours = (loss, norm);
-    lr_sum: Σ lr over the steps so far, this one included.
+def reference_slice(shard, name, full, local):
+    """The part of the reference's tensor `full` that this rank holds as `local` (parameter
+    `name`, or its gradient or Adam moment): its tp slice, or all of it."""
+    tp_dim = shard.placement[name].tp_dim
+    if tp_dim is None:
+        return full
+    size = local.shape[tp_dim]
+    return full.narrow(tp_dim, shard.coords["tp"] * size, size)
 
-    The weights' tolerance grows with lr_sum, because Adam amplifies float noise: it moves
-    a coordinate by lr·m/(√v + ε), about lr·g/(|g| + ε) on a first step, so a gradient at
-    the level of ε = 1e-8 (a rare token's embedding row, say) moves by a fraction of lr
-    that a 1e-9 difference in summation order changes by a few percent -- measured: 5% of
-    lr on `small`'s embedding, both gradients equal within the 1e-6 checked just before.
-    A real error (a parameter not stepped, a wrong scale) moves weights by whole lr's."""
+
+@torch.no_grad()
+def start_from_reference(shard, ref, optimizer, ref_optimizer):
+    """Copy the reference's weights and AdamW moments (this rank's slices) into ours."""
+    ref_params = dict(ref.named_parameters())
+    for name, p in shard.params:
+        full = ref_params[name]
+        p.copy_(reference_slice(shard, name, full, p))
+        mine, theirs = optimizer.state[p], ref_optimizer.state[full]
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine[key].copy_(reference_slice(shard, name, theirs[key], p))
+
+
+def check_step(step, shard, layout, ref, ref_optimizer, batch, ours, grad_clip, lr,
+               optimizer):
+    """The same step on one process, after ours (whose .grad are still there): loss, norm,
+    every gradient, then every weight after both optimizers stepped; then the reference's
+    weights and Adam moments are copied into ours, so that every step is checked from the
+    same start. ours = (loss, norm); lr: this step's learning rate.
+
+    Why the copy: two correct runs drift apart. Adam moves a coordinate by lr·m/(√v + ε),
+    about lr·g/(|g| + ε) on a first step, so a gradient at the level of ε = 1e-8 (a rare
+    token's embedding row, say) moves by a fraction of lr that a 1e-9 difference in
+    summation order changes by a few percent -- measured: 5% of lr on `small`'s embedding.
+    Left to run, the weights drift apart by those amounts, the gradients computed at the
+    drifted weights follow, and by step 9 of `parallel.py --tp 2 --check` on `small` the
+    gradient norms differed by 1.2e-4 with nothing wrong. From the same start, the weights
+    of one step differ by at most a few percent of that step's lr (the tolerance below),
+    and a real error (a parameter not stepped, a wrong scale, a missing sum) still misses
+    by whole lr's or by the gradient itself, on the step it happens. The step counts are
+    not copied: each optimizer keeps its own, so a shard that skipped a step is still
+    caught by its bias correction."""
     x, y = batch
     loss, norm = ours
     ref_optimizer.zero_grad(set_to_none=True)
@@ -149,11 +184,12 @@ def check_step(step, shard, layout, ref, ref_optimizer, batch, ours, grad_clip, 
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), grad_clip).item()
     grad_diff = compare(shard, ref, "gradient", lambda p: p.grad, atol=1e-6)
     ref_optimizer.step()
-    weight_atol = 1e-5 + 0.05 * lr_sum
+    weight_atol = 1e-5 + 0.05 * lr
     weight_diff = compare(shard, ref, "weight", lambda p: p.detach(), atol=weight_atol)
     if abs(loss - ref_loss) > 1e-5 or abs(norm - ref_norm) > 1e-4 * max(1, ref_norm):
         raise AssertionError(f"step {step}: loss {loss:.6f} / grad norm {norm:.6f} "
                              f"vs one process {ref_loss:.6f} / {ref_norm:.6f}")
+    start_from_reference(shard, ref, optimizer, ref_optimizer)
     idle = sum(m.idle_experts for m in shard.expert_layers)
     idle_note = f" ({idle} experts got no token so far)" if idle else ""
     print0(f"CHECK step {step} {layout}: loss {loss:.6f} = {ref_loss:.6f}, every "

@@ -15,7 +15,8 @@ import sys
 import tokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FOLDERS = ("core", "training", "parallelism", "compression", "serving", "scripts")
+FOLDERS = ("core", "training", "parallelism", "compression", "serving", "reproduction",
+           "scripts")
 MAX_TOP = 18                   # scripts a reader runs and reads as a lesson
 MAX_CLOSURE = 2500             # lines of model.py with everything it imports
 MAX_FILE = 1000

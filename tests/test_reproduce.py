@@ -8,6 +8,7 @@ import re
 import pytest
 
 import reproduce
+from reproduction import tradeoffs
 from core.plumbing import UserError
 
 
@@ -16,14 +17,14 @@ def test_readers_take_figures_from_tables_and_lines():
            "baseline fp32                     920.1 KB       1.2 MB   1.00       10\n"
            "| rtn | int4 g32 | 4.750 | 146.3 KB |\n"
            "step 10 | val loss 6.1\nstep 20 | val loss 5.9\n")
-    assert reproduce.cell("baseline fp32", 1)(out) == "1.2 MB"
-    assert reproduce.cell("baseline fp32", 9)(out) is None           # no such column
-    assert reproduce.md_cell("| rtn | int4 g32 |", 3)(out) == "146.3 KB"
-    assert reproduce.grab(r"(\d+×\d+) tokens")(out) == "4×32"
-    assert reproduce.last(r"val loss ([\d.]+)")(out) == "5.9"
-    assert reproduce.ratio(reproduce.cell("baseline fp32", 0),
-                           reproduce.cell("baseline fp32", 1))(out) == "0.77"
-    assert reproduce.number("1,536") == 1536 and reproduce.number("2.5 MB") == 2.5e6
+    assert tradeoffs.cell("baseline fp32", 1)(out) == "1.2 MB"
+    assert tradeoffs.cell("baseline fp32", 9)(out) is None           # no such column
+    assert tradeoffs.md_cell("| rtn | int4 g32 |", 3)(out) == "146.3 KB"
+    assert tradeoffs.grab(r"(\d+×\d+) tokens")(out) == "4×32"
+    assert tradeoffs.last(r"val loss ([\d.]+)")(out) == "5.9"
+    assert tradeoffs.ratio(tradeoffs.cell("baseline fp32", 0),
+                           tradeoffs.cell("baseline fp32", 1))(out) == "0.77"
+    assert tradeoffs.number("1,536") == 1536 and tradeoffs.number("2.5 MB") == 2.5e6
 
 
 def test_a_missing_figure_is_marked_and_listed_never_invented(tmp_path):
@@ -41,10 +42,10 @@ def test_a_missing_figure_is_marked_and_listed_never_invented(tmp_path):
 
 
 def test_every_placeholder_names_a_figure_its_run_reads():
-    for technique, *cells in reproduce.ROWS:
+    for technique, *cells in tradeoffs.ROWS:
         for run, figure in re.findall(r"\{(\w+)\.(\w+)\}", "".join([technique, *cells])):
-            assert run in reproduce.RUN_BY_NAME, (technique, run)
-            assert figure == "cmd" or figure in reproduce.RUN_BY_NAME[run].figures, \
+            assert run in tradeoffs.RUN_BY_NAME, (technique, run)
+            assert figure == "cmd" or figure in tradeoffs.RUN_BY_NAME[run].figures, \
                 (technique, run, figure)
 
 
@@ -60,8 +61,8 @@ def test_quick_runs_every_command_and_fills_every_cell(tmp_path, capsys):
     result = reproduce.main(["--quick", "--out", str(out)])
     failed = {name: r["status"] for name, r in result["results"].items() if r["status"]}
     assert not failed, (failed, capsys.readouterr().out[-3000:])
-    assert set(result["results"]) == set(reproduce.RUN_BY_NAME)
+    assert set(result["results"]) == set(tradeoffs.RUN_BY_NAME)
     assert result["gaps"] == [], result["gaps"]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
-    assert len(rows) == 1 + len(reproduce.ROWS)                      # header + one per row
+    assert len(rows) == 1 + len(tradeoffs.ROWS)                      # header + one per row
     assert reproduce.MISSING not in out.read_text()
