@@ -178,16 +178,21 @@ def fill(template, results):
 # The first line under the title: a reader comparing the table with their own run needs
 # the date (which code), the machine (which speed), torch (which kernels), the commit
 # (which flags and defaults) -- "+ uncommitted changes" when the tree was edited.
-def provenance(quick, seconds):
-    """Date, machine and commit: what a reader needs to trust or distrust a row."""
+def tree_commit():
+    """The commit the runs are made from, taken once before the first run (a tree edited
+    while a reproduction runs would otherwise stamp code the early runs never saw)."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                 capture_output=True, text=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT,
                                capture_output=True, text=True).stdout.strip()
-        commit = (commit + (" + uncommitted changes" if dirty else "")) or "no git"
+        return (commit + (" + uncommitted changes" if dirty else "")) or "no git"
     except OSError:
-        commit = "no git"
+        return "no git"
+
+
+def provenance(quick, seconds, commit):
+    """Date, machine and commit: what a reader needs to trust or distrust a row."""
     device = "CUDA " + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     return (f"Measured by `python reproduce.py{' --quick' if quick else ''}` on "
             f"{datetime.date.today().isoformat()}: {platform.platform()}, "
@@ -197,7 +202,7 @@ def provenance(quick, seconds):
 
 # The whole page is rewritten each time (after every run): no hand edits survive by
 # design, so the table cannot drift from the commands that produce it.
-def write_table(path, results, quick, seconds):
+def write_table(path, results, quick, seconds, commit):
     """The Markdown page. -> [(row, missing figures)] for the rows with a gap."""
     gaps, lines = [], []
     for technique, *cells in ROWS:
@@ -212,7 +217,7 @@ def write_table(path, results, quick, seconds):
             "the output of the command named in the row. Memory and byte figures are exact; "
             "times are rough (read the ratios). The topic pages have the full tables. Back to "
             "the [README](../README.md).\n\n"
-            + provenance(quick, seconds) + "\n\n"
+            + provenance(quick, seconds, commit) + "\n\n"
             "| technique (command) | memory saved | communication / compute added | "
             "what it costs |\n|---|---|---|---|\n" + "\n".join(lines) + "\n")
     if gaps:
@@ -345,10 +350,10 @@ def main(argv=None):
     os.makedirs(workdir, exist_ok=True)
     out = args.out or (QUICK_TABLE if args.quick else TABLE)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    results, t0 = {}, time.perf_counter()
+    results, t0, commit = {}, time.perf_counter(), tree_commit()
     try:
         def write():
-            return write_table(out, results, args.quick, time.perf_counter() - t0)
+            return write_table(out, results, args.quick, time.perf_counter() - t0, commit)
         run_all(runs, args, workdir, results, t0, write)
         gaps = write()
     finally:

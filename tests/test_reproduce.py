@@ -31,14 +31,14 @@ def test_a_missing_figure_is_marked_and_listed_never_invented(tmp_path):
     path = tmp_path / "t.md"
     results = {"train_bench": {"status": 0, "seconds": 1.0,
                                "figures": {"base_state": "920.1 KB", "base_act": None}}}
-    gaps = reproduce.write_table(str(path), results, quick=True, seconds=1.0)
+    gaps = reproduce.write_table(str(path), results, quick=True, seconds=1.0, commit="abc1234")
     text = path.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| fp32 baseline"))
     assert "920.1 KB" in row and reproduce.MISSING in row
     assert any("train_bench.base_act" in m for _, m in gaps)
     assert any("dp.ddp_state (not run)" in m for _, m in gaps)      # a run not made
     assert re.search(r"Measured by `python reproduce.py --quick` on \d{4}-\d\d-\d\d: .*"
-                     r"CPU cores.*torch .*; commit ", text)
+                     r"CPU cores.*torch .*; commit abc1234; ", text)
 
 
 def test_every_placeholder_names_a_figure_its_run_reads():
