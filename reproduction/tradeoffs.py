@@ -239,17 +239,17 @@ RUNS = [
          "check": grab(r"(every gradient \(max \|diff\| [\d.e-]+\))")}),
     # DeepSeek-V3's ideas on the repo's scale: fine-grained + shared experts, routing
     # balanced by a bias instead of a loss (Wang et al. 2024), an MTP head; then the same
-    # model balanced by the Switch aux loss. quick: 2 layers, 4 steps.
+    # model balanced by the Switch aux loss. quick: 2 layers, 4 steps, the tiny tokenizer.
     Run("v3", "python train.py --preset v3 --steps 400 --ckpt out/v3.pt --sample-tokens 0",
-        "python train.py --preset v3 --n-layer 2 --steps 4 --batch-size 2 --seq-len 32 "
-        "--eval-interval 4 --eval-iters 1 --ckpt out/v3.pt --sample-tokens 0",
+        "python train.py --preset v3 --n-layer 2 --vocab-size 512 --steps 4 --batch-size 2 "
+        "--seq-len 32 --eval-interval 4 --eval-iters 1 --ckpt out/v3.pt --sample-tokens 0",
         {"busiest": grab(r"max/mean tokens per expert ([\d.]+) over"),
          "val": last(r"step +\d+ \| val loss ([\d.]+)"),
          "active": grab(r"active params ([\d,]+ of [\d,]+)")}),
     Run("v3_aux", "python train.py --preset v3 --steps 400 --moe-balance aux "
         "--ckpt out/v3_aux.pt --sample-tokens 0",
-        "python train.py --preset v3 --n-layer 2 --steps 4 --batch-size 2 --seq-len 32 "
-        "--eval-interval 4 --eval-iters 1 --moe-balance aux --ckpt out/v3_aux.pt "
+        "python train.py --preset v3 --n-layer 2 --vocab-size 512 --steps 4 --batch-size 2 "
+        "--seq-len 32 --eval-interval 4 --eval-iters 1 --moe-balance aux --ckpt out/v3_aux.pt "
         "--sample-tokens 0",
         {"busiest": grab(r"max/mean tokens per expert ([\d.]+) over"),
          "val": last(r"step +\d+ \| val loss ([\d.]+)")}),

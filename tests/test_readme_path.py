@@ -52,7 +52,8 @@ TINY = {
     "python kv_router.py bench":
         "random-init replicas in one process, writes nothing (tests/test_kv_router.py)",
     "python streaming.py measure --bos":
-        ("python", ["streaming.py", "measure", "--bos", "--tokens", "128"]),
+        ("python", ["streaming.py", "measure", "--bos", "--tokens", "128", "--train-steps",
+                    "20"]),
     "python serve.py --port 8000":
         "serves until Ctrl-C and only reads the checkpoint (tests/test_api_server.py serves "
         "one over HTTP)",
