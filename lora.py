@@ -64,7 +64,8 @@ from core.checkpoint import load_model
 from core.plumbing import load_checkpoint
 from model import GPT, get_config, PRESETS
 from compression.nf4 import NF4Matmul, NF4Weight, nf4_bits_report
-from core.plumbing import (ActivationMeter, ArgumentParser, HelpFormatter, Runtime, StepTimer,
+from core.plumbing import (ActivationMeter, ArgumentParser, HelpFormatter, Progress, Runtime,
+                           StepTimer,
                            UserError, all_reduce_flat, atomic_save, comm, fmt_bytes, fmt_count,
                            model_state_bytes, print0, require_at_least_one, run_cli,
                            seed_everything, setup_runtime, tensor_bytes, warmup_cosine)
@@ -813,7 +814,10 @@ def main(argv=None):
            f"{args.steps} steps × {args.batch_size * rt.world_size} rows, {rt.world_size} "
            f"rank(s) | base exact match {base_quality[0]:.1%}, answer loss {base_quality[1]:.3f}")
     rows = []
-    for method in methods:           # adapt a copy of the base, fine-tune, evaluate, merge
+    # one progress line as each method starts (a compare at the default sizes takes minutes)
+    progress = Progress("lora compare", len(methods), every=0)
+    for i, method in enumerate(methods):  # adapt a copy of the base, fine-tune, evaluate, merge
+        progress.update(i, now_on=method)
         model = copy.deepcopy(base)
         spec = adapt(model, method, args, loaded)
         seed_everything(args.seed)                 # same dropout masks for every method

@@ -792,7 +792,9 @@ def run_algorithms(algos, policy, teacher, enc, args, rt, train_probs, test_prob
         start = evaluate(policy, enc, test_probs, 1, args.max_new)["greedy"]
         metrics = distill_metrics(policy, teacher, enc, test_probs, args.max_new)
         d_rows.append(("init", "-", "-", 0, 0, start, metrics))
-    for algo in algos:
+    progress = Progress("rl compare", len(algos), every=0)     # one line as each starts
+    for i, algo in enumerate(algos):
+        progress.update(i, now_on=algo)
         comm.reset()
         model = copy.deepcopy(policy)        # every algorithm starts from the same SFT'd policy
         # π_ref: a frozen copy of the START policy (REINFORCE's loss ignores it: only the KL

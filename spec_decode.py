@@ -39,7 +39,7 @@ from core import data
 from core.checkpoint import load_model
 from core.plumbing import load_checkpoint
 from model import Block, KVCache, RMSNorm
-from core.plumbing import (ArgumentParser, UserError, fmt_bytes, fmt_duration, print0,
+from core.plumbing import (ArgumentParser, Progress, UserError, fmt_bytes, fmt_duration, print0,
                            require_at_least_one, run_cli, warmup_cosine)
 
 METHODS = ("draft", "tree", "medusa", "mtp", "eagle", "dflash")
@@ -867,8 +867,12 @@ def main(argv=None):
         run_method(target, drafters.get(m), [prompts[:1]], args, 0.0, args.gamma, width(m))
     rows = []
     entries = [(m, drafters[m], args.gamma, width(m)) for m in methods]
-    for T in temps:
-        for B in batches:
+    # bench: one progress line per (T, B) configuration, each a table of every method
+    progress = Progress("spec bench", len(temps) * len(batches), every=0)
+    for t_i, T in enumerate(temps):
+        for b_i, B in enumerate(batches):
+            if args.mode == "bench":
+                progress.update(t_i * len(batches) + b_i, now_on=f"T={T:g}, B={B}")
             groups = [prompts[i:i + B] for i in range(0, len(prompts), B)]
             table = compared(target, entries, groups, args, T)
             rows += table

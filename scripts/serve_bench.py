@@ -48,7 +48,8 @@ import torch
 import serve
 from kvcache import PagedKVCache
 from model import KVCache
-from core.plumbing import ArgumentParser, HelpFormatter, UserError, fmt_bytes, run_cli
+from core.plumbing import (ArgumentParser, HelpFormatter, Progress, UserError, fmt_bytes,
+                           run_cli)
 from serve import POLICIES, SamplingParams, engine_from_args
 from serving.workloads import AgentSessions, BenchRequest, length_range, mixed_workload
 
@@ -284,8 +285,14 @@ def run_systems(args, model, enc, reqs, clock):
     """Every system on the same workload, each --repeats times, the fastest run kept (the
     least disturbed by other jobs). -> rows [(name, summary)], outputs and extras by key."""
     rows, outs, extra = [], {}, {}
+    policies = [args.policy] if args.policy else POLICIES
+    # one line as each system starts: the sequential baseline alone takes minutes at the
+    # default sizes, and the tables come only once every system has run
+    progress = Progress("serve bench", (0 if args.no_baselines else 2) + len(policies),
+                        every=0)
 
     def measure(name, key, run):
+        progress.update(len(rows), now_on=name)
         best = None
         for _ in range(args.repeats):
             t0, recs, *rest = run()
@@ -300,7 +307,7 @@ def run_systems(args, model, enc, reqs, clock):
         measure("sequential generate()", "sequential", lambda: run_sequential(model, reqs, clock))
         measure(f"static batching B={args.static_batch}", "static",
                 lambda: run_static(model, reqs, args.static_batch, clock))
-    for policy in [args.policy] if args.policy else POLICIES:
+    for policy in policies:
         measure(f"engine ({policy})", policy,
                 lambda: run_engine(model, enc, reqs, args, policy, clock))
     return rows, outs, extra
