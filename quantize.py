@@ -66,7 +66,7 @@ from core.plumbing import (ArgumentParser, HelpFormatter, UserError, fmt_bytes, 
                            require_at_least_one, run_cli, seed_everything, tensor_bytes)
 
 # train.py's default output. Absent on a clean clone: load_base then trains a fresh tiny
-# model, so every mode runs with no setup (the tests pass --ckpt to a fixture instead).
+# model, so every mode runs with no setup (the tests pass --checkpoint to a fixture instead).
 DEFAULT_CKPT = "out/ckpt.pt"
 # ----------------------------------------------------------------------------------------
 # The stored format (codes, scales, zeros; QuantLinear, which dequantizes them in every
@@ -286,7 +286,7 @@ def save_checkpoint(path, model, enc, meta, data_path):
 # The base model, the data, and the methods
 
 def load_base(args):
-    """-> (fp32 model, corpus, description). No --ckpt and no out/ckpt.pt: a fresh tiny
+    """-> (fp32 model, corpus, description). No --checkpoint and no out/ckpt.pt: a fresh tiny
     model, trained for --base-steps steps right here."""
     if args.ckpt is None and not os.path.exists(DEFAULT_CKPT):
         cfg = get_config("tiny")
@@ -594,16 +594,18 @@ def _parent(title, *flags):
     # once and shared by every mode that takes it.
     parser = argparse.ArgumentParser(add_help=False)
     group = parser.add_argument_group(title)
-    for name, kwargs in flags:
-        group.add_argument(name, **kwargs)
+    for names, kwargs in flags:           # a name, or a tuple: the name and its aliases
+        group.add_argument(*(names if isinstance(names, tuple) else (names,)), **kwargs)
     return parser
 
 
 def build_parser():
     common = _parent(
         "model, data and ledger",
-        ("--ckpt", dict(default=None, help=f"fp32 checkpoint; not given: {DEFAULT_CKPT}, or a "
-                        "fresh tiny model trained here when that file does not exist")),
+        # --checkpoint as every script spells it; --ckpt, the old spelling, kept as an alias
+        (("--checkpoint", "--ckpt"), dict(
+            dest="ckpt", default=None, help=f"fp32 checkpoint; not given: {DEFAULT_CKPT}, or a "
+            "fresh tiny model trained here when that file does not exist")),
         ("--data", dict(default=None, help="UTF-8 text the checkpoint was trained on (not given: "
                         "what the checkpoint records, else the built-in corpus)")),
         ("--base-steps", dict(type=int, default=600, help="training steps of a fresh model")),
