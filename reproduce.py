@@ -65,6 +65,7 @@ are wall times on the machine named in its first line: compare ratios, not secon
 """
 import concurrent.futures
 import datetime
+import hashlib
 import os
 import platform
 import re
@@ -230,6 +231,29 @@ def write_table(path, results, quick, seconds, commit):
     return gaps
 
 
+class DemoGuard:
+    """The README's promise that no command writes over another's model, checked as the
+    runs go: the demo's out/ckpt.pt is hashed when the demo finishes and after every later
+    run; `changed_by` names the run(s) during which it first changed (with --jobs 2, the
+    one that finished and the one still running)."""
+
+    def __init__(self, path):
+        self.path, self.digest, self.changed_by = path, None, ""
+
+    def sha256(self):
+        with open(self.path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    def check(self, run, still_running):
+        if not os.path.exists(self.path) or self.changed_by:
+            return
+        digest = self.sha256()
+        if run.name == "demo":
+            self.digest = digest
+        elif self.digest is not None and digest != self.digest:
+            self.changed_by = " or ".join([run.name, *still_running])
+
+
 # ----------------------------------------------------------------------------------------
 # The command line
 
@@ -286,8 +310,8 @@ def chosen_runs(only):
 def run_all(runs, args, workdir, results, t0, after_each):
     """Every run, up to --jobs at a time, each once the runs it needs have finished; a line
     as each starts and ends (which run, elapsed, figures read, what is missing), and
-    after_each() once its figures are in (the table is rewritten: an interrupted
-    reproduction keeps what it measured)."""
+    after_each(run, still_running) once its figures are in (the table is rewritten: an
+    interrupted reproduction keeps what it measured)."""
     pending, running, done = list(runs), {}, 0
     logs = os.path.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
@@ -307,7 +331,7 @@ def run_all(runs, args, workdir, results, t0, after_each):
                 run = running.pop(future)
                 done += 1
                 report(run, *future.result(), results, f"{done}/{len(runs)}", t0, logs)
-                after_each()
+                after_each(run, [r.name for r in running.values()])
 
 
 def report(run, status, output, seconds, results, count, t0, logs):
@@ -351,11 +375,13 @@ def main(argv=None):
     out = args.out or (QUICK_TABLE if args.quick else TABLE)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     results, t0, commit = {}, time.perf_counter(), tree_commit()
+    demo = DemoGuard(os.path.join(workdir, "out", "ckpt.pt"))
     try:
-        def write():
+        def after_each(run, still_running):
+            demo.check(run, still_running)
             return write_table(out, results, args.quick, time.perf_counter() - t0, commit)
-        run_all(runs, args, workdir, results, t0, write)
-        gaps = write()
+        run_all(runs, args, workdir, results, t0, after_each)
+        gaps = write_table(out, results, args.quick, time.perf_counter() - t0, commit)
     finally:
         if args.quick and not args.keep and not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -363,6 +389,9 @@ def main(argv=None):
           f"({fmt_duration(time.perf_counter() - t0)})")
     # A failed run is a failed reproduction: the table is written (with its gaps marked)
     # and the exit status says so, so that a script or CI running this notices.
+    if demo.changed_by:
+        raise UserError(f"out/ckpt.pt, the demo model every later run reads, changed during "
+                        f"{demo.changed_by}: a command wrote over another's model")
     failed = sorted(name for name, r in results.items() if r["status"])
     if failed:
         kept = (f"; their logs: {os.path.join(workdir, 'logs')}" if os.path.isdir(workdir)

@@ -324,7 +324,7 @@ RUNS = [
     # is recomputed once evicted; with it, evicted blocks come back from host memory.
     # quick: 4 sessions of 3 turns, blocks of 4 tokens, a pool that must evict.
     Run("agent", "python -m scripts.serve_bench --workload agent --kv-tier host "
-        "--num-blocks 48",
+        "--num-blocks 96",
         "python -m scripts.serve_bench --workload agent --kv-tier host --num-blocks 24 "
         "--sessions 4 --turns 3 --system-len 8 --message-len 4:8 --answer-len 4:8 "
         "--block-size 4",

@@ -74,3 +74,16 @@ def test_progress_prints_percent_elapsed_and_eta_at_most_every_interval(capsys):
     # printed at t = 6 (3 done), 12 (6 done), 18 (9 done), and the end
     assert lines[0] == "build: 30% (3/10) | 6 s | eta 14 s"
     assert len(lines) == 4 and lines[-1] == "build: 100% (10/10) | 20 s | eta 0 s"
+
+
+def test_progress_names_the_configuration_it_starts_and_guesses_no_eta_before_one(capsys):
+    from core.plumbing import Progress
+    now = [0.0]
+    progress = Progress("bench", total=3, every=0, clock=lambda: now[0])
+    for done, label in enumerate(["fp32", "bf16", "fp16"]):
+        now[0] = 4.0 * done
+        progress.update(done, now_on=label)
+    assert capsys.readouterr().out.splitlines() == [
+        "bench: 0% (0/3) | 0 s | eta ? | now: fp32",
+        "bench: 33% (1/3) | 4 s | eta 8 s | now: bf16",
+        "bench: 66% (2/3) | 8 s | eta 4 s | now: fp16"]

@@ -2,8 +2,9 @@
 The newcomer's path: the README's "how to run" commands, in the README's order, at tiny
 sizes, in a fresh folder -- and the demo model they all read (out/ckpt.pt) is unchanged at
 the end: no command writes over another's model. Each command has a tiny equivalent named
-here (the same script, mode and output paths; smaller flags); a README row without one
-fails the first test, so a new command cannot skip the check.
+here (the same script, mode and output paths; smaller flags), or is one of reproduce.py's
+runs (checked the same way by tests/test_reproduce.py), or says why it is not run; a
+README row without one fails the first test, so a new command cannot skip the check.
 """
 import hashlib
 import os
@@ -12,6 +13,13 @@ import re
 import pytest
 
 from harness import ROOT, run_python, torchrun
+from reproduction.tradeoffs import RUNS
+
+# A README command that `python reproduce.py` runs too is run there at --quick sizes
+# (tests/test_reproduce.py), in one folder, with the demo model hashed after every run:
+# the same promise, checked once instead of twice (the suite's 10 minutes are shared).
+BY_REPRODUCE = ("run by reproduce.py --quick in one folder, which checks after every run "
+                "that out/ckpt.pt is unchanged (tests/test_reproduce.py)")
 
 TINY_MODEL = ["--preset", "tiny", "--eval-iters", "1", "--sample-tokens", "0"]
 
@@ -22,27 +30,16 @@ TINY = {
     "python sample.py": ("python", ["sample.py", "--prompt", "def ", "--max-new-tokens", "8"]),
     "python -m scripts.train_bench --estimate --params 7B --gpus 64":
         ("python", ["-m scripts.train_bench", "--estimate", "--params", "7B", "--gpus", "64"]),
-    "python -m scripts.train_bench":
-        ("python", ["-m scripts.train_bench", "--preset", "tiny", "--bench-steps", "1",
-                    "--batch-size", "4"]),
+    "python -m scripts.train_bench": BY_REPRODUCE,
     "torchrun --standalone --nproc_per_node=2 train.py --dp zero2 --ckpt out/dp/ckpt.pt "
     "--steps 50":
         ("torchrun", ["train.py", "--dp", "zero2", "--ckpt", "out/dp/ckpt.pt", *TINY_MODEL,
                       "--steps", "2"]),
-    "torchrun --standalone --nproc_per_node=2 parallel.py --tp 2 --check":
-        ("torchrun", ["parallel.py", "--tp", "2", "--check", "--preset", "tiny",
-                      "--steps", "2"]),
+    "torchrun --standalone --nproc_per_node=2 parallel.py --tp 2 --check": BY_REPRODUCE,
     "python parallel.py plan": ("python", ["parallel.py", "plan"]),
-    "python optim.py compare":
-        ("python", ["optim.py", "compare", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-                    "--n-kv-head", "1", "--steps", "2", "--eval-interval", "2",
-                    "--eval-iters", "1", "--batch-size", "2"]),
-    "python lora.py compare":
-        ("python", ["lora.py", "compare", "--steps", "2", "--n-train", "50",
-                    "--eval-problems", "4", "--batch-size", "4"]),
-    "python -m scripts.mla_bench":
-        ("python", ["-m scripts.mla_bench", "--preset", "tiny", "--context", "16", "--new-tokens", "2",
-                    "--repeats", "1"]),
+    "python optim.py compare": BY_REPRODUCE,
+    "python lora.py compare": BY_REPRODUCE,
+    "python -m scripts.mla_bench": BY_REPRODUCE,
     "python -m scripts.serve_bench --workload agent --kv-tier host --num-blocks 96":
         "reads the checkpoint and writes nothing (tests/test_serve.py runs the agent "
         "workload with and without the tier in process)",
@@ -51,30 +48,16 @@ TINY = {
         "runs it under torchrun",
     "python kv_router.py bench":
         "random-init replicas in one process, writes nothing (tests/test_kv_router.py)",
-    "python streaming.py measure --bos":
-        ("python", ["streaming.py", "measure", "--bos", "--tokens", "128", "--train-steps",
-                    "20"]),
+    "python streaming.py measure --bos": BY_REPRODUCE,
     "python serve.py --port 8000":
         "serves until Ctrl-C and only reads the checkpoint (tests/test_api_server.py serves "
         "one over HTTP)",
-    "python train.py --preset draft --ckpt out/draft.pt --sample-tokens 0":
-        ("python", ["train.py", *TINY_MODEL, "--n-layer", "1", "--ckpt", "out/draft.pt",
-                    "--steps", "2"]),
-    "python spec_decode.py bench":
-        ("python", ["spec_decode.py", "bench", "--max-new-tokens", "8", "--train-steps", "2",
-                    "--batch-size", "1"]),
-    "python rl.py compare":
-        ("python", ["rl.py", "compare", "--steps", "1", "--prompts", "2", "--n-train", "50",
-                    "--eval-problems", "4", "--eval-samples", "1", "--sft-steps", "2",
-                    "--teacher-sft-steps", "2", "--teacher-preset", "tiny"]),
-    "python quantize.py compare":
-        ("python", ["quantize.py", "compare", "--bits-list", "4", "--qat-steps", "1",
-                    "--eval-batches", "1", "--calib-batches", "1", "--prompts", "2",
-                    "--repeats", "1"]),
-    "python -m scripts.calibration":
-        ("python", ["-m scripts.calibration", "--sft-steps", "2", "--n-train", "50",
-                    "--eval-problems", "4"]),
-    "python curate.py stats": ("python", ["curate.py", "stats", "--max-bytes-per-domain", "20000"]),
+    "python train.py --preset draft --ckpt out/draft.pt --sample-tokens 0": BY_REPRODUCE,
+    "python spec_decode.py bench": BY_REPRODUCE,
+    "python rl.py compare": BY_REPRODUCE,
+    "python quantize.py compare": BY_REPRODUCE,
+    "python -m scripts.calibration": BY_REPRODUCE,
+    "python curate.py stats": BY_REPRODUCE,
     "python -m scripts.curate_sweep":
         "trains several models on mixtures it writes under out/curate/ (tests/test_curate.py "
         "runs its sweep at tiny sizes); it reads no checkpoint",
@@ -97,6 +80,12 @@ def test_every_readme_command_has_a_tiny_equivalent():
     assert len(commands) >= 10
     assert [c for c in commands if c not in TINY] == []
     assert [c for c in TINY if c not in commands] == []
+
+
+def test_the_commands_left_to_reproduce_are_its_runs():
+    """A row marked BY_REPRODUCE is run there only if reproduce.py has that exact command."""
+    theirs = {run.command for run in RUNS}
+    assert [c for c, how in TINY.items() if how == BY_REPRODUCE and c not in theirs] == []
 
 
 def sha256(path):

@@ -66,3 +66,15 @@ def test_quick_runs_every_command_and_fills_every_cell(tmp_path, capsys):
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + len(tradeoffs.ROWS)                      # header + one per row
     assert reproduce.MISSING not in out.read_text()
+
+
+def test_a_run_that_writes_over_the_demo_model_is_named(tmp_path):
+    demo = tmp_path / "ckpt.pt"
+    demo.write_bytes(b"demo")
+    guard = reproduce.DemoGuard(str(demo))
+    guard.check(tradeoffs.RUN_BY_NAME["demo"], [])
+    guard.check(tradeoffs.RUN_BY_NAME["lora"], [])
+    assert guard.changed_by == ""
+    demo.write_bytes(b"another model")
+    guard.check(tradeoffs.RUN_BY_NAME["quantize"], ["rl"])
+    assert guard.changed_by == "quantize or rl"
