@@ -245,6 +245,8 @@ class DemoGuard:
             return hashlib.sha256(f.read()).hexdigest()
 
     def check(self, run, still_running):
+        # no file yet (the demo failed, or --only left it out), or already caught: nothing
+        # to compare; the first change is the one to report, later ones follow from it
         if not os.path.exists(self.path) or self.changed_by:
             return
         digest = self.sha256()
