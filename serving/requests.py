@@ -13,7 +13,7 @@ from typing import Optional
 from core.plumbing import UserError
 
 
-# A temperature below this samples greedily (vLLM's _SAMPLING_EPS): logits / 1e-30 would
+# A temperature below this samples greedily (vLLM's _SAMPLING_EPS): logits / 1e-40 would
 # overflow float32 to inf and the softmax to NaN, and the limit T -> 0 is argmax anyway.
 GREEDY_EPS = 1e-5
 

@@ -100,6 +100,9 @@ def test_int8_quantization_error_bound_and_memory():
     assert codes.dtype == torch.int8 and scale.shape == (50, 2, 1)
     err = (dequantize_int8(codes, scale) - x).abs()
     assert (err <= scale / 2 + 1e-6).all()          # round to nearest: half a step at most
+    # one scale per (token, KV head) vector, its own absmax / 127: a scale shared by the
+    # whole tensor gives a quiet head the steps of the loudest (labs: kvcache.md)
+    torch.testing.assert_close(scale, x.abs().amax(-1, keepdim=True) / 127.0)
     cfg = get_config("tiny")
     f32, i8 = PagedKVCache(cfg, 10, 4), PagedKVCache(cfg, 10, 4, kv_dtype="int8")
     per_head = cfg.n_layer * cfg.n_kv_head * 2

@@ -457,8 +457,9 @@ def test_sampling_params_are_checked_numerically_and_tiny_temperature_is_greedy(
         with pytest.raises(UserError):
             eng.add_request([1, 2], SamplingParams(**bad))
     prompt = [5, 6, 7]
-    # 1e-30 would overflow logits / T to inf; below GREEDY_EPS it is argmax, as vLLM does
-    s = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=1e-30))[0]
+    # 1e-40 (a float32 subnormal) overflows logits / T to inf: below GREEDY_EPS it must be
+    # argmax, as vLLM does (1e-30 would not overflow, and would not test the threshold)
+    s = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=1e-40))[0]
     assert s.output_ids == model.generate(prompt, 12, temperature=0)
     assert_pool_clean(eng)
 
