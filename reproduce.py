@@ -23,34 +23,35 @@ How it is built (the runs and rows: reproduction/tradeoffs.py):
     costs) written as templates: "{dp.zero2_state}/rank" is run `dp`'s figure `zero2_state`.
     Prose that is not measured stays prose; every number comes from a {placeholder}.
 
-The runs, in the README's order, and roughly what each takes at README sizes on 2 cores:
-    demo            python train.py                                  ~6 min
-    train_bench     python -m scripts.train_bench                    ~2 min
-    dp              torchrun (2) -m scripts.train_bench              ~1 min
-    tp              torchrun (2) parallel.py --tp 2 --check          ~20 s
-    pipeline        torchrun (4) -m parallelism.pipeline bench       ~1 min
-    optim_bench     python optim.py bench                            ~10 s
-    optim           python optim.py compare                          ~5-7 min
-    lora            python lora.py compare                           ~3.5 min
-    mla             python -m scripts.mla_bench                      ~6 s
-    serve, agent    python -m scripts.serve_bench [--workload agent] ~1 min
-    router          python kv_router.py bench                        ~15 s
-    streaming       python streaming.py measure --bos                ~1.5 min (trains its model)
-    curate          python curate.py stats                           ~1 min
-    ppl, task       python evaluate.py ppl | task                    ~1 min
-    calibration     python -m scripts.calibration                    ~1 min
-    disagg          torchrun (2) disagg.py bench                     ~30 s
-    draft           python train.py --preset draft ...               ~3 min
-    spec            python spec_decode.py bench                      ~5 min (trains drafters)
-    quantize        python quantize.py compare                       ~9 min
-    rl              python rl.py compare                             ~5-10 min (SFT caches first)
+The runs, in the README's order (`--list` prints them with their commands), and roughly
+what each takes at README sizes on 2 quiet cores:
+    demo                 python train.py                                   ~6 min
+    train_bench, dp      python -m scripts.train_bench (alone, torchrun 2)  ~1 min
+    tp, sp, cp, ep       torchrun (2) parallel.py ... --check               ~20 s each
+    v3, v3_aux           python train.py --preset v3 --steps 400 (2 ways)  ~5 min each
+    plan                 python parallel.py plan (DeepSeek-V3's shape)     < 1 s
+    pipeline             torchrun (4) -m parallelism.pipeline bench        ~1 min
+    optim_bench, optim   python optim.py bench | compare                   ~5-7 min
+    lora                 python lora.py compare                            ~3.5 min
+    mla                  python -m scripts.mla_bench                       ~6 s
+    serve, agent, preempt, prefix, int8   python -m scripts.serve_bench ...  ~1 min each
+    router               python kv_router.py bench                         ~15 s
+    streaming            python streaming.py measure --bos                 ~1.5 min
+    curate, dedup, sweep python curate.py stats | dedup, -m scripts.curate_sweep  ~5 min
+    ppl, task, calibration, uncertainty, contamination   evaluate.py, scripts.*   ~5 min
+    disagg               torchrun (2) disagg.py bench                      ~30 s
+    draft, spec          the draft model, then python spec_decode.py bench ~8 min
+    quantize             python quantize.py compare                        ~9 min
+    rl                   python rl.py compare                              ~5-10 min
+    asserted             pytest on the tests behind the rows no command measures  ~3 min
 
 What the figures mean, and how far they move between runs:
   - bytes (model state, KV per token, bytes sent, bits/weight) are counted from the tensors
     and the collectives: the same on every run and every machine with the same flags;
   - losses, accuracies and acceptance rates are seeded: the same on one machine and one
-    torch build, run after run; another CPU or torch build moves the last digits (float
-    summation order), and a resumed or interrupted run is not the same run;
+    torch build, run after run, interrupted and resumed or not (tests/test_train.py);
+    another CPU or torch build moves the last digits (float summation order), another
+    Python version trains on another corpus (its standard library);
   - times (step ms, speedups, TTFT) move with the machine and with what else it runs:
     ±10-30% between runs on a shared 2-core CPU, which is why every time here is a ratio
     to a reference measured in the same command, and the topic pages give the spread
@@ -173,7 +174,6 @@ def fill(template, results):
         return value
     text = re.sub(r"\{(\w+)\.(\w+)\}", one, template)
     return text, missing
-
 
 
 # The first line under the title: a reader comparing the table with their own run needs
