@@ -114,6 +114,23 @@ def test_moe_aux_loss_is_one_when_balanced_and_larger_when_not():
     assert aux.item() > 3.5
 
 
+def test_moe_aux_loss_counts_token_expert_pairs_under_top_2():
+    """f_i is the fraction of the N·k token-expert assignments (DeepSeekMoE's f_i divides by
+    K·T; Hugging Face's Mixtral loss sums the k slots instead, and is k when balanced): a
+    balanced top-2 routing gives aux = 1, not k, whatever k."""
+    cfg = tiny(n_expert=4, expert_top_k=2)
+    moe = GPT(cfg).layers[0].feed_forward
+    with torch.no_grad():                  # token i -> experts i (first) and i + 1 (second)
+        moe.router.weight.zero_()
+        moe.router.weight[torch.arange(4), torch.arange(4)] = 10.0
+        moe.router.weight[(torch.arange(4) + 1) % 4, torch.arange(4)] = 5.0
+    x = torch.zeros(4, cfg.n_embd)
+    x[torch.arange(4), torch.arange(4)] = 1.0
+    _, ids, aux = moe.route(x)
+    assert sorted(ids.flatten().tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]     # every expert twice
+    assert abs(aux.item() - 1.0) < 1e-5                  # cyclic symmetry: P_i = 1/4 exactly
+
+
 V3_MOE = dict(n_expert=8, expert_top_k=3, ffn_hidden=16, n_shared_expert=2,
               moe_score="sigmoid", moe_balance="loss_free", moe_routed_scale=2.5)
 
