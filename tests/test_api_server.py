@@ -569,3 +569,27 @@ def test_metrics_in_prometheus_text_format(server):
         buckets = [v for k, v in s.items() if k.startswith(f"nanoscale_{name}_bucket")]
         assert buckets == sorted(buckets) and buckets[-1] == s[f"nanoscale_{name}_count"] > 0
     assert not math.isnan(s["nanoscale_time_to_first_token_seconds_sum"])
+
+
+def test_a_stream_cut_by_a_stop_string_equals_the_non_streamed_answer(server):
+    """A stop string can span two tokens: the stream must hold back the characters that
+    could begin it (len(stop) - 1 of them) until the next token settles whether the string
+    is there, or the streamed text runs past the cut the non-streamed answer makes."""
+    base = {"prompt": "def ", "max_tokens": 24, "temperature": 0.8}
+    cut = 0
+    for seed in range(6):
+        free = post(server, "/v1/completions", {**base, "seed": seed, "logprobs": 0})[2]
+        tokens = free["choices"][0]["logprobs"]["tokens"]
+        # a two-character stop across a token boundary past the third token (two tokens
+        # that are text, not "bytes:..." pieces of a character)
+        text = lambda t: t and not t.startswith("bytes:")
+        j = next((i for i in range(3, len(tokens) - 1) if text(tokens[i]) and
+                  text(tokens[i + 1])), None)
+        if j is None:
+            continue
+        body = {**base, "seed": seed, "stop": [tokens[j][-1] + tokens[j + 1][0]]}
+        whole = post(server, "/v1/completions", body)[2]["choices"][0]
+        streamed = "".join(e["choices"][0]["text"] for e in sse(server, "/v1/completions", body))
+        assert streamed == whole["text"], (seed, body["stop"])
+        cut += whole["finish_reason"] == "stop"
+    assert cut >= 3                  # the stop string really cut most of the answers
