@@ -155,6 +155,25 @@ def test_lsh_parameters_are_checked():
         curate.shingle_set(np.zeros(3, dtype=np.uint64), 0)
 
 
+def test_union_find_joins_groups_that_share_a_member_through_long_chains():
+    """Candidate groups overlap (one document in two buckets): the components must join
+    across them. A chain built so that a member re-pointed by itself (parent[j] = root,
+    not parent[find(j)]) leaves its own tree's other members behind."""
+    groups = [[2, 3], [0, 3], [1, 0], [5, 6], [7, 6], [8, 9]]     # 3, then 6: not roots
+    comps = sorted(sorted(c) for c in curate.union_find(10, groups))
+    assert comps == [[0, 1, 2, 3], [5, 6, 7], [8, 9]]
+
+
+def test_documents_without_a_shingle_are_never_candidates():
+    """An empty (or shorter than one shingle) document's signature is all PRIME: without
+    the filter every such document would share every bucket and count as duplicates."""
+    hasher = curate.MinHasher(112, seed=0)
+    empty = hasher.signature(np.zeros(0, dtype=np.uint64))
+    other = hasher.signature(np.arange(50, dtype=np.uint64))
+    sigs = np.stack([empty, empty, empty, other])
+    assert curate.lsh_buckets(sigs, 14, 8) == []
+
+
 # ---------------------------------------------------------------------------- exact dedup
 def test_exact_dedup_removes_exactly_the_planted_copies(vocab):
     rng = np.random.default_rng(5)
