@@ -70,6 +70,7 @@ import hashlib
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -94,10 +95,10 @@ MISSING = "**?**"              # a figure the output did not contain: shown, nev
 def shell_words(command):
     """The README's words -> what this interpreter runs: `python` is sys.executable (a
     venv works), `torchrun` is `python -m torch.distributed.run`, `X.py` is the repo's."""
-    # Split on spaces, not by a shell: the commands here hold no quotes or pipes, and no
-    # shell means nothing in a command line is ever interpreted twice.
+    # Split as a shell would (quotes group words), but run without one: the commands hold
+    # no pipes or variables, and no shell means nothing is ever interpreted twice.
     out = []
-    for word in command.split():
+    for word in shlex.split(command):
         if word == "python":
             word = sys.executable
         elif word == "torchrun":

@@ -179,7 +179,7 @@ RUNS = [
     # ratio to fp32 measured in the same run (the ratios, not the milliseconds, carry over).
     # quick: tiny, 4×32 tokens; the ratios keep their order (full < selective < none).
     Run("train_bench", "python -m scripts.train_bench",
-        f"python -m scripts.train_bench {TINY} --bench-steps 2",
+        f"python -m scripts.train_bench {TINY} --n-layer 1 --bench-steps 2",
         {**table_figures(TRAIN_BENCH_ROWS, {"state": 0, "act": 1, "actx": 2, "timex": 4}),
          "preset": grab(r"bench: preset (\w+),"),
          "tokens": grab(r"bench: preset \w+, attention \w+, (\d+×\d+) tokens")}),
@@ -239,17 +239,17 @@ RUNS = [
          "check": grab(r"(every gradient \(max \|diff\| [\d.e-]+\))")}),
     # DeepSeek-V3's ideas on the repo's scale: fine-grained + shared experts, routing
     # balanced by a bias instead of a loss (Wang et al. 2024), an MTP head; then the same
-    # model balanced by the Switch aux loss. quick: 2 layers, 4 steps, the tiny tokenizer.
+    # model balanced by the Switch aux loss. quick: 1 layer, 2 steps, the tiny tokenizer.
     Run("v3", "python train.py --preset v3 --steps 400 --ckpt out/v3.pt --sample-tokens 0",
-        "python train.py --preset v3 --n-layer 2 --vocab-size 512 --steps 4 --batch-size 2 "
-        "--seq-len 32 --eval-interval 4 --eval-iters 1 --ckpt out/v3.pt --sample-tokens 0",
+        "python train.py --preset v3 --n-layer 1 --vocab-size 512 --steps 2 --batch-size 2 "
+        "--seq-len 32 --eval-interval 2 --eval-iters 1 --ckpt out/v3.pt --sample-tokens 0",
         {"busiest": grab(r"max/mean tokens per expert ([\d.]+) over"),
          "val": last(r"step +\d+ \| val loss ([\d.]+)"),
          "active": grab(r"active params ([\d,]+ of [\d,]+)")}),
     Run("v3_aux", "python train.py --preset v3 --steps 400 --moe-balance aux "
         "--ckpt out/v3_aux.pt --sample-tokens 0",
-        "python train.py --preset v3 --n-layer 2 --vocab-size 512 --steps 4 --batch-size 2 "
-        "--seq-len 32 --eval-interval 4 --eval-iters 1 --moe-balance aux --ckpt out/v3_aux.pt "
+        "python train.py --preset v3 --n-layer 1 --vocab-size 512 --steps 2 --batch-size 2 "
+        "--seq-len 32 --eval-interval 2 --eval-iters 1 --moe-balance aux --ckpt out/v3_aux.pt "
         "--sample-tokens 0",
         {"busiest": grab(r"max/mean tokens per expert ([\d.]+) over"),
          "val": last(r"step +\d+ \| val loss ([\d.]+)")}),
@@ -445,9 +445,10 @@ RUNS = [
          "detected_78": cell("0.7-0.8", 1), "theory_78": cell("0.7-0.8", 2),
          "detected_89": cell("0.8-0.9", 1), "theory_89": cell("0.8-0.9", 2)}),
     # One tiny model per data mixture, the same token budget: per-domain validation loss.
-    # quick: 10 steps on 1% of the corpus.
+    # quick: 4 steps on 1% of the corpus, two mixtures (+ the fixed raw/dedup/seed runs).
     Run("sweep", "python -m scripts.curate_sweep",
-        "python -m scripts.curate_sweep --steps 10 --subset 0.01 --eval-tokens 1024",
+        "python -m scripts.curate_sweep --steps 4 --subset 0.01 --eval-tokens 512 "
+        "--mixtures 'natural;uniform'",
         # (the progress lines "  uniform: 9 s" come first: read below the table's title)
         {**{f"uniform_{d}": difference(cell("uniform", i, after=SWEEP),
                                        cell("natural", i, after=SWEEP))
