@@ -67,6 +67,7 @@ are wall times on the machine named in its first line: compare ratios, not secon
 import concurrent.futures
 import datetime
 import hashlib
+import json
 import os
 import platform
 import re
@@ -193,10 +194,11 @@ def tree_commit():
         return "no git"
 
 
-def provenance(quick, seconds, commit):
+def provenance(quick, seconds, commit, jobs=1):
     """Date, machine and commit: what a reader needs to trust or distrust a row."""
     device = "CUDA " + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    return (f"Measured by `python reproduce.py{' --quick' if quick else ''}` on "
+    flags = (" --quick" if quick else "") + (f" --jobs {jobs}" if jobs > 1 else "")
+    return (f"Measured by `python reproduce.py{flags}` on "
             f"{datetime.date.today().isoformat()}: {platform.platform()}, "
             f"{os.cpu_count()} CPU cores, {device}, Python {platform.python_version()}, "
             f"torch {torch.__version__}; commit {commit}; {fmt_duration(seconds)} in all.")
@@ -204,8 +206,9 @@ def provenance(quick, seconds, commit):
 
 # The whole page is rewritten each time (after every run): no hand edits survive by
 # design, so the table cannot drift from the commands that produce it.
-def write_table(path, results, quick, seconds, commit):
-    """The Markdown page. -> [(row, missing figures)] for the rows with a gap."""
+def write_table(path, results, stamp):
+    """The Markdown page; stamp: its provenance line(s). -> [(row, missing figures)] for
+    the rows with a gap."""
     gaps, lines = [], []
     for technique, *cells in ROWS:
         filled = [fill(t, results) for t in (technique, *cells)]
@@ -219,7 +222,7 @@ def write_table(path, results, quick, seconds, commit):
             "the output of the command named in the row. Memory and byte figures are exact; "
             "times are rough (read the ratios). The topic pages have the full tables. Back to "
             "the [README](../README.md).\n\n"
-            + provenance(quick, seconds, commit) + "\n\n"
+            + stamp + "\n\n"
             "| technique (command) | memory saved | communication / compute added | "
             "what it costs |\n|---|---|---|---|\n" + "\n".join(lines) + "\n")
     if gaps:
@@ -257,6 +260,40 @@ class DemoGuard:
             self.changed_by = " or ".join([run.name, *still_running])
 
 
+def save_figures(workdir, results, stamp):
+    """WORKDIR/figures.json: what this reproduction read so far, with its stamp -- what
+    --merge combines when two reproductions (on one machine) split the runs between them."""
+    record = {"stamp": stamp, "results": {name: {k: r[k] for k in ("status", "figures",
+                                                                  "seconds")}
+                                          for name, r in results.items()}}
+    atomic_write(os.path.join(workdir, "figures.json"),
+                 lambda f: json.dump(record, f, indent=1), mode="w")
+
+
+def merge(folders, out):
+    """One table from the figures.json of several workdirs (a later folder's run wins);
+    every reproduction's stamp is kept, naming the runs it made."""
+    # Two reproductions on the same machine and commit can share the work (one runs the
+    # first half, the other the second with --assume demo): their figures are one table,
+    # and the page says which runs each stamp covers, so nothing is presented as one run
+    # that was two.
+    results, stamps = {}, []
+    for folder in folders:
+        path = os.path.join(folder, "figures.json")
+        try:
+            with open(path) as f:
+                record = json.load(f)
+        except (OSError, ValueError) as e:
+            raise UserError(f"--merge: cannot read {path} ({e}): is {folder} the --workdir "
+                            "of a reproduction?") from None
+        results.update(record["results"])
+        stamps.append(f"Runs {', '.join(record['results'])}: {record['stamp']}")
+    gaps = write_table(out, results, "\n\n".join(stamps))
+    print(f"wrote {out} from {len(folders)} reproduction(s): {len(ROWS)} rows, {len(gaps)} "
+          "with a missing figure")
+    return {"results": results, "gaps": gaps, "out": out}
+
+
 # ----------------------------------------------------------------------------------------
 # The command line
 
@@ -287,30 +324,43 @@ def parse_args(argv=None):
     p.add_argument("--jobs", type=int, default=None,
                    help="runs at a time (default: 1, so that timings are not contended; "
                    "2 with --quick, whose timings mean nothing)")
+    p.add_argument("--assume", default="", help="comma list of runs whose files are "
+                   "already in WORKDIR/out (copied from another reproduction): not run, and "
+                   "the runs that need them go ahead")
+    p.add_argument("--merge", default="", help="comma list of workdirs: write one table from "
+                   "their figures.json (two reproductions that split the runs) and exit")
     p.add_argument("--list", action="store_true", help="print the runs and exit")
     return p.parse_args(argv)
 
 
 # --only keeps the README's order and adds what a chosen run reads: `--only spec` runs the
 # demo and the draft model first, as a reader following the README would have.
-def chosen_runs(only):
-    if not only:
-        return RUNS
-    names = [n.strip() for n in only.split(",") if n.strip()]
+def run_names(text, flag):
+    names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in RUN_BY_NAME]
     if unknown:
-        raise UserError(f"--only: no run named {', '.join(unknown)} (runs: "
+        raise UserError(f"{flag}: no run named {', '.join(unknown)} (runs: "
                         f"{', '.join(RUN_BY_NAME)})")
+    return names
+
+
+def chosen_runs(only, assume=""):
+    # an assumed run is neither run nor needed: its files (the demo's out/ckpt.pt) are in
+    # the workdir already, copied there by the reader
+    assumed = set(run_names(assume, "--assume"))
+    if not only:
+        return [r for r in RUNS if r.name not in assumed]
+    names = run_names(only, "--only")
     wanted = set(names)
     for name in names:                       # what they need runs first
         wanted |= set(RUN_BY_NAME[name].needs)
-    return [r for r in RUNS if r.name in wanted]
+    return [r for r in RUNS if r.name in wanted - assumed]
 
 
 # --jobs 1 (the default for the full run) keeps the timings uncontended; --quick uses both
 # cores, since its timings mean nothing and the suite runs it. A thread per running job is
 # enough: each waits on its subprocess, Python does no work meanwhile.
-def run_all(runs, args, workdir, results, t0, after_each):
+def run_all(runs, args, workdir, results, t0, after_each, assumed=()):
     """Every run, up to --jobs at a time, each once the runs it needs have finished; a line
     as each starts and ends (which run, elapsed, figures read, what is missing), and
     after_each(run, still_running) once its figures are in (the table is rewritten: an
@@ -320,8 +370,8 @@ def run_all(runs, args, workdir, results, t0, after_each):
     os.makedirs(logs, exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         while pending or running:
-            for run in [r for r in pending if all(n in results for n in r.needs
-                                                   if n in RUN_BY_NAME)]:
+            for run in [r for r in pending if all(n in results or n in assumed
+                                                   for n in r.needs)]:
                 if len(running) == args.jobs:
                     break
                 pending.remove(run)
@@ -366,7 +416,10 @@ def main(argv=None):
             rows = sum(f"{{{r.name}." in "".join(row) for row in ROWS)
             print(f"{r.name:<12} {rows:>2} row(s)  {r.command}")
         return None
-    runs = chosen_runs(args.only)
+    if args.merge:              # no runs: one table from reproductions already made
+        return merge([d for d in args.merge.split(",") if d], args.out or TABLE)
+    runs = chosen_runs(args.only, args.assume)
+    assumed = set(run_names(args.assume, "--assume"))
     args.jobs = args.jobs or (2 if args.quick else 1)
     if args.jobs < 1:
         raise UserError(f"--jobs must be at least 1, got {args.jobs}")
@@ -379,12 +432,19 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     results, t0, commit = {}, time.perf_counter(), tree_commit()
     demo = DemoGuard(os.path.join(workdir, "out", "ckpt.pt"))
+    if "demo" in assumed:                    # the demo model is there already: guard it
+        demo.check(RUN_BY_NAME["demo"], [])
+
+    def write():
+        stamp = provenance(args.quick, time.perf_counter() - t0, commit, args.jobs)
+        save_figures(workdir, results, stamp)
+        return write_table(out, results, stamp)
     try:
         def after_each(run, still_running):
             demo.check(run, still_running)
-            return write_table(out, results, args.quick, time.perf_counter() - t0, commit)
-        run_all(runs, args, workdir, results, t0, after_each)
-        gaps = write_table(out, results, args.quick, time.perf_counter() - t0, commit)
+            return write()
+        run_all(runs, args, workdir, results, t0, after_each, assumed)
+        gaps = write()
     finally:
         if args.quick and not args.keep and not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

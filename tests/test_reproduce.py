@@ -31,7 +31,8 @@ def test_a_missing_figure_is_marked_and_listed_never_invented(tmp_path):
     path = tmp_path / "t.md"
     results = {"train_bench": {"status": 0, "seconds": 1.0,
                                "figures": {"base_state": "920.1 KB", "base_act": None}}}
-    gaps = reproduce.write_table(str(path), results, quick=True, seconds=1.0, commit="abc1234")
+    stamp = reproduce.provenance(quick=True, seconds=1.0, commit="abc1234")
+    gaps = reproduce.write_table(str(path), results, stamp)
     text = path.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| fp32 baseline"))
     assert "920.1 KB" in row and reproduce.MISSING in row
@@ -78,3 +79,27 @@ def test_a_run_that_writes_over_the_demo_model_is_named(tmp_path):
     demo.write_bytes(b"another model")
     guard.check(tradeoffs.RUN_BY_NAME["quantize"], ["rl"])
     assert guard.changed_by == "quantize or rl"
+
+
+def test_two_reproductions_merge_into_one_table_keeping_both_stamps(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    run = {"status": 0, "seconds": 1.0, "figures": {"base_state": "63.0 MB"}}
+    reproduce.save_figures(str(a), {"train_bench": run}, "stamp A")
+    reproduce.save_figures(str(b), {"mla": {**run, "figures": {"mla_bytes": "3,456"}}},
+                           "stamp B")
+    out = tmp_path / "t.md"
+    result = reproduce.main(["--merge", f"{a},{b}", "--out", str(out)])
+    text = out.read_text()
+    assert "Runs train_bench: stamp A" in text and "Runs mla: stamp B" in text
+    assert "63.0 MB" in text and "3,456" in text
+    assert set(result["results"]) == {"train_bench", "mla"}
+    with pytest.raises(UserError, match="cannot read"):
+        reproduce.main(["--merge", str(tmp_path / "nope")])
+
+
+def test_assumed_runs_are_not_run_and_satisfy_what_needs_them():
+    names = [r.name for r in reproduce.chosen_runs("spec", assume="demo,draft")]
+    assert names == ["spec"]
+    with pytest.raises(UserError, match="--assume: no run named nope"):
+        reproduce.chosen_runs("", assume="nope")
