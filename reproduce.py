@@ -271,8 +271,9 @@ def save_figures(workdir, results, stamp):
 
 
 def merge(folders, out):
-    """One table from the figures.json of several workdirs (a later folder's run wins);
-    every reproduction's stamp is kept, naming the runs it made."""
+    """One table from the figures.json of several workdirs (a later folder's run wins),
+    each figure read again from the run's log; every reproduction's stamp is kept, naming
+    the runs it made."""
     # Two reproductions on the same machine and commit can share the work (one runs the
     # first half, the other the second with --assume demo): their figures are one table,
     # and the page says which runs each stamp covers, so nothing is presented as one run
@@ -286,7 +287,14 @@ def merge(folders, out):
         except (OSError, ValueError) as e:
             raise UserError(f"--merge: cannot read {path} ({e}): is {folder} the --workdir "
                             "of a reproduction?") from None
-        results.update(record["results"])
+        for name, r in record["results"].items():
+            # the figures are read again from the run's log with today's readers: a
+            # reader fixed after the runs (a column miscounted) needs no rerun
+            log = os.path.join(folder, "logs", f"{name}.log")
+            if name in RUN_BY_NAME and os.path.exists(log):
+                with open(log, errors="replace") as f:
+                    r = {**r, "figures": read_figures(RUN_BY_NAME[name], f.read())}
+            results[name] = r
         stamps.append(f"Runs {', '.join(record['results'])}: {record['stamp']}")
     gaps = write_table(out, results, "\n\n".join(stamps))
     print(f"wrote {out} from {len(folders)} reproduction(s): {len(ROWS)} rows, {len(gaps)} "

@@ -268,7 +268,7 @@ RUNS = [
         "torchrun --standalone --nproc_per_node=2 -m parallelism.pipeline bench "
         "--microbatches 4 --steps 1 --seq-len 16 --microbatch-size 2 --n-embd 32 --n-layer 4",
         {f"{s}_{col}": cell(s, i) for s in ("gpipe", "1f1b", "zb", "dualpipev")
-         for col, i in {"bubble": 4, "theory": 5, "p2p": 6}.items()}),
+         for col, i in {"bubble": 3, "theory": 4, "p2p": 5}.items()}),
     # Each optimizer's state in B/param (SGD 0, momentum 4, RMSProp 4, Adam/AdamW 8, Muon 4
     # on hidden matrices) and the step's cost; the Newton–Schulz share of the step's FLOPs.
     # quick: one layer of width 32; the state column is size-independent.
@@ -316,8 +316,12 @@ RUNS = [
          "per_token": grab(r"KV cache \(float32, (\d+ B)/token"),
          "contig": grab(r"reserving the full context \(\d+\) per request: (\d+%) wasted"),
          "static_waste": grab(r"static batching reserves .* = (\d+%) wasted"),
-         "engine_speedup": cell("engine (fcfs)", 2), "static_speedup": cell("static batching", 2),
-         "fcfs_goodput": cell("engine (fcfs)", 8), "slo_goodput": cell("engine (slo)", 8),
+         "engine_speedup": cell("engine (fcfs)", 2),
+         "static_speedup": cell("static batching B=", 3),      # the label ends in "B=64"
+         # goodput is the last column, "608.93 (8/8)" (the TPOT and ITL cells hold runs of
+         # spaces of their own, so it is found from the end of the line)
+         "fcfs_goodput": grab(r"(?m)^engine \(fcfs\) .* ([\d.]+) \(\d+/\d+\)\s*$"),
+         "slo_goodput": grab(r"(?m)^engine \(slo\) .* ([\d.]+) \(\d+/\d+\)\s*$"),
          "same": grab(r"greedy outputs of fcfs == sequential generate\(\): (\d+/\d+)")},
         needs=("demo",)),
     # Multi-turn sessions through a small pool: without the second tier a session's history
@@ -440,8 +444,10 @@ RUNS = [
     # S-curve 1 − (1 − s^r)^b measured on planted edits.
     Run("dedup", "python curate.py dedup",
         "python curate.py dedup --max-bytes-per-domain 200000",
-        {"exact": grab(r"exact: \d+ clusters, (\d+ copies removed \([\d.]+ [KMG]?B)"),
-         "near": grab(r"near \(.*\): \d+ clusters, (\d+ documents removed \([\d.]+ [KMG]?B)"),
+        {"exact": grab(r"exact: \d+ clusters, (\d+ copies removed)"),
+         "exact_bytes": grab(r"copies removed \(([\d.]+ [KMG]?B) of"),
+         "near": grab(r"near \(.*\): \d+ clusters, (\d+ documents removed)"),
+         "near_bytes": grab(r"documents removed \(([\d.]+ [KMG]?B)\)"),
          "detected_78": cell("0.7-0.8", 1), "theory_78": cell("0.7-0.8", 2),
          "detected_89": cell("0.8-0.9", 1), "theory_89": cell("0.8-0.9", 2)}),
     # One tiny model per data mixture, the same token budget: per-domain validation loss.
@@ -904,9 +910,10 @@ ROWS = [
     ("Min-K% Prob membership", "—", "one forward per item",
      "needs only the model; AUROC {contamination.mink} on the planted items"),
     # exact: SHA-256 of the normalised text; near: Broder 1997 MinHash + LSH banding
-    ("exact dedup (`{dedup.cmd}`)", "{dedup.exact}", "one SHA-256 per document",
+    ("exact dedup (`{dedup.cmd}`)", "{dedup.exact} ({dedup.exact_bytes})",
+     "one SHA-256 per document",
      "nothing measurable"),
-    ("near dedup, MinHash 5-gram shingles, 14 bands × 8", "{dedup.near}",
+    ("near dedup, MinHash 5-gram shingles, 14 bands × 8", "{dedup.near} ({dedup.near_bytes})",
      "112 hashes per shingle",
      "pairs at Jaccard 0.7–0.8 detected {dedup.detected_78} (theory {dedup.theory_78}), "
      "0.8–0.9 {dedup.detected_89} ({dedup.theory_89})"),
