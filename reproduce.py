@@ -201,7 +201,9 @@ def provenance(quick, seconds, commit, jobs=1):
     return (f"Measured by `python reproduce.py{flags}` on "
             f"{datetime.date.today().isoformat()}: {platform.platform()}, "
             f"{os.cpu_count()} CPU cores, {device}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}; commit {commit}; {fmt_duration(seconds)} in all.")
+            f"torch {torch.__version__}; commit {commit}; {fmt_duration(seconds)} in all"
+            + (f"; {jobs} runs at a time shared the cores, so their time columns are "
+               "contended (bytes, losses and counts are not)." if jobs > 1 else "."))
 
 
 # The whole page is rewritten each time (after every run): no hand edits survive by
