@@ -753,8 +753,8 @@ ROWS = [
      "{streaming.dense} (dense recompute)"),
     # Zhong et al. 2024 (DistServe): prefill and decode on separate ranks
     ("prefill/decode disaggregation, 1 + 1 ranks (`{disagg.cmd}`)",
-     "no decode step waits for a prefill ({disagg.delayed} decode tokens delayed vs "
-     "{disagg.delayed_colocated} in two colocated engines)",
+     "decode tokens delayed by a prefill: {disagg.delayed} vs {disagg.delayed_colocated} "
+     "in two colocated engines (the decode rank prefills only what it must recompute)",
      "the prompt's KV point-to-point: {disagg.kv} ({disagg.kv_measured} = the formula's "
      "{disagg.kv_formula})",
      "a fixed prefill:decode split; outputs = one engine's {disagg.same}"),
