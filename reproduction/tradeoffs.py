@@ -92,14 +92,19 @@ def difference(read_a, read_b, fmt="{:+.2f}"):
 def test_result(node):
     """How the test (every case of a parametrised one) ended, from pytest -v's lines:
     "passed (N cases)"; "collected" under --collect-only (the --quick twin); None if any
-    case failed or the test is not there -- a gap in the table, as a missing figure is."""
+    case failed or the test is not there -- a gap in the table, as a missing figure is.
+    pytest names a test by its path from the folder it runs in (../../repo/tests/... from
+    a workdir elsewhere), so the node id is found inside the line, ending at its name."""
+    verdict = re.compile(re.escape(node) + r"(?:\[[^\]]*\])?(?: (PASSED|FAILED|ERROR)|$)")
+
     def read(output):
-        lines = [l for l in output.splitlines() if l.startswith(node)]
-        if not lines or any("FAILED" in l or "ERROR" in l for l in lines):
+        found = [m.group(1) for line in output.splitlines()
+                 if (m := verdict.search(line.strip()))]
+        if not found or any(v in ("FAILED", "ERROR") for v in found):
             return None
-        if all("PASSED" in l for l in lines):
-            return f"passed ({len(lines)} case{'s' * (len(lines) > 1)})"
-        if all(l.strip() == node or l.startswith(node + "[") for l in lines):
+        if all(v == "PASSED" for v in found):
+            return f"passed ({len(found)} case{'s' * (len(found) > 1)})"
+        if all(v is None for v in found):
             return "collected"
         return None
     return read

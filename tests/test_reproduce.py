@@ -25,6 +25,11 @@ def test_readers_take_figures_from_tables_and_lines():
     assert tradeoffs.ratio(tradeoffs.cell("baseline fp32", 0),
                            tradeoffs.cell("baseline fp32", 1))(out) == "0.77"
     assert tradeoffs.number("1,536") == 1536 and tradeoffs.number("2.5 MB") == 2.5e6
+    ran = tradeoffs.test_result("tests/a.py::t")
+    assert ran("../r/tests/a.py::t[x] PASSED [50%]\n../r/tests/a.py::t_b FAILED\n") == \
+        "passed (1 case)"                        # t_b is another test
+    assert ran("tests/a.py::t[x] PASSED\ntests/a.py::t[y] FAILED\n") is None
+    assert ran("tests/a.py::t[x]\ntests/a.py::t[y]\n") == "collected"
 
 
 def test_a_missing_figure_is_marked_and_listed_never_invented(tmp_path):
