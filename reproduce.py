@@ -388,6 +388,9 @@ def run_all(runs, args, workdir, results, t0, after_each, assumed=()):
                 print(f"[{fmt_duration(time.perf_counter() - t0)}] start {run.name}: "
                       f"{run.quick if args.quick else run.command}", flush=True)
                 running[pool.submit(run_one, run, args.quick, workdir, args.timeout)] = run
+            if not running:      # nothing ready and nothing to wait for: a need never met
+                raise UserError("runs wait on runs that will not come: "
+                                f"{', '.join(r.name for r in pending)} (use --only or --assume)")
             finished, _ = concurrent.futures.wait(
                 running, return_when=concurrent.futures.FIRST_COMPLETED)
             for future in finished:

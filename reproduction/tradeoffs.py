@@ -69,24 +69,24 @@ def last(pattern):
     return read
 
 
-def ratio(read_a, read_b, fmt="{:.2f}"):
-    """a / b of two figures printed with units (KB, MB, ms): the same unit on both sides."""
+def combine(read_a, read_b, op, fmt):
+    """op(a, b) of two figures printed with units, formatted; None if either is missing."""
     def read(output):
         a, b = read_a(output), read_b(output)
         if a is None or b is None:
             return None
-        return fmt.format(number(a) / number(b))
+        return fmt.format(op(number(a), number(b)))
     return read
+
+
+def ratio(read_a, read_b, fmt="{:.2f}"):
+    """a / b of two figures printed with units (KB, MB, ms): the same unit on both sides."""
+    return combine(read_a, read_b, lambda a, b: a / b, fmt)
 
 
 def difference(read_a, read_b, fmt="{:+.2f}"):
     """a − b of two printed figures (a loss against the reference row's)."""
-    def read(output):
-        a, b = read_a(output), read_b(output)
-        if a is None or b is None:
-            return None
-        return fmt.format(number(a) - number(b))
-    return read
+    return combine(read_a, read_b, lambda a, b: a - b, fmt)
 
 
 def test_result(node):
@@ -140,6 +140,9 @@ DP_ROWS = {"ddp": "--dp ddp", "zero1": "--dp zero1", "zero2": "--dp zero2",
 LORA_ROWS = ("full", "lora", "loraplus", "qlora", "vera", "dora")
 TINY = "--preset tiny --seq-len 32"
 SWEEP = "val loss per domain"
+# the --quick sizes several runs share: a few short requests; a tiny task model barely tuned
+SERVE_QUICK = "--num-requests 8 --prompt-len 8:16 --output-len 4:8"
+TASK_QUICK = "--task-preset tiny --sft-steps 2 --n-train 50"
 V3_PLAN = ("python parallel.py plan --layers 61 --hidden 7168 --heads 128 --vocab 129280 "
            "--ffn 18432 --experts 256 --shared-experts 1 --top-k 8 --expert-ffn 2048 "
            "--dense-layers 3 --kv-lora-rank 512 --q-lora-rank 1536 --qk-rope-dim 64 "
@@ -316,7 +319,7 @@ RUNS = [
     # left unfilled by paging (< one block per sequence), throughput, SLO goodput.
     # quick: 8 short requests; the outputs must still equal generate()'s.
     Run("serve", "python -m scripts.serve_bench",
-        "python -m scripts.serve_bench --num-requests 8 --prompt-len 8:16 --output-len 4:8",
+        f"python -m scripts.serve_bench {SERVE_QUICK}",
         {"slots": grab(r"unfilled slots per running sequence: mean ([\d.]+)"),
          "per_token": grab(r"KV cache \(float32, (\d+ B)/token"),
          "contig": grab(r"reserving the full context \(\d+\) per request: (\d+%) wasted"),
@@ -345,7 +348,7 @@ RUNS = [
     # The same engine with a pool too small for the load: sequences are preempted and
     # recomputed (vLLM's recompute mode), outputs still exact. quick: a 64-slot pool.
     Run("preempt", "python -m scripts.serve_bench --num-blocks 160",
-        "python -m scripts.serve_bench --num-requests 8 --prompt-len 8:16 --output-len 4:8 "
+        f"python -m scripts.serve_bench {SERVE_QUICK} "
         "--num-blocks 16 --block-size 4",
         {"preemptions": grab(r"preemptions (\d+)"),
          "engine_work": grab(r"needed \d+; engine (\d+)"),
@@ -354,7 +357,7 @@ RUNS = [
         needs=("demo",)),
     # Requests sharing a prompt prefix: its blocks are hashed and computed once.
     Run("prefix", "python -m scripts.serve_bench --shared-prefix 64 --prompt-len 16:64",
-        "python -m scripts.serve_bench --num-requests 8 --prompt-len 8:16 --output-len 4:8 "
+        f"python -m scripts.serve_bench {SERVE_QUICK} "
         "--shared-prefix 32",
         {"hits": grab(r"prefix cache: (\d+/\d+ prompt tokens hit \(\d+%\))"),
          "engine_work": grab(r"needed \d+; engine (\d+)"),
@@ -362,7 +365,7 @@ RUNS = [
         needs=("demo",)),
     # int8 KV: one scale per token and KV head, quantized on write (KIVI-style absmax).
     Run("int8", "python -m scripts.serve_bench --kv-dtype int8",
-        "python -m scripts.serve_bench --num-requests 8 --prompt-len 8:16 --output-len 4:8 "
+        f"python -m scripts.serve_bench {SERVE_QUICK} "
         "--kv-dtype int8",
         {"per_token": grab(r"KV cache \(int8, (\d+ B)/token"),
          "tok_s": cell("engine (fcfs)", 1)},
@@ -407,7 +410,7 @@ RUNS = [
     # a task fine-tune; and the time saved by reusing the prompt's KV across candidates.
     # quick: a tiny task model, 2 SFT steps, 40 problems.
     Run("task", "python evaluate.py task",
-        "python evaluate.py task --task-preset tiny --sft-steps 2 --n-train 50 "
+        f"python evaluate.py task {TASK_QUICK} "
         "--eval-problems 40",
         {"gen": grab(r"task SFT \(\w+\) +([\d.]+%)"),
          "rank": grab(r"task SFT \(\w+\) +[\d.]+% \[[^]]*\] +([\d.]+%)"),
@@ -418,7 +421,7 @@ RUNS = [
     # one scalar T fitted on a dev split, judged on the test split.
     # quick: a tiny task model; its ECE near 0 says nothing.
     Run("calibration", "python -m scripts.calibration",
-        "python -m scripts.calibration --task-preset tiny --sft-steps 2 --n-train 50 "
+        f"python -m scripts.calibration {TASK_QUICK} "
         "--eval-problems 40",
         {"T": grab(r"fitted T = ([\d.]+)"),
          "seq_before": grab(r"sequence prob +1\.000 +\S+ +\S+ +(\S+)"),
@@ -429,7 +432,7 @@ RUNS = [
     # Is the model's confidence a usable signal of a wrong answer? AUROC of each
     # detector (Kuhn et al. 2023's semantic entropy among them). quick: 2 samples.
     Run("uncertainty", "python -m scripts.uncertainty",
-        "python -m scripts.uncertainty --task-preset tiny --sft-steps 2 --n-train 50 "
+        f"python -m scripts.uncertainty {TASK_QUICK} "
         "--eval-problems 20 --samples 2",
         {"maxprob": cell("max prob (1-p)", 0),
          "consistency": grab(r"self-consistency K=\d+ +(\S+)"),

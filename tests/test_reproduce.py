@@ -108,3 +108,11 @@ def test_assumed_runs_are_not_run_and_satisfy_what_needs_them():
     assert names == ["spec"]
     with pytest.raises(UserError, match="--assume: no run named nope"):
         reproduce.chosen_runs("", assume="nope")
+
+
+def test_a_run_whose_need_never_comes_is_refused_not_waited_on(tmp_path):
+    args = reproduce.parse_args(["--quick"])
+    args.jobs = 1
+    spec = tradeoffs.RUN_BY_NAME["spec"]                # needs demo and draft, neither here
+    with pytest.raises(UserError, match="runs wait on runs that will not come: spec"):
+        reproduce.run_all([spec], args, str(tmp_path), {}, 0.0, lambda *_: None)
