@@ -34,7 +34,9 @@ What it teaches, and what each technique costs:
     accuracy inflation, and detect them by n-gram overlap, loss and Min-K% Prob (here; its
     token count by the floor of Shi et al.'s code, or at least one token by ceil).
 The arithmetic-task accuracy of a Python-trained LM is near zero, so the task modes train a
-task model first (SFT on core/data.py's format_example texts, cached under out/evaluate/).
+task model first (SFT on core/data.py's format_example texts, cached under out/evaluate/), on
+the tokenizer of a tiny LM trained here -- not the demo's out/ckpt.pt unless --checkpoint
+names it: the task figures depend on how the tokenizer spells numbers (task_base).
 Imports only the shared modules. The metrics lora.py, rl.py and train.py report
 (exact_match, answer_loss, greedy_answers, validation_loss) live in core/scores.py, which
 this file imports too, so it imports none of those scripts.
@@ -59,7 +61,8 @@ from core.plots import svg_bar_chart, terminal_bars
 from core.plumbing import (ArgumentParser, HelpFormatter, UserError, atomic_save,
                            load_checkpoint, print0, run_cli, seed_everything)
 
-# train.py's default output: what ppl and task score when --checkpoint is not given
+# train.py's default output: what ppl measures when --checkpoint is not given (the task
+# modes do not read it: task_base)
 DEFAULT_CKPT = os.path.join("out", "ckpt.pt")
 # the tiny base LM and the task models trained here are cached in it, keyed by what
 # shaped them (delete it and the next run retrains)
@@ -427,35 +430,65 @@ def text_batch(seqs, device):
 
 
 def load_base(args, device):
-    """-> (model, tokenizer, description). --checkpoint none: a random tiny model with a
-    256-byte tokenizer (tests). No --checkpoint and no out/ckpt.pt: a tiny LM trained here."""
-    # --checkpoint none: random weights and a byte-level tokenizer (256 bytes + EOT): no
-    # corpus and no training, so the tests run in milliseconds
+    """-> (model, tokenizer, description): the LM `ppl` measures. --checkpoint PATH: that
+    model; not given: train.py's out/ckpt.pt (the demo model) when it exists, else a tiny
+    LM trained here; --checkpoint none: a random tiny model (tests)."""
+    if args.checkpoint is None and os.path.exists(DEFAULT_CKPT):
+        return _checkpoint_base(DEFAULT_CKPT, device)
+    return task_base(args, device)
+
+
+def task_base(args, device):
+    """-> (model, tokenizer, description): the base LM the task modes score, whose
+    tokenizer the task model is trained on. Not given: the tiny LM trained here, even when
+    out/ckpt.pt exists -- the task figures are a property of the tokenizer (a 512-token BPE
+    spells a 2-digit number with one token per digit; the demo's 4096-token BPE merges
+    digits irregularly), so a base read implicitly would change what is measured."""
     if args.checkpoint == "none":
-        enc = data.make_encoding({bytes([i]): i for i in range(256)})
-        model = GPT(get_config("tiny", vocab_size=enc.n_vocab), seed=args.seed).to(device)
-        return model.eval(), enc, "random tiny (256-byte tokenizer)"
-    # an explicit --checkpoint (a file, or a Hugging Face Llama folder: core/checkpoint.py),
-    # else train.py's default output when it exists; the tokenizer comes from the
-    # checkpoint, so no corpus is read here
-    if args.checkpoint is not None or os.path.exists(DEFAULT_CKPT):
-        path = args.checkpoint or DEFAULT_CKPT
-        model, ck = load_model(path, device)   # missing: UserError
-        return model.eval(), data.encoding_from_state(ck["tokenizer"]), path
-    # else a tiny LM trained here once and cached: 400 steps × 16 rows × 64 tokens ≈ 410k
-    # tokens at lr 3e-3, on a BPE of the tiny preset's 512 entries
+        return _random_base(args, device)
+    if args.checkpoint is not None:
+        model, enc, path = _checkpoint_base(args.checkpoint, device)
+        # asked for: then say what it changes (the task model learns this tokenizer)
+        print0(f"base LM {path}: the task model is trained on its {enc.n_vocab}-token "
+               "tokenizer (docs/evaluate.md's figures are for the tiny LM's 512-token BPE)")
+        return model, enc, path
+    if os.path.exists(DEFAULT_CKPT):
+        print0(f"not reading {DEFAULT_CKPT}: the task modes measure the tiny LM trained here "
+               f"(--checkpoint {DEFAULT_CKPT} scores the demo model and trains the task model "
+               "on its tokenizer)")
+    return _tiny_base(args, device)
+
+
+def _random_base(args, device):
+    """--checkpoint none: random weights and a byte-level tokenizer (256 bytes + EOT): no
+    corpus and no training, so the tests run in milliseconds."""
+    enc = data.make_encoding({bytes([i]): i for i in range(256)})
+    model = GPT(get_config("tiny", vocab_size=enc.n_vocab), seed=args.seed).to(device)
+    return model.eval(), enc, "random tiny (256-byte tokenizer)"
+
+
+def _checkpoint_base(path, device):
+    """A checkpoint file or a Hugging Face Llama folder (core/checkpoint.py); the tokenizer
+    comes from the checkpoint, so no corpus is read. Missing: UserError."""
+    model, ck = load_model(path, device)
+    return model.eval(), data.encoding_from_state(ck["tokenizer"]), path
+
+
+def _tiny_base(args, device):
+    """A tiny LM trained here once and cached: 400 steps × 16 rows × 64 tokens ≈ 410k tokens
+    at lr 3e-3, on a BPE of the tiny preset's 512 entries."""
     path = os.path.join(args.out, "base-tiny.pt")
     meta = dict(data=args.data, steps=400, seed=args.seed)
     hit = _load_cached(path, meta, device)
     if hit:
-        return hit[0], hit[1], f"{path} (tiny LM trained here: no {DEFAULT_CKPT})"
+        return hit[0], hit[1], f"{path} (tiny LM trained here)"
     corpus = data.load_corpus(args.data, PRESETS["tiny"]["vocab_size"])
-    print0(f"no {DEFAULT_CKPT}: training a tiny LM for 400 steps on {corpus.name} -> {path}")
+    print0(f"training a tiny LM for 400 steps on {corpus.name} -> {path}")
     model = GPT(get_config("tiny", vocab_size=corpus.enc.n_vocab), seed=args.seed).to(device)
     batch = lambda s: data.get_batch(corpus.train, 16, 64, args.seed, s, device=device)
     adam_steps(model, batch, 400, 3e-3, "tiny LM", 100)
     _save(path, model, corpus.enc, meta)
-    return model, corpus.enc, f"{path} (tiny LM trained here: no {DEFAULT_CKPT})"
+    return model, corpus.enc, f"{path} (tiny LM trained here)"
 
 
 def task_model(args, enc, device):
@@ -645,7 +678,7 @@ def ranking_accuracy(model, enc, problems, n_choices, seed):
 
 
 def run_task(args, device):
-    base, enc, desc = load_base(args, device)
+    base, enc, desc = task_base(args, device)
     tuned, _ = task_model(args, enc, device)
     dev, test = eval_problems(args)
     problems = dev + test        # nothing is fitted here: both halves are held-out scoring
@@ -760,8 +793,9 @@ def parent_parsers():
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("model and run")
     g.add_argument("--checkpoint", default=None,
-                   help=f"model checkpoint; not given: {DEFAULT_CKPT}, or a tiny LM trained "
-                        "here in seconds when that is absent; 'none' = random tiny")
+                   help=f"model checkpoint; not given: ppl reads {DEFAULT_CKPT} (a tiny LM "
+                        "trained here in seconds when it is absent), the task modes always the "
+                        "tiny LM (its 512-token BPE); 'none' = random tiny")
     g.add_argument("--data", default=None, help="corpus text file (not given: the built-in corpus)")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--seed", type=int, default=0, help="problems, splits, sampling, bootstrap")

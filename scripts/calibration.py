@@ -39,7 +39,7 @@ def answer_nll(rec, temperature=1.0):
 
 def run(args, device):
     """`python -m scripts.calibration`: ECE, Brier and NLL at T = 1 and at the fitted T."""
-    _, enc, _ = ev.load_base(args, device)
+    _, enc, _ = ev.task_base(args, device)
     model, _ = ev.task_model(args, enc, device)
     dev, test = ev.eval_problems(args)
     t0 = time.perf_counter()

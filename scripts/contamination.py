@@ -141,7 +141,7 @@ def run(args, device):
     if args.planted > len(items):
         raise UserError(f"--planted {args.planted} is more than the {len(items)} held-out problems "
                         f"(raise --eval-problems or plant fewer)")
-    _, enc, _ = ev.load_base(args, device)
+    _, enc, _ = ev.task_base(args, device)
     check_min_k(args, enc, items)          # before the SFT and the fine-tunes, not after
     model, sft_probs = ev.task_model(args, enc, device)
     planted, dirty, clean = planted_data(args, enc, items)

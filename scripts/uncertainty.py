@@ -70,7 +70,7 @@ def run(args, device):
     if args.samples < 2:
         raise UserError(f"--samples must be at least 2 (self-consistency compares samples), "
                         f"got {args.samples}")
-    _, enc, _ = ev.load_base(args, device)
+    _, enc, _ = ev.task_base(args, device)
     model, _ = ev.task_model(args, enc, device)
     _, test = ev.eval_problems(args)
     t0 = time.perf_counter()

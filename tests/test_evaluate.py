@@ -344,6 +344,28 @@ def run(argv, capsys):
     return info.value.code, err
 
 
+def test_ppl_reads_the_demo_model_and_the_task_modes_do_not(capsys, tmp_path, monkeypatch):
+    # The task figures depend on how the tokenizer spells numbers, so the task modes keep
+    # the tiny LM's tokenizer when a demo model sits in out/ckpt.pt; ppl measures the demo.
+    # Two random tiny models stand in, told apart by their tokenizers' sizes.
+    monkeypatch.chdir(tmp_path)
+    args = types.SimpleNamespace(checkpoint=None, out=str(tmp_path / "ev"), data=None, seed=0)
+    for path, n_bytes in ((ev.DEFAULT_CKPT, 256), (tmp_path / "ev" / "base-tiny.pt", 128)):
+        enc = data.make_encoding({bytes([i]): i for i in range(n_bytes)})
+        model = GPT(get_config("tiny", vocab_size=enc.n_vocab), seed=0)
+        meta = dict(data=None, steps=400, seed=0)            # the tiny LM's cache key
+        ev._save(str(path), model, enc, meta)
+    _, enc, desc = ev.load_base(args, "cpu")
+    assert enc.n_vocab == 257 and desc == ev.DEFAULT_CKPT
+    _, enc, desc = ev.task_base(args, "cpu")
+    assert enc.n_vocab == 129 and "tiny LM trained here" in desc
+    assert f"not reading {ev.DEFAULT_CKPT}" in capsys.readouterr().out
+    # asked for by name, the demo is the task modes' base, and they say what that changes
+    args.checkpoint = ev.DEFAULT_CKPT
+    _, enc, desc = ev.task_base(args, "cpu")
+    assert enc.n_vocab == 257 and "257-token tokenizer" in capsys.readouterr().out
+
+
 def test_bad_input_is_one_clear_error(capsys, tmp_path):
     small = ["--checkpoint", "none", "--out", str(tmp_path), "--plots", str(tmp_path)]
     cases = [(["ppl", "--checkpoint", str(tmp_path / "missing.pt")], "not found"),
