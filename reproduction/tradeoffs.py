@@ -408,6 +408,8 @@ RUNS = [
         needs=("demo",)),
     # Generative exact match vs log-likelihood ranking of given candidates, base model and
     # a task fine-tune; and the time saved by reusing the prompt's KV across candidates.
+    # This run and the next three train their own tiny base (its 512-token BPE spells
+    # numbers digit by digit): they do not read the demo model, so they need no run.
     # quick: a tiny task model, 2 SFT steps, 40 problems.
     Run("task", "python evaluate.py task",
         f"python evaluate.py task {TASK_QUICK} "
@@ -415,8 +417,7 @@ RUNS = [
         {"gen": grab(r"task SFT \(\w+\) +([\d.]+%)"),
          "rank": grab(r"task SFT \(\w+\) +[\d.]+% \[[^]]*\] +([\d.]+%)"),
          "cached_s": grab(r"prompt KV cache reused ([\d.]+ s)"),
-         "rerun_s": grab(r"prompt re-run per candidate ([\d.]+ s)")},
-        needs=("demo",)),
+         "rerun_s": grab(r"prompt re-run per candidate ([\d.]+ s)")}),
     # Expected calibration error before and after temperature scaling (Guo et al. 2017):
     # one scalar T fitted on a dev split, judged on the test split.
     # quick: a tiny task model; its ECE near 0 says nothing.
@@ -427,8 +428,7 @@ RUNS = [
          "seq_before": grab(r"sequence prob +1\.000 +\S+ +\S+ +(\S+)"),
          "seq_after": last(r"sequence prob +[\d.]+ +\S+ +\S+ +(\S+)"),
          "first_before": grab(r"first-token prob +1\.000 +\S+ +\S+ +(\S+)"),
-         "first_after": last(r"first-token prob +[\d.]+ +\S+ +\S+ +(\S+)")},
-        needs=("demo",)),
+         "first_after": last(r"first-token prob +[\d.]+ +\S+ +\S+ +(\S+)")}),
     # Is the model's confidence a usable signal of a wrong answer? AUROC of each
     # detector (Kuhn et al. 2023's semantic entropy among them). quick: 2 samples.
     Run("uncertainty", "python -m scripts.uncertainty",
@@ -436,8 +436,7 @@ RUNS = [
         "--eval-problems 20 --samples 2",
         {"maxprob": cell("max prob (1-p)", 0),
          "consistency": grab(r"self-consistency K=\d+ +(\S+)"),
-         "semantic": cell("semantic entropy", 0)},
-        needs=("demo",)),
+         "semantic": cell("semantic entropy", 0)}),
     # Contamination: planted test items found by n-gram overlap with the training data
     # (GPT-3's rule), and by Min-K% Prob from the model alone (Shi et al. 2024).
     Run("contamination", "python -m scripts.contamination",
@@ -446,8 +445,7 @@ RUNS = [
         {"n": grab(r"n-gram overlap with the training data, n = (\d+)"),
          "precision": grab(r"contaminated data +flagged +\d+ \| precision ([\d.]+)"),
          "recall": grab(r"contaminated data +flagged .*\| recall ([\d.]+)"),
-         "mink": cell("contaminated", 4, after="planted acc")},
-        needs=("demo",)),
+         "mink": cell("contaminated", 4, after="planted acc")}),
     # Exact and near duplicates (MinHash LSH, FineWeb's 14 bands × 8 rows), with the
     # S-curve 1 − (1 − s^r)^b measured on planted edits.
     Run("dedup", "python curate.py dedup",
