@@ -475,18 +475,18 @@ def _checkpoint_base(path, device):
 
 
 def _tiny_base(args, device):
-    """A tiny LM trained here once and cached: 400 steps × 16 rows × 64 tokens ≈ 410k tokens
-    at lr 3e-3, on a BPE of the tiny preset's 512 entries."""
+    """A tiny LM trained here once and cached: --base-steps (400) × 16 rows × 64 tokens ≈
+    410k tokens at lr 3e-3, on a BPE of the tiny preset's 512 entries."""
     path = os.path.join(args.out, "base-tiny.pt")
-    meta = dict(data=args.data, steps=400, seed=args.seed)
+    meta = dict(data=args.data, steps=args.base_steps, seed=args.seed)
     hit = _load_cached(path, meta, device)
     if hit:
         return hit[0], hit[1], f"{path} (tiny LM trained here)"
     corpus = data.load_corpus(args.data, PRESETS["tiny"]["vocab_size"])
-    print0(f"training a tiny LM for 400 steps on {corpus.name} -> {path}")
+    print0(f"training a tiny LM for {args.base_steps} steps on {corpus.name} -> {path}")
     model = GPT(get_config("tiny", vocab_size=corpus.enc.n_vocab), seed=args.seed).to(device)
     batch = lambda s: data.get_batch(corpus.train, 16, 64, args.seed, s, device=device)
-    adam_steps(model, batch, 400, 3e-3, "tiny LM", 100)
+    adam_steps(model, batch, args.base_steps, 3e-3, "tiny LM", max(1, args.base_steps // 4))
     _save(path, model, corpus.enc, meta)
     return model, corpus.enc, f"{path} (tiny LM trained here)"
 
@@ -797,6 +797,8 @@ def parent_parsers():
                         "trained here in seconds when it is absent), the task modes always the "
                         "tiny LM (its 512-token BPE); 'none' = random tiny")
     g.add_argument("--data", default=None, help="corpus text file (not given: the built-in corpus)")
+    g.add_argument("--base-steps", type=int, default=400,
+                   help="training steps of the tiny LM trained here (cached by them)")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--seed", type=int, default=0, help="problems, splits, sampling, bootstrap")
     g.add_argument("--threads", type=int, default=1, help="torch CPU threads (small matmuls)")
@@ -823,8 +825,9 @@ def check_args(args):
     and the experiments under scripts/, which build their parsers from parent_parsers)."""
     # getattr(args, name, 1) and the like: a flag the mode does not define reads as valid,
     # so one function checks every parser (this file's and the scripts')
-    for name in ("bootstrap", "threads", "sft_steps", "sft_batch", "n_train", "eval_problems",
-                 "max_new", "batch_size", "max_tokens", "repeats", "ft_clean", "ft_batch"):
+    for name in ("bootstrap", "threads", "base_steps", "sft_steps", "sft_batch", "n_train",
+                 "eval_problems", "max_new", "batch_size", "max_tokens", "repeats", "ft_clean",
+                 "ft_batch"):
         if getattr(args, name, 1) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, "
                             f"got {getattr(args, name)}")

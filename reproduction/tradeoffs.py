@@ -140,9 +140,10 @@ DP_ROWS = {"ddp": "--dp ddp", "zero1": "--dp zero1", "zero2": "--dp zero2",
 LORA_ROWS = ("full", "lora", "loraplus", "qlora", "vera", "dora")
 TINY = "--preset tiny --seq-len 32"
 SWEEP = "val loss per domain"
-# the --quick sizes several runs share: a few short requests; a tiny task model barely tuned
+# the --quick sizes several runs share: a few short requests; a tiny base LM and task model,
+# barely trained
 SERVE_QUICK = "--num-requests 8 --prompt-len 8:16 --output-len 4:8"
-TASK_QUICK = "--task-preset tiny --sft-steps 2 --n-train 50"
+TASK_QUICK = "--base-steps 2 --task-preset tiny --sft-steps 2 --n-train 50"
 V3_PLAN = ("python parallel.py plan --layers 61 --hidden 7168 --heads 128 --vocab 129280 "
            "--ffn 18432 --experts 256 --shared-experts 1 --top-k 8 --expert-ffn 2048 "
            "--dense-layers 3 --kv-lora-rank 512 --q-lora-rank 1536 --qk-rope-dim 64 "
@@ -440,7 +441,7 @@ RUNS = [
     # Contamination: planted test items found by n-gram overlap with the training data
     # (GPT-3's rule), and by Min-K% Prob from the model alone (Shi et al. 2024).
     Run("contamination", "python -m scripts.contamination",
-        "python -m scripts.contamination --task-preset tiny --sft-steps 20 "
+        "python -m scripts.contamination --base-steps 2 --task-preset tiny --sft-steps 20 "
         "--eval-problems 60 --planted 10 --repeats 3 --ft-clean 40 --bootstrap 20",
         {"n": grab(r"n-gram overlap with the training data, n = (\d+)"),
          "precision": grab(r"contaminated data +flagged +\d+ \| precision ([\d.]+)"),

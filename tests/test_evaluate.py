@@ -349,11 +349,12 @@ def test_ppl_reads_the_demo_model_and_the_task_modes_do_not(capsys, tmp_path, mo
     # the tiny LM's tokenizer when a demo model sits in out/ckpt.pt; ppl measures the demo.
     # Two random tiny models stand in, told apart by their tokenizers' sizes.
     monkeypatch.chdir(tmp_path)
-    args = types.SimpleNamespace(checkpoint=None, out=str(tmp_path / "ev"), data=None, seed=0)
+    args = types.SimpleNamespace(checkpoint=None, out=str(tmp_path / "ev"), data=None, seed=0,
+                                 base_steps=400)
     for path, n_bytes in ((ev.DEFAULT_CKPT, 256), (tmp_path / "ev" / "base-tiny.pt", 128)):
         enc = data.make_encoding({bytes([i]): i for i in range(n_bytes)})
         model = GPT(get_config("tiny", vocab_size=enc.n_vocab), seed=0)
-        meta = dict(data=None, steps=400, seed=0)            # the tiny LM's cache key
+        meta = dict(data=None, steps=400, seed=0)         # the tiny LM's cache key
         ev._save(str(path), model, enc, meta)
     _, enc, desc = ev.load_base(args, "cpu")
     assert enc.n_vocab == 257 and desc == ev.DEFAULT_CKPT
