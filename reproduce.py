@@ -8,7 +8,7 @@ reads each figure out of what the command printed, and writes the table with the
 machine and the commit it was measured on. A row whose command failed, or whose figure the
 output no longer contains, says so in its cells: nothing is carried over from an old run.
 
-    python reproduce.py                    # README sizes: docs/tradeoffs.md (1.5-2 hours
+    python reproduce.py                    # README sizes: docs/tradeoffs.md (1h16m
                                            #   on 2 CPU cores; progress lines as it goes)
     python reproduce.py --quick            # the same commands at tiny sizes (~2 min): every
                                            #   command still runs and every cell still fills
