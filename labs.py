@@ -44,6 +44,7 @@ runs its command or its tests twice, in that copy and in an untouched copy: neve
 reader's tree, never the reader's out/. The data cache (the trained tokenizers) is shared
 between the copies of one invocation so the tokenizer is trained once.
 """
+import concurrent.futures
 import dataclasses
 import os
 import re
@@ -396,7 +397,7 @@ def check_one(lab, ws, timeout, control_passed=False):
     return True, f"{lab.name}: caught ({lab.fires!r}); passes untouched"
 
 
-def cmd_check(labs, ws, timeout):
+def cmd_check(labs, ws, timeout, jobs=1):
     breaks = [lab for lab in labs if lab.kind == "break"]
     if not breaks:
         raise UserError("no break lab in that selection (python labs.py list)")
@@ -411,14 +412,20 @@ def cmd_check(labs, ws, timeout):
     print(f"[control {time.perf_counter() - t0:.0f} s] the {len(every_test)} named tests on "
           f"the untouched copy: {'pass' if controls_passed else 'FAIL (each lab reruns its own)'}",
           flush=True)
-    # One line per lab as it finishes (a full check takes minutes): which lab, how long so
-    # far, and the verdict; the summary line last, and a failure ends in exit status 2.
+    # One line per lab as it finishes (a full check takes minutes): how many are done, how
+    # long so far, and the verdict; the summary line last, and a failure ends in exit
+    # status 2. --jobs N checks N labs at once: each lab has its own copy and its own pytest
+    # process (threads only wait on them), and a verdict does not depend on timing, so
+    # only the finishing order changes. Their tests then share the cores: keep N at 1 for a
+    # lab whose tests have timeouts tuned to an idle machine.
     failed = 0
-    for i, lab in enumerate(breaks, 1):
-        ok, line = check_one(lab, ws, timeout, controls_passed)
-        failed += not ok
-        print(f"[{i}/{len(breaks)} {time.perf_counter() - t0:.0f} s] {'ok  ' if ok else 'FAIL'}"
-              f" {line}", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        checks = [pool.submit(check_one, lab, ws, timeout, controls_passed) for lab in breaks]
+        for i, done in enumerate(concurrent.futures.as_completed(checks), 1):
+            ok, line = done.result()
+            failed += not ok
+            print(f"[{i}/{len(breaks)} {time.perf_counter() - t0:.0f} s] "
+                  f"{'ok  ' if ok else 'FAIL'} {line}", flush=True)
     print(f"{len(breaks) - failed} of {len(breaks)} break labs caught by their tests in "
           f"{time.perf_counter() - t0:.0f} s")
     if failed:
@@ -442,7 +449,14 @@ def parse_args(argv=None):
                                               "s or topics (none given: every break lab)"))
         q.add_argument("--timeout", type=float, default=600,
                        help="seconds one command or test run may take")
-    return p.parse_args(argv)
+        if mode == "check":
+            q.add_argument("--jobs", type=int, default=1,
+                           help="break labs checked at once (each in its own copy and "
+                                "pytest process; the verdicts do not depend on it)")
+    args = p.parse_args(argv)
+    if getattr(args, "jobs", 1) < 1:
+        raise UserError(f"--jobs must be at least 1, got {args.jobs}")
+    return args
 
 
 def main(argv=None):
@@ -458,7 +472,7 @@ def main(argv=None):
     try:
         if args.mode == "run":
             return [cmd_run(lab, ws, args.timeout) for lab in labs]
-        return cmd_check(labs, ws, args.timeout)
+        return cmd_check(labs, ws, args.timeout, args.jobs)
     finally:
         ws.close()
 

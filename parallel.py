@@ -846,7 +846,8 @@ def layout_from(args):
 
 def model_config(args):
     return get_config(args.preset, n_layer=args.n_layer, n_head=args.n_head,
-                      n_kv_head=args.n_kv_head, n_embd=args.n_embd, n_expert=args.n_expert,
+                      n_kv_head=args.n_kv_head, n_embd=args.n_embd,
+                      vocab_size=args.vocab_size, n_expert=args.n_expert,
                       n_shared_expert=args.n_shared_expert, moe_score=args.moe_score,
                       moe_balance=args.moe_balance, moe_bias_rate=args.moe_bias_rate,
                       moe_aux_coef=args.moe_aux_coef, n_extra_heads=args.n_extra_heads,
@@ -884,6 +885,8 @@ def add_model_flags(p):
     m.add_argument("--n-head", type=int, help="override the preset's attention heads")
     m.add_argument("--n-kv-head", type=int, help="override the preset's KV heads")
     m.add_argument("--n-embd", type=int, help="override the preset's width")
+    m.add_argument("--vocab-size", type=int, help="override the preset's tokenizer "
+                   "vocabulary (a BPE of that size is trained once and cached)")
     m.add_argument("--n-expert", type=int, help="override the preset's expert count")
     m.add_argument("--n-shared-expert", type=int, help="override the preset's always-on "
                    "shared experts (DeepSeekMoE)")

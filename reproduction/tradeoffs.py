@@ -237,11 +237,11 @@ RUNS = [
          "grads": grab(r"(?m)^ +data +all_reduce +\d+ +([\d.]+ [KMG]?B)"),
          "check": grab(r"(every gradient \(max \|diff\| [\d.e-]+\))")}),
     # Expert parallelism: the experts split over 2 ranks, tokens exchanged by all-to-all
-    # (GShard, Lepikhin et al. 2020). quick: one MoE layer of width 48.
+    # (GShard, Lepikhin et al. 2020). quick: one MoE layer of width 48, the 512-token BPE.
     Run("ep", "torchrun --standalone --nproc_per_node=2 parallel.py --preset moe --ep 2 "
         "--check",
         "torchrun --standalone --nproc_per_node=2 parallel.py --preset moe --n-layer 1 "
-        "--n-embd 48 --ep 2 --check --steps 2",
+        "--n-embd 48 --vocab-size 512 --ep 2 --check --steps 2",
         {"state": grab(r"state ([\d.]+ [KMG]?B)/rank"),
          "one": grab(r"\(one process: params ([\d.]+ [KMG]?B)"),
          "a2a": grab(r"(?m)^ +ep +all_to_all(?:_single)? +\d+ +([\d.]+ [KMG]?B)"),
@@ -458,9 +458,11 @@ RUNS = [
          "detected_78": cell("0.7-0.8", 1), "theory_78": cell("0.7-0.8", 2),
          "detected_89": cell("0.8-0.9", 1), "theory_89": cell("0.8-0.9", 2)}),
     # One tiny model per data mixture, the same token budget: per-domain validation loss.
-    # quick: 4 steps on 1% of the corpus, two mixtures (+ the fixed raw/dedup/seed runs).
+    # quick: 4 steps on 20% of 200 KB per domain, two mixtures (+ the fixed raw/dedup/seed
+    # runs).
     Run("sweep", "python -m scripts.curate_sweep",
-        "python -m scripts.curate_sweep --steps 4 --subset 0.01 --eval-tokens 512 "
+        "python -m scripts.curate_sweep --steps 4 --max-bytes-per-domain 200000 --subset 0.2 "
+        "--eval-tokens 512 "
         "--mixtures 'natural;uniform'",
         # (the progress lines "  uniform: 9 s" come first: read below the table's title)
         {**{f"uniform_{d}": difference(cell("uniform", i, after=SWEEP),

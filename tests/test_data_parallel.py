@@ -46,10 +46,7 @@ def test_crash_restart_resume_finishes_like_the_uninterrupted_run(text_file, tmp
 @pytest.mark.slow
 def test_bad_input_one_message_all_ranks_exit(text_file, tmp_path):
     common = ["--preset", "tiny", "--data", text_file, "--steps", "2", "--sample-tokens", "0"]
-    result = torchrun("train.py", common + ["--dp", "zero1", "--resume", "--ckpt",
-                                            tmp_path / "none.pt"], nproc=2, timeout=120)
-    assert result.returncode != 0
-    assert result.output.count("error: --resume --dp: no sharded checkpoint") == 1, result.output
+    # (--resume with no sharded checkpoint, under torchrun: test_faults.py, rank 0 late)
     result = torchrun("train.py", common, nproc=2, timeout=120)
     assert result.output.count("error: 2 processes but no --dp mode") == 1, result.output
     result = run_python("train.py", common + ["--dp", "zero4"], timeout=60)
