@@ -18,6 +18,7 @@ and answers it the way this repo answers everything: by running it.
     python labs.py show NAME             # the lab: question, change, command, figures
     python labs.py run NAME              # measure before and after, side by side
     python labs.py check [TOPIC|NAME...] # every break lab (or some topics' or labs')
+    python labs.py check --jobs 2        # two labs at a time (the same verdicts)
 
 The labs live in labs/<topic>.md, plain Markdown a reader can open on GitHub. One lab:
 

@@ -352,7 +352,7 @@ def test_dp_read_only_and_full_disks(text_file, tmp_path):
 
 @pytest.mark.slow
 def test_one_error_line_when_rank0_is_late(text_file, tmp_path):
-    late = {"NANOSCALE_TEST_DELAY_RANK0": "4"}
+    late = {"NANOSCALE_TEST_DELAY_RANK0": "2"}
     common = tiny(text_file, tmp_path / "none.pt", "--steps", "2")
     for bad, message in ((["--dp", "zero1", "--resume"], "no sharded checkpoint"),
                          (["--dp", "zero4"], "invalid choice: 'zero4'")):
