@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,28 +45,56 @@ def script_argv(script):
     return [in_repo(script)]
 
 
+def python_cmd(script, *args):
+    """The argv of `python script args...` (or `python -m module args...`)."""
+    return [sys.executable, *script_argv(script), *map(str, args)]
+
+
+def torchrun_cmd(nproc, script, *args, extra=()):
+    """The argv of `torchrun --standalone --nproc_per_node=nproc script args...`.
+    extra: more torchrun flags (e.g. --max-restarts=1)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", *extra, *script_argv(script), *map(str, args)]
+
+
 def run_python(script, args=(), timeout=120, env=None, cwd=None):
     """`python script args...` (or `python -m module args...`) as a user would type it.
     cwd None: the session's working folder (a temporary one, see the module docstring)."""
-    return _run([sys.executable, *script_argv(script), *map(str, args)], timeout, env, cwd)
+    return _run(python_cmd(script, *args), timeout, env, cwd)
 
 
 def torchrun(script, args=(), nproc=2, timeout=180, env=None, cwd=None, extra=()):
-    """`torchrun --standalone --nproc_per_node=nproc script args...` on the CPU.
-    extra: more torchrun flags (e.g. --max-restarts=1)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", *extra, *script_argv(script), *map(str, args)]
-    return _run(cmd, timeout, env, cwd)
+    """`torchrun --standalone --nproc_per_node=nproc script args...` on the CPU."""
+    return _run(torchrun_cmd(nproc, script, *args, extra=extra), timeout, env, cwd)
+
+
+def run_together(cmds, timeout=180, env=None, cwd=None):
+    """Independent commands (python_cmd / torchrun_cmd argvs) started at once -> their
+    Results, in order. Every test process runs one thread (OMP_NUM_THREADS=1), so a
+    one-process reference run alone leaves the second core idle: started beside its
+    torchrun twin, the two share the machine instead of waiting for each other. Only for
+    runs that share no files: their outputs do not depend on the timing. timeout: for
+    all of them together."""
+    deadline = time.monotonic() + timeout
+    started = [(cmd, _start(cmd, env, cwd)) for cmd in cmds]
+    return [_wait(cmd, p, max(1.0, deadline - time.monotonic())) for cmd, p in started]
 
 
 def _run(cmd, timeout, env, cwd):
+    return _wait(cmd, _start(cmd, env, cwd), timeout)
+
+
+def _start(cmd, env, cwd):
     full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.setdefault("PYTHONPATH", ROOT)
     # A session of its own, so a timeout kills torchrun AND the ranks it started (killing
     # only torchrun would leave hung ranks behind, holding ports and CPU).
-    p = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait(cmd, p, timeout):
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -4,7 +4,6 @@ import math
 import os
 import random
 import re
-import subprocess
 import sys
 from collections import Counter
 
@@ -14,8 +13,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from core import data  # noqa: E402
+from harness import python_cmd, run_together  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNICODE_SAMPLES = [
     "", "a", " ", "\n", "\r\n", "\r\n\r\n  \t", "\x00", "a\x00b", "\x1c\x1d\x1e\x1f",
     "hello world", "  leading and trailing  ", "I'm we'll they've YOU'RE it's",
@@ -318,20 +317,20 @@ def test_task_scoring():
 
 
 # ---------------------------------------------------------------------------- CLI
-def run_cli(*args, cache):
-    env = dict(os.environ, NANOSCALE_CACHE=str(cache), PYTHONPATH=REPO)
-    return subprocess.run([sys.executable, "-m", "core.data", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
-
-
 def test_cli(tmp_path, small_text):
-    r = run_cli("--help", cache=tmp_path)
-    assert r.returncode == 0
+    """`python -m core.data`'s modes, the four runs side by side (no shared files)."""
+    helped, task, missing, trained = run_together([
+        python_cmd("-m core.data", "--help"),
+        python_cmd("-m core.data", "task", "--n", "4"),
+        python_cmd("-m core.data", "--data", tmp_path / "missing.txt"),
+        python_cmd("-m core.data", "--data", write(tmp_path, "t.txt", small_text),
+                   "--vocab-size", "300")],
+        timeout=120, env={"NANOSCALE_CACHE": str(tmp_path)})
+    assert helped.returncode == 0
     for knob in ("--data", "--vocab-size", "--n", "--seed", "--digits", "--ops", "4096"):
-        assert knob in r.stdout
-    r = run_cli("task", "--n", "4", cache=tmp_path)
-    assert r.returncode == 0 and r.stdout.count("example") == 4 and "test " in r.stdout
-    r = run_cli("--data", str(tmp_path / "missing.txt"), cache=tmp_path)
-    assert r.returncode != 0 and "error: data file not found" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("--data", write(tmp_path, "t.txt", small_text), "--vocab-size", "300", cache=tmp_path)
-    assert r.returncode == 0 and "bytes/tok" in r.stdout and "unigram" in r.stdout
+        assert knob in helped.output
+    assert task.returncode == 0 and task.output.count("example") == 4 and "test " in task.output
+    assert missing.returncode != 0 and "error: data file not found" in missing.output
+    assert "Traceback" not in missing.output
+    assert trained.returncode == 0 and "bytes/tok" in trained.output, trained.output
+    assert "unigram" in trained.output

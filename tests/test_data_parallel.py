@@ -4,7 +4,7 @@ here we launch it and read the verdicts. One launch per group of checks: 2 and 4
 take seconds just to start."""
 import pytest
 
-from harness import run_python, torchrun
+from harness import python_cmd, run_together, torchrun, torchrun_cmd
 from model import GPT, get_config
 from training.data_parallel import ZeRO
 
@@ -47,12 +47,13 @@ def test_crash_restart_resume_finishes_like_the_uninterrupted_run(text_file, tmp
 def test_bad_input_one_message_all_ranks_exit(text_file, tmp_path):
     common = ["--preset", "tiny", "--data", text_file, "--steps", "2", "--sample-tokens", "0"]
     # (--resume with no sharded checkpoint, under torchrun: test_faults.py, rank 0 late)
-    result = torchrun("train.py", common, nproc=2, timeout=120)
-    assert result.output.count("error: 2 processes but no --dp mode") == 1, result.output
-    result = run_python("train.py", common + ["--dp", "zero4"], timeout=60)
-    assert result.returncode == 2 and "invalid choice: 'zero4'" in result.output
-    result = run_python("train.py", common + ["--dp", "zero2"], timeout=60)
-    assert result.returncode == 2 and "launch with torchrun" in result.output
+    no_mode, zero4, alone = run_together([torchrun_cmd(2, "train.py", *common),
+                                          python_cmd("train.py", *common, "--dp", "zero4"),
+                                          python_cmd("train.py", *common, "--dp", "zero2")],
+                                         timeout=120)
+    assert no_mode.output.count("error: 2 processes but no --dp mode") == 1, no_mode.output
+    assert zero4.returncode == 2 and "invalid choice: 'zero4'" in zero4.output
+    assert alone.returncode == 2 and "launch with torchrun" in alone.output
     # a checkpoint trained on another corpus: refused, not silently continued
     ckpt = tmp_path / "run" / "ckpt.pt"
     result = torchrun("train.py", common + ["--dp", "zero2", "--ckpt", ckpt,

@@ -15,7 +15,7 @@ import torch
 from training import data_parallel
 from training import resume as saved
 import train
-from harness import ROOT, in_repo, run_python, torchrun
+from harness import ROOT, python_cmd, run_python, torchrun, torchrun_cmd
 from model import GPT, get_config
 
 
@@ -66,15 +66,6 @@ class Live:
             os.killpg(self.p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def python_cmd(script, *args):
-    return [sys.executable, in_repo(script), *map(str, args)]
-
-
-def torchrun_cmd(nproc, script, *args, extra=()):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", *extra, in_repo(script), *map(str, args)]
 
 
 def losses(ckpt):

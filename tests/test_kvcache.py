@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from harness import run_python
+from harness import python_cmd, run_together
 from kvcache import (BlockAllocator, KVTier, PagedKVCache, block_hash, blocks_for, dequantize_int8,
                      extend_hash_chain, paged_attention_blockwise, paged_logits, payload_bytes,
                      quantize_int8)
@@ -215,12 +215,12 @@ def test_allocator_random_operations_keep_invariants():
 
 @pytest.mark.slow
 def test_cli_demo_runs_and_prints_ledger(tmp_path):
-    r = run_python("kvcache.py", ["--checkpoint", str(tmp_path / "none.pt"), "--num-seqs", "2"],
-                   timeout=120)
+    r, bad = run_together([
+        python_cmd("kvcache.py", "--checkpoint", tmp_path / "none.pt", "--num-seqs", "2"),
+        python_cmd("kvcache.py", "--block-size", "0")], timeout=120)
     assert r.returncode == 0, r.output
     assert "random tiny" in r.output and "ledger rows:" in r.output
     assert "float32   max |Δlogit|" in r.output
-    bad = run_python("kvcache.py", ["--block-size", "0"], timeout=60)
     assert bad.returncode == 2 and "error:" in bad.output and "Traceback" not in bad.output
 
 

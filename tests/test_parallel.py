@@ -7,7 +7,7 @@ import pytest
 
 import parallel
 from dist_parallel_check import BAD, LAYOUTS
-from harness import run_python, torchrun
+from harness import python_cmd, run_together, torchrun
 from model import get_config
 from core.plumbing import UserError
 
@@ -94,11 +94,12 @@ def test_good_layouts_pass():
 
 
 def test_command_line(text_file, tmp_path):
-    result = run_python("parallel.py", ["--help"], timeout=60)
-    assert result.returncode == 0 and "--cp-layout" in result.output and "plan" in result.output
-    result = run_python("parallel.py", ["--tp", "2", "--data", text_file], timeout=60)
-    assert result.returncode == 2 and "trains under torchrun" in result.output
-    assert "Traceback" not in result.output
+    helped, alone = run_together([python_cmd("parallel.py", "--help"),
+                                  python_cmd("parallel.py", "--tp", "2", "--data", text_file)],
+                                 timeout=60)
+    assert helped.returncode == 0 and "--cp-layout" in helped.output and "plan" in helped.output
+    assert alone.returncode == 2 and "trains under torchrun" in alone.output
+    assert "Traceback" not in alone.output
 
 
 @pytest.mark.slow

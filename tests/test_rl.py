@@ -14,7 +14,7 @@ from core import data
 import rl
 from model import GPT, get_config
 from core.plumbing import UserError
-from tests.harness import run_python, torchrun
+from tests.harness import python_cmd, run_python, run_together, torchrun_cmd
 
 BYTES = data.make_encoding({bytes([i]): i for i in range(256)})
 
@@ -354,11 +354,12 @@ def test_two_ranks_equal_one_process(tmp_path):
             "--digits", "1", "--ops", "+-", "--max-new", "4", "--steps", "2", "--group", "4",
             "--sft-steps", "150", "--teacher-sft-steps", "300", "--eval-samples", "2",
             "--eval-problems", "20", "--norm", "dapo", "--lr", "1e-3", "--distill-lr", "1e-3"]
-    one = run_python("rl.py", args + ["--prompts", "4", "--save", tmp_path / "one.pt"], timeout=120)
+    one, two = run_together([   # the reference and its twin side by side (no shared files)
+        python_cmd("rl.py", *args, "--prompts", "4", "--save", tmp_path / "one.pt"),
+        torchrun_cmd(2, "rl.py", *args, "--prompts", "2", "--save", tmp_path / "two.pt")],
+        timeout=240)
     assert one.returncode == 0, one.output
     assert "ledger" in one.output and "rev KL" in one.output and "PPO's critic" in one.output
-    two = torchrun("rl.py", args + ["--prompts", "2", "--save", tmp_path / "two.pt"], nproc=2,
-                   timeout=180)
     assert two.returncode == 0, two.output
     assert "all_reduce" in two.output
     a, b = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")

@@ -14,7 +14,7 @@ import torch
 from core import data
 import serve
 from scripts import serve_bench
-from harness import run_python
+from harness import python_cmd, run_python, run_together
 from model import GPT, get_config
 from core.plumbing import UserError
 from serve import Engine, SamplingParams, decode_tokens
@@ -833,8 +833,8 @@ def test_cli_start_up_errors_are_one_line(tiny_checkpoint, tmp_path):
              (["--checkpoint", tiny_checkpoint, "--kv-tier", "host", "--kv-tier-blocks", "0"],
               ">= 1 blocks")]
     try:
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            results = list(pool.map(lambda c: run_python("serve.py", c[0], timeout=120), cases))
+        results = run_together([python_cmd("serve.py", *argv) for argv, _ in cases],
+                               timeout=120)
     finally:
         busy.close()
     for (_, message), r in zip(cases, results):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import spec_decode as sd
-from harness import run_python
+from harness import python_cmd, run_python, run_together
 from core.checkpoint import load_model
 from model import GPT, KVCache, get_config
 from core.plumbing import UserError
@@ -265,11 +265,13 @@ def test_bad_inputs(target, drafters):
 
 
 def test_cli_errors_are_one_line(tmp_path):
-    r = run_python("spec_decode.py", ["--gamma", "0"], timeout=60)
-    assert r.returncode == 2 and r.output.strip() == \
+    gamma, missing = run_together([python_cmd("spec_decode.py", "--gamma", "0"),
+                                   python_cmd("spec_decode.py", "--ckpt", tmp_path / "none.pt")],
+                                  timeout=60)
+    assert gamma.returncode == 2 and gamma.output.strip() == \
         "error: --gamma must be at least 1, got 0"
-    r = run_python("spec_decode.py", ["--ckpt", str(tmp_path / "none.pt")], timeout=60)
-    assert r.returncode == 2 and "not found" in r.output and "Traceback" not in r.output
+    assert missing.returncode == 2 and "not found" in missing.output
+    assert "Traceback" not in missing.output
 
 
 def test_bench_speedups_are_ratios_to_the_plain_row_printed(target, drafters, capsys):
