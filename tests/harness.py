@@ -77,7 +77,13 @@ def run_together(cmds, timeout=180, env=None, cwd=None):
     all of them together."""
     deadline = time.monotonic() + timeout
     started = [(cmd, _start(cmd, env, cwd)) for cmd in cmds]
-    return [_wait(cmd, p, max(1.0, deadline - time.monotonic())) for cmd, p in started]
+    try:
+        return [_wait(cmd, p, max(1.0, deadline - time.monotonic())) for cmd, p in started]
+    finally:                    # one timed out: the others are not left running behind it
+        for _, p in started:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
 
 
 def _run(cmd, timeout, env, cwd):
@@ -100,5 +106,5 @@ def _wait(cmd, p, timeout):
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
-        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{out}") from None
+        raise AssertionError(f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n{out}") from None
     return Result(p.returncode, out)
