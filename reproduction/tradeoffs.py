@@ -248,7 +248,9 @@ RUNS = [
          "check": grab(r"(every gradient \(max \|diff\| [\d.e-]+\))")}),
     # DeepSeek-V3's ideas on the repo's scale: fine-grained + shared experts, routing
     # balanced by a bias instead of a loss (Wang et al. 2024), an MTP head; then the same
-    # model balanced by the Switch aux loss. quick: 1 layer, 2 steps, the tiny tokenizer.
+    # model balanced by the Switch aux loss at Switch's coefficient 0.01 (the v3 preset's own
+    # α = 1e-4 is V3's complementary loss, too weak to balance alone). quick: 1 layer, 2
+    # steps, the tiny tokenizer.
     Run("v3", "python train.py --preset v3 --steps 400 --ckpt out/v3.pt --sample-tokens 0",
         "python train.py --preset v3 --n-layer 1 --vocab-size 512 --steps 2 --batch-size 2 "
         "--seq-len 32 --eval-interval 2 --eval-iters 1 --ckpt out/v3.pt --sample-tokens 0",
@@ -256,10 +258,10 @@ RUNS = [
          "val": last(r"step +\d+ \| val loss ([\d.]+)"),
          "active": grab(r"active params ([\d,]+ of [\d,]+)")}),
     Run("v3_aux", "python train.py --preset v3 --steps 400 --moe-balance aux "
-        "--ckpt out/v3_aux.pt --sample-tokens 0",
+        "--moe-aux-coef 0.01 --ckpt out/v3_aux.pt --sample-tokens 0",
         "python train.py --preset v3 --n-layer 1 --vocab-size 512 --steps 2 --batch-size 2 "
-        "--seq-len 32 --eval-interval 2 --eval-iters 1 --moe-balance aux --ckpt out/v3_aux.pt "
-        "--sample-tokens 0",
+        "--seq-len 32 --eval-interval 2 --eval-iters 1 --moe-balance aux --moe-aux-coef 0.01 "
+        "--ckpt out/v3_aux.pt --sample-tokens 0",
         {"busiest": grab(r"max/mean tokens per expert ([\d.]+) over"),
          "val": last(r"step +\d+ \| val loss ([\d.]+)")}),
     # The layout planner on DeepSeek-V3's published shape and recipe (EP 64 given): the
@@ -630,7 +632,7 @@ ROWS = [
      "every expert held in memory; the busiest expert gets {v3.busiest}× the mean tokens"),
     # Wang et al. 2024: a per-expert bias, moved by γ·sign(mean − load), routes around
     # the overloaded experts without a loss term pulling on the model
-    ("auxiliary-loss-free balancing (v3 vs `--moe-balance aux`)", "—",
+    ("auxiliary-loss-free balancing (v3 vs `--moe-balance aux --moe-aux-coef 0.01`)", "—",
      "a bias update after each step: nothing on the wire under `--ep`",
      "busiest expert {v3.busiest}× the mean vs {v3_aux.busiest}× with the Switch aux loss; "
      "val {v3.val} vs {v3_aux.val} (one seed)"),
