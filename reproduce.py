@@ -280,7 +280,7 @@ def merge(folders, out):
     # first half, the other the second with --assume demo): their figures are one table,
     # and the page says which runs each stamp covers, so nothing is presented as one run
     # that was two.
-    results, stamps = {}, []
+    results, records = {}, []
     for folder in folders:
         path = os.path.join(folder, "figures.json")
         try:
@@ -297,8 +297,17 @@ def merge(folders, out):
                 with open(log, errors="replace") as f:
                     r = {**r, "figures": read_figures(RUN_BY_NAME[name], f.read())}
             results[name] = r
-        stamps.append(f"Runs {', '.join(record['results'])}: {record['stamp']}")
-    gaps = write_table(out, results, "\n\n".join(stamps))
+        records.append(record)
+    # each stamp names the runs whose figures the table took from it (a run a later folder
+    # made again is that folder's)
+    later = set()
+    stamps = []
+    for record in reversed(records):
+        kept = [name for name in record["results"] if name not in later]
+        later.update(record["results"])
+        if kept:
+            stamps.append(f"Runs {', '.join(kept)}: {record['stamp']}")
+    gaps = write_table(out, results, "\n\n".join(reversed(stamps)))
     print(f"wrote {out} from {len(folders)} reproduction(s): {len(ROWS)} rows, {len(gaps)} "
           "with a missing figure")
     return {"results": results, "gaps": gaps, "out": out}

@@ -255,6 +255,7 @@ RUNS = [
         "python train.py --preset v3 --n-layer 1 --vocab-size 512 --steps 2 --batch-size 2 "
         "--seq-len 32 --eval-interval 2 --eval-iters 1 --ckpt out/v3.pt --sample-tokens 0",
         {"busiest": grab(r"max/mean tokens per expert ([\d.]+) over"),
+         "busiest_last": grab(r"over \d+ steps, ([\d.]+) over the last"),
          "val": last(r"step +\d+ \| val loss ([\d.]+)"),
          "active": grab(r"active params ([\d,]+ of [\d,]+)")}),
     Run("v3_aux", "python train.py --preset v3 --steps 400 --moe-balance aux "
@@ -263,6 +264,7 @@ RUNS = [
         "--seq-len 32 --eval-interval 2 --eval-iters 1 --moe-balance aux --moe-aux-coef 0.01 "
         "--ckpt out/v3_aux.pt --sample-tokens 0",
         {"busiest": grab(r"max/mean tokens per expert ([\d.]+) over"),
+         "busiest_last": grab(r"over \d+ steps, ([\d.]+) over the last"),
          "val": last(r"step +\d+ \| val loss ([\d.]+)")}),
     # The layout planner on DeepSeek-V3's published shape and recipe (EP 64 given): the
     # arithmetic alone picks the rest. Pure arithmetic: the same command for --quick.
@@ -634,8 +636,9 @@ ROWS = [
     # the overloaded experts without a loss term pulling on the model
     ("auxiliary-loss-free balancing (v3 vs `--moe-balance aux --moe-aux-coef 0.01`)", "—",
      "a bias update after each step: nothing on the wire under `--ep`",
-     "busiest expert {v3.busiest}× the mean vs {v3_aux.busiest}× with the Switch aux loss; "
-     "val {v3.val} vs {v3_aux.val} (one seed)"),
+     "busiest expert {v3.busiest}× the mean over the run, {v3.busiest_last}× over its last 40 "
+     "steps, vs {v3_aux.busiest}× / {v3_aux.busiest_last}× with the Switch aux loss (the bias "
+     "needs steps to catch up); val {v3.val} vs {v3_aux.val} (one seed)"),
     # the planner's arithmetic on DeepSeek-V3's published shape (V3 report §3)
     ("the planner with MoE + MLA (`parallel.py plan`, DeepSeek-V3's shape, 2,048 × 80 GB)",
      "picks {plan.layout} at {plan.per_gpu}/GPU ({plan.psi} / {plan.active} active from the "

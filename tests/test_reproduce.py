@@ -103,6 +103,20 @@ def test_two_reproductions_merge_into_one_table_keeping_both_stamps(tmp_path):
         reproduce.main(["--merge", str(tmp_path / "nope")])
 
 
+def test_a_run_made_again_later_is_credited_to_the_later_stamp(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    run = {"status": 0, "seconds": 1.0, "figures": {"mla_bytes": "3,456"}}
+    reproduce.save_figures(str(a), {"train_bench": run, "mla": run}, "stamp A")
+    reproduce.save_figures(str(b), {"mla": {**run, "figures": {"mla_bytes": "9,999"}}},
+                           "stamp B")
+    out = tmp_path / "t.md"
+    reproduce.main(["--merge", f"{a},{b}", "--out", str(out)])
+    text = out.read_text()
+    assert "Runs train_bench: stamp A" in text and "Runs mla: stamp B" in text
+    assert "9,999" in text and "3,456" not in text
+
+
 def test_assumed_runs_are_not_run_and_satisfy_what_needs_them():
     names = [r.name for r in reproduce.chosen_runs("spec", assume="demo,draft")]
     assert names == ["spec"]
