@@ -5,6 +5,8 @@ ZeRO formulas and sends the expected bytes. Exits non-zero on any mismatch.
 
     torchrun --nproc_per_node=N tests/dist_train_check.py equivalence TMP DATA
     torchrun --nproc_per_node=4 tests/dist_train_check.py reshard TMP DATA   (after N=2)
+    torchrun --nproc_per_node=4 tests/dist_train_check.py equivalence,reshard TMP DATA
+                                       (both in one launch: 4 ranks take seconds to start)
     torchrun --nproc_per_node=2 --max-restarts=1 tests/dist_train_check.py crash TMP DATA
 """
 import os
@@ -15,7 +17,7 @@ import torch
 import train
 from core.plumbing import Runtime, print0, setup_runtime
 
-what, tmp, data_path = sys.argv[1:4]
+checks, tmp, data_path = sys.argv[1:4]
 STEPS = 5
 COMMON = ["--preset", "tiny", "--data", data_path, "--batch-size", "2", "--seq-len", "32",
           "--steps", str(STEPS), "--warmup-steps", "2", "--eval-interval", "1000",
@@ -60,7 +62,7 @@ def close_weights(path, want, label):
 rt = setup_runtime("cpu")
 N = rt.world_size
 
-if what == "equivalence":
+if "equivalence" in checks.split(","):
     ref_losses, ref_weights = reference(COMMON, [N] * STEPS)
     for mode in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
         ckpt = os.path.join(tmp, f"{mode}-{N}", "ckpt.pt")
@@ -80,7 +82,7 @@ if what == "equivalence":
                        "--save-interval", "3", "--stop-after", "3"])
     print0(f"CHECK saved half run N={N}")
 
-elif what == "reshard":
+if "reshard" in checks.split(","):
     # saved by zero2 on 2 ranks after 3 steps; resumed by every mode on N ranks
     ref_losses, ref_weights = reference(COMMON, [2] * 3 + [N] * (STEPS - 3))
     for mode in ("ddp", "zero1", "zero3"):
@@ -96,7 +98,7 @@ elif what == "reshard":
         close_weights(os.path.join(dst, "ckpt.pt"), ref_weights, f"reshard {mode}")
         print0(f"CHECK zero2 N=2 -> {mode} N={N}: resumed losses and weights match")
 
-elif what == "crash":
+if "crash" in checks.split(","):
     ref_losses, ref_weights = reference(COMMON, [N] * STEPS)
     ckpt = os.path.join(tmp, "crash", "ckpt.pt")
     hist = train.main(COMMON + ["--dp", "zero1", "--ckpt", ckpt, "--save-interval", "2",
