@@ -396,8 +396,11 @@ def test_a_slow_save_does_not_look_like_a_frozen_peer(text_file, tmp_path):
     assert r.output.count("saved step") == 2
 
 
-def older_run(text_file, ckpt):
-    """A finished 2-step tiny run under torchrun, saved at ckpt. -> the file's bytes."""
+@pytest.fixture(scope="module")
+def older_bytes(text_file, tmp_path_factory):
+    """A finished 2-step tiny run under torchrun: its checkpoint's bytes (made once; each
+    test copies them to its own path)."""
+    ckpt = tmp_path_factory.mktemp("older") / "s.pt"
     old = torchrun("train.py", tiny(text_file, ckpt, "--steps", "2", "--save-interval", "2"),
                    nproc=1)
     assert old.returncode == 0, old.output
@@ -405,13 +408,13 @@ def older_run(text_file, ckpt):
 
 
 @pytest.mark.slow
-def test_a_refusal_survives_a_restart(text_file, tmp_path):
+def test_a_refusal_survives_a_restart(text_file, tmp_path, older_bytes):
     """Another model's flags in a folder holding an older run's checkpoint: refused on the
     first attempt, and refused again on torchrun's restart -- which used to train the new
     model over the old checkpoint and exit 0. The old file is byte for byte unchanged, no
     step ran, and the output says why on each attempt."""
     ckpt = tmp_path / "s.pt"
-    before = older_run(text_file, ckpt)
+    ckpt.write_bytes(older_bytes)
     new = torchrun("train.py", tiny(text_file, ckpt, "--steps", "3", "--n-layer", "1",
                                     "--save-interval", "3"),
                    nproc=1, extra=["--max-restarts=1"])
@@ -419,20 +422,20 @@ def test_a_refusal_survives_a_restart(text_file, tmp_path):
     assert "holds another model" in new.output, new.output                  # attempt 0
     assert "restart 1:" in new.output and "never writes over it" in new.output  # attempt 1
     assert new.output.count("exitcode  : 2") >= 1 and "step    1 |" not in new.output
-    assert ckpt.read_bytes() == before
+    assert ckpt.read_bytes() == older_bytes
 
 
-def test_a_restart_never_writes_over_a_checkpoint_its_launch_did_not_create(text_file,
-                                                                             tmp_path):
+def test_a_restart_never_writes_over_a_checkpoint_its_launch_did_not_create(
+        text_file, tmp_path, older_bytes):
     """A finished run of the SAME model may be trained again by a fresh run -- but if that
     run crashes before its first save, its restart finds no save of its own launch there
     and refuses to write over the older run's file (--overwrite would allow it)."""
     ckpt = tmp_path / "s.pt"
-    before = older_run(text_file, ckpt)
+    ckpt.write_bytes(older_bytes)
     new = torchrun("train.py", tiny(text_file, ckpt, "--steps", "4", "--save-interval", "3",
                                     "--crash-at-step", "1"), nproc=1, extra=["--max-restarts=1"])
     assert new.returncode != 0 and "never writes over it" in new.output, new.output
-    assert ckpt.read_bytes() == before
+    assert ckpt.read_bytes() == older_bytes
 
 
 @pytest.mark.slow
