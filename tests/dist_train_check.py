@@ -18,6 +18,8 @@ import train
 from core.plumbing import Runtime, print0, setup_runtime
 
 checks, tmp, data_path = sys.argv[1:4]
+unknown = set(checks.split(",")) - {"equivalence", "reshard", "crash"}
+assert not unknown, f"no such check: {sorted(unknown)}"
 STEPS = 5
 COMMON = ["--preset", "tiny", "--data", data_path, "--batch-size", "2", "--seq-len", "32",
           "--steps", str(STEPS), "--warmup-steps", "2", "--eval-interval", "1000",
