@@ -17,9 +17,8 @@ import torch
 import train
 from core.plumbing import Runtime, print0, setup_runtime
 
-checks, tmp, data_path = sys.argv[1:4]
-unknown = set(checks.split(",")) - {"equivalence", "reshard", "crash"}
-assert not unknown, f"no such check: {sorted(unknown)}"
+checks, tmp, data_path = set(sys.argv[1].split(",")), sys.argv[2], sys.argv[3]
+assert checks <= {"equivalence", "reshard", "crash"}, f"no such check: {sorted(checks)}"
 STEPS = 5
 COMMON = ["--preset", "tiny", "--data", data_path, "--batch-size", "2", "--seq-len", "32",
           "--steps", str(STEPS), "--warmup-steps", "2", "--eval-interval", "1000",
@@ -64,7 +63,7 @@ def close_weights(path, want, label):
 rt = setup_runtime("cpu")
 N = rt.world_size
 
-if "equivalence" in checks.split(","):
+if "equivalence" in checks:
     ref_losses, ref_weights = reference(COMMON, [N] * STEPS)
     for mode in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
         ckpt = os.path.join(tmp, f"{mode}-{N}", "ckpt.pt")
@@ -84,7 +83,7 @@ if "equivalence" in checks.split(","):
                        "--save-interval", "3", "--stop-after", "3"])
     print0(f"CHECK saved half run N={N}")
 
-if "reshard" in checks.split(","):
+if "reshard" in checks:
     # saved by zero2 on 2 ranks after 3 steps; resumed by every mode on N ranks
     ref_losses, ref_weights = reference(COMMON, [2] * 3 + [N] * (STEPS - 3))
     for mode in ("ddp", "zero1", "zero3"):
@@ -100,7 +99,7 @@ if "reshard" in checks.split(","):
         close_weights(os.path.join(dst, "ckpt.pt"), ref_weights, f"reshard {mode}")
         print0(f"CHECK zero2 N=2 -> {mode} N={N}: resumed losses and weights match")
 
-if "crash" in checks.split(","):
+if "crash" in checks:
     ref_losses, ref_weights = reference(COMMON, [N] * STEPS)
     ckpt = os.path.join(tmp, "crash", "ckpt.pt")
     hist = train.main(COMMON + ["--dp", "zero1", "--ckpt", ckpt, "--save-interval", "2",
