@@ -53,7 +53,9 @@ import numpy as np
 import torch
 
 from core import data
-from core.plumbing import ArgumentParser, HelpFormatter, UserError, fmt_bytes, fmt_count, run_cli
+from core.cli import ArgumentParser, fmt_bytes, fmt_count, HelpFormatter
+from core.errors import UserError
+from core.runtime import run_cli
 
 OUT_DIR = os.path.join("out", "curate")
 # The names this file builds itself. A --data folder may not take one of them
@@ -909,5 +911,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    # run_cli (core/plumbing.py): a UserError becomes one "error:" line and exit code 2
+    # run_cli (core/runtime.py): a UserError becomes one "error:" line and exit code 2
     run_cli(main)

@@ -55,8 +55,10 @@ import torch.distributed as dist
 from kvcache import blocks_for
 from core.checkpoint import load_model
 from model import GPT, get_config
-from core.plumbing import (ArgumentParser, UserError, comm, fmt_bytes, job_store, run_cli,
-                           setup_runtime)
+from core.cli import ArgumentParser, fmt_bytes
+from core.errors import UserError
+from core.meters import comm
+from core.runtime import job_store, run_cli, setup_runtime
 from serve import FINISHED, PREFILLED, Engine, PoolFull, SamplingParams
 from serving.workloads import length_range, mixed_workload
 

@@ -58,8 +58,10 @@ from core.scores import continuation_logprobs, greedy_answers, prompt_ids
 from core.checkpoint import load_model
 from model import GPT, GPTConfig, PRESETS, get_config
 from core.plots import svg_bar_chart, terminal_bars
-from core.plumbing import (ArgumentParser, HelpFormatter, UserError, atomic_save,
-                           load_checkpoint, print0, run_cli, seed_everything)
+from core.cli import ArgumentParser, HelpFormatter
+from core.errors import UserError
+from core.files import atomic_save, load_checkpoint
+from core.runtime import print0, run_cli, seed_everything
 
 # train.py's default output: what ppl measures when --checkpoint is not given (the task
 # modes do not read it: task_base)
@@ -880,7 +882,7 @@ MODES = {"ppl": run_ppl, "task": run_task}
 def run_timed(run, args, label):
     """Threads and seeds set, run(args, device), its wall time printed. -> run's result."""
     torch.set_num_threads(args.threads)
-    # Python, numpy and torch RNGs seeded (core/plumbing.py) before anything draws, so a
+    # Python, numpy and torch RNGs seeded (core/runtime.py) before anything draws, so a
     # rerun with the same --seed prints the same numbers; model init has its own generator
     seed_everything(args.seed)
     t0 = time.perf_counter()
@@ -895,5 +897,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # run_cli (core/plumbing.py): a UserError becomes one "error:" line and exit code 2
+    # run_cli (core/runtime.py): a UserError becomes one "error:" line and exit code 2
     run_cli(main)

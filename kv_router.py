@@ -56,7 +56,9 @@ import torch
 from kvcache import extend_hash_chain
 from core.checkpoint import load_model
 from model import GPT, get_config
-from core.plumbing import ArgumentParser, UserError, run_cli
+from core.cli import ArgumentParser
+from core.errors import UserError
+from core.runtime import run_cli
 from serve import FINISHED, Engine, SamplingParams
 from serving.workloads import AgentSessions, BenchRequest, length_range
 

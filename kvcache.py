@@ -55,7 +55,9 @@ import torch
 
 from core.checkpoint import load_model
 from model import ATTENTION_FUNCTIONS, GPT, get_config
-from core.plumbing import ArgumentParser, HelpFormatter, UserError, run_cli
+from core.cli import ArgumentParser, HelpFormatter
+from core.errors import UserError
+from core.runtime import run_cli
 
 
 # ----------------------------------------------------------------------------------------

@@ -55,7 +55,9 @@ import sys
 import tempfile
 import time
 
-from core.plumbing import ArgumentParser, HelpFormatter, UserError, run_cli
+from core.cli import ArgumentParser, HelpFormatter
+from core.errors import UserError
+from core.runtime import run_cli
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 LABS_DIR = os.path.join(ROOT, "labs")

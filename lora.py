@@ -61,14 +61,15 @@ import torch.nn.functional as F
 from core import data
 from core import scores
 from core.checkpoint import load_model
-from core.plumbing import load_checkpoint
+from core.files import load_checkpoint
 from model import GPT, get_config, PRESETS
 from compression.nf4 import NF4Matmul, NF4Weight, nf4_bits_report
-from core.plumbing import (ActivationMeter, ArgumentParser, HelpFormatter, Progress, Runtime,
-                           StepTimer,
-                           UserError, all_reduce_flat, atomic_save, comm, fmt_bytes, fmt_count,
-                           model_state_bytes, print0, require_at_least_one, run_cli,
-                           seed_everything, setup_runtime, tensor_bytes, warmup_cosine)
+from core.cli import ArgumentParser, fmt_bytes, fmt_count, HelpFormatter, require_at_least_one
+from core.errors import UserError
+from core.files import atomic_save
+from core.meters import ActivationMeter, comm, model_state_bytes, StepTimer, tensor_bytes
+from core.recipe import all_reduce_flat, warmup_cosine
+from core.runtime import print0, Progress, run_cli, Runtime, seed_everything, setup_runtime
 
 METHODS = ("full", "lora", "loraplus", "qlora", "vera", "dora")
 # Per-method default learning rates (--lr 0 picks these). Full fine-tuning moves every

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 # rotary embedding and the attention function to core/mla.py), so the imports run one way.
 from core.mla import LatentAttention
 from core.moe import MoE
-from core.plumbing import UserError
+from core.errors import UserError
 
 
 # ----------------------------------------------------------------------------------------

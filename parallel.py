@@ -33,7 +33,7 @@ that table implies (sync_gradients, clip_gradients), expert parallelism's all-to
 (below), and the training loop. How the split is proven and measured lives next door in
 parallelism/parallel_check.py: with `--check` every step is compared with one process running the
 same model on the same global batch (loss, every gradient -- each rank its slices -- and
-the weights after the optimizer step), and every collective (all through plumbing.comm)
+the weights after the optimizer step), and every collective (all through meters.comm)
 with its formula; the ledger prints the bytes each group sent per step.
 
     torchrun --standalone --nproc_per_node=4 parallel.py --tp 2 --cp 2 --sp --check
@@ -61,9 +61,11 @@ from parallelism import planner
 from parallelism.ring_attention import cp_positions, cp_shard, make_ring_attn_fn
 from model import GPT, get_config
 from core.moe import MoE
-from core.plumbing import (ArgumentParser, UserError, all_reduce_flat, comm, decay_groups,
-                           fmt_bytes, print0, require_at_least_one, run_cli, seed_everything,
-                           setup_runtime, warmup_cosine)
+from core.cli import ArgumentParser, fmt_bytes, require_at_least_one
+from core.errors import UserError
+from core.meters import comm
+from core.recipe import all_reduce_flat, decay_groups, warmup_cosine
+from core.runtime import print0, run_cli, seed_everything, setup_runtime
 from parallelism.tensor_parallel import (GatheredInputs, SavedActivations,
                                          VocabParallelCrossEntropy, apply_tensor_parallel,
                                          summed_over)
@@ -651,7 +653,7 @@ def make_optimizer(params, args):
 
 
 def learning_rate(step, args):
-    """Linear warm-up, then cosine decay to lr/10 (plumbing.warmup_cosine, as train.py)."""
+    """Linear warm-up, then cosine decay to lr/10 (recipe.warmup_cosine, as train.py)."""
     return warmup_cosine(step, args.steps, args.warmup_steps, args.lr, args.lr / 10)
 
 
@@ -712,7 +714,7 @@ def expert_imbalance(shard):
 def log_line(step, loss, norm, lr, seconds, args, shard, optimizer, imbalance):
     """step | loss | grad norm | lr | tok/s | state per rank | sent per step [| experts]"""
     # state: this rank's parameters, gradients and AdamW moments -- what tp, pp and ep
-    # divide; sent: its wire bytes (plumbing.CommMeter's ring formulas) per step so far
+    # divide; sent: its wire bytes (meters.CommMeter's ring formulas) per step so far
     held = parallel_check.state_bytes(shard, optimizer)["total"]
     line = (f"step {step:4d} | loss {loss:.4f} | grad norm {norm:.3f} | lr {lr:.2e} | "
             f"{args.batch_size * args.seq_len / seconds / 1e3:.1f}k tok/s | state "

@@ -62,8 +62,10 @@ from core.quant_format import (FORMAT_VERSION, SUPPORTED_BITS, QuantLinear, chec
                                default_group, fmt_name,
                                quantize_model, stored_nbytes, target_linears)
 from model import GPT, get_config
-from core.plumbing import (ArgumentParser, HelpFormatter, UserError, fmt_bytes, print0,
-                           require_at_least_one, run_cli, seed_everything, tensor_bytes)
+from core.cli import ArgumentParser, fmt_bytes, HelpFormatter, require_at_least_one
+from core.errors import UserError
+from core.meters import tensor_bytes
+from core.runtime import print0, run_cli, seed_everything
 
 # train.py's default output. Absent on a clean clone: load_base then trains a fresh tiny
 # model, so every mode runs with no setup (the tests pass --checkpoint to a fixture instead).

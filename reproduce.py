@@ -80,8 +80,10 @@ import time
 
 import torch
 
-from core.plumbing import (ArgumentParser, HelpFormatter, UserError, atomic_write, fmt_duration,
-                           run_cli)
+from core.cli import ArgumentParser, fmt_duration, HelpFormatter
+from core.errors import UserError
+from core.files import atomic_write
+from core.runtime import run_cli
 from reproduction.tradeoffs import ROWS, RUN_BY_NAME, RUNS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))

@@ -59,13 +59,15 @@ import torch.nn.functional as F
 from core import data
 from core import scores
 from core.checkpoint import load_model
-from core.plumbing import load_checkpoint
+from core.files import load_checkpoint
 from training import rl_ledger
 from model import GPT, KVCache, get_config, PRESETS
-from core.plumbing import (ActivationMeter, ArgumentParser, HelpFormatter, Progress, StepTimer,
-                           UserError, all_reduce_flat, atomic_save, comm, fmt_bytes, fmt_count,
-                           model_state_bytes, print0, run_cli, setup_runtime, tensor_bytes,
-                           require_at_least_one)
+from core.cli import ArgumentParser, fmt_bytes, fmt_count, HelpFormatter, require_at_least_one
+from core.errors import UserError
+from core.files import atomic_save
+from core.meters import ActivationMeter, comm, model_state_bytes, StepTimer, tensor_bytes
+from core.recipe import all_reduce_flat
+from core.runtime import print0, Progress, run_cli, setup_runtime
 
 # RL_ALGOS each get a frozen copy of the start policy as π_ref, DISTILL_ALGOS the teacher
 # (run_algorithms): what the ledger's "extra held" column counts.

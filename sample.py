@@ -26,7 +26,9 @@ import torch
 
 from core import data
 from core.checkpoint import load_model
-from core.plumbing import ArgumentParser, HelpFormatter, UserError, pick_device, run_cli
+from core.cli import ArgumentParser, HelpFormatter
+from core.errors import UserError
+from core.runtime import pick_device, run_cli
 
 
 def complete(model, enc, prompt, args, seed):

@@ -69,7 +69,9 @@ from kvcache import (TIER_KINDS, BlockAllocator, KVTier, PagedKVCache, blocks_fo
                      extend_hash_chain)
 from core.checkpoint import load_model
 from model import sample_next
-from core.plumbing import ArgumentParser, UserError, pick_device, run_cli
+from core.cli import ArgumentParser
+from core.errors import UserError
+from core.runtime import pick_device, run_cli
 from serving import api_server
 from serving.requests import GREEDY_EPS, SamplingParams, decode_tokens
 

@@ -37,10 +37,12 @@ import torch.nn.functional as F
 
 from core import data
 from core.checkpoint import load_model
-from core.plumbing import load_checkpoint
+from core.files import load_checkpoint
 from model import Block, KVCache, RMSNorm
-from core.plumbing import (ArgumentParser, Progress, UserError, fmt_bytes, fmt_duration, print0,
-                           require_at_least_one, run_cli, warmup_cosine)
+from core.cli import ArgumentParser, fmt_bytes, fmt_duration, require_at_least_one
+from core.errors import UserError
+from core.recipe import warmup_cosine
+from core.runtime import print0, Progress, run_cli
 
 METHODS = ("draft", "tree", "medusa", "mtp", "eagle", "dflash")
 DEFAULT_WIDTH = {"tree": 3, "medusa": 3}           # others draft a chain (width 1)

@@ -65,8 +65,11 @@ from core import data
 from core import plots
 from core.checkpoint import load_model
 from model import GPT, KVCache, PRESETS, apply_rope, get_config, repeat_kv, rope_table, sample_next
-from core.plumbing import (ArgumentParser, HelpFormatter, UserError, atomic_save, fmt_bytes,
-                           run_cli, seed_everything, warmup_cosine)
+from core.cli import ArgumentParser, fmt_bytes, HelpFormatter
+from core.errors import UserError
+from core.files import atomic_save
+from core.recipe import warmup_cosine
+from core.runtime import run_cli, seed_everything
 
 DEFAULT_CKPT = os.path.join("out", "ckpt.pt")
 OUT_DIR = os.path.join("out", "streaming")

@@ -36,7 +36,7 @@ save records its run (run_id, torchrun's launch_id, save_id in every shard); --r
 the newest readable of --keep generations and refuses model flags that contradict the
 checkpoint; a torchrun restart resumes only its own launch's saves; Ctrl-C / SIGTERM
 finish the step, save and exit 130 / 143; --timeout bounds a collective waiting for a
-frozen rank (core/plumbing.py); the output folder is checked before step 1.
+frozen rank (core/runtime.py); the output folder is checked before step 1.
 """
 import math
 import os
@@ -55,13 +55,15 @@ import optim
 from training import resume as saved
 from core.plots import svg_line_plot
 from model import GPT, GPTConfig, PRESETS, get_config
-from core.plumbing import (ActivationMeter, ArgumentParser, GracefulStop, HelpFormatter,
-                           Interrupted, StepTimer, UserError, attempt, check_writable, comm,
-                           fmt_bytes, fmt_count, fmt_duration, gpu_peak_flops, print0,
-                           STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_STEPS, long_phase,
-                           require_at_least_one, run_cli, seed_everything,
-                           set_collective_timeout, setup_runtime, tighten_after_first_step,
-                           warmup_cosine)
+from core.cli import (ArgumentParser, fmt_bytes, fmt_count, fmt_duration, HelpFormatter,
+                      require_at_least_one)
+from core.errors import Interrupted, UserError
+from core.files import check_writable
+from core.meters import ActivationMeter, comm, gpu_peak_flops, StepTimer
+from core.recipe import warmup_cosine
+from core.runtime import (attempt, GracefulStop, long_phase, print0, run_cli, seed_everything,
+                          set_collective_timeout, setup_runtime, STEP_TIMEOUT_FLOOR,
+                          STEP_TIMEOUT_STEPS, tighten_after_first_step)
 
 # The two 16-bit formats. bf16 keeps fp32's 8 exponent bits (range to ~3e38) with only 8
 # significant bits; fp16 has 5 exponent bits (max 65504, smallest subnormal ~6e-8) and 11
@@ -86,7 +88,7 @@ class Checkpoint(torch.autograd.Function):
         # layer is an int. Non-tensors are kept as they are; tensors go through
         # save_for_backward, which checks at backward that nobody modified them in place
         # (version counter) and passes them through saved_tensors_hooks -- which is how
-        # plumbing.ActivationMeter sees the block input as the block's only activation.
+        # meters.ActivationMeter sees the block input as the block's only activation.
         ctx.is_tensor = [torch.is_tensor(a) for a in args]
         ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
         ctx.save_for_backward(*[a for a, t in zip(args, ctx.is_tensor) if t])
@@ -392,7 +394,7 @@ def model_state_report(state, n_params, precision, muon_params=0):
         label += f", Muon 4 on {muon_params:,} hidden-matrix params"
     lines = [f"model state, Ψ = {n_params:,} parameters ({label}):"]
     # Exact equality is expected: state is measured from the tensors themselves
-    # (plumbing.model_state_bytes), so "!=" means a buffer the formula does not know about.
+    # (meters.model_state_bytes), so "!=" means a buffer the formula does not know about.
     for key, per in formula.items():
         ok = "==" if state[key] == want[key] else "!="
         lines.append(f"  {key:<10} measured {state[key]:>12,} B  {ok} formula "
@@ -559,7 +561,7 @@ def banner(args, rt, run, n_params, tokens_per_step):
            f"{corpus.bytes_per_token:.2f} bytes/token | {tokens_per_step:,} tokens/step | "
            f"{args.precision}, checkpointing {args.checkpointing}, device {rt.device}"
            + (f" | --dp {args.dp} on {rt.world_size} ranks" if args.dp else ""))
-    if rt.distributed:             # the two phases of hang detection (plumbing.py)
+    if rt.distributed:             # the two phases of hang detection (core/runtime.py)
         later = ("the same (--step-timeout 0)" if args.step_timeout == 0 else
                  f"{min(args.step_timeout, rt.timeout):g} s" if args.step_timeout else
                  f"max({STEP_TIMEOUT_FLOOR:g} s, {STEP_TIMEOUT_STEPS} x the first step)")
@@ -653,7 +655,7 @@ def train(args, rt):
             lr = learning_rate(run.step, args)
             optim.set_lr(run.optimizer, lr)
             batches = micro_batches(run.corpus, args, run.step, rt.device, rt.rank)
-            # bytes this rank put on the wire in the step: plumbing.comm counts the collectives
+            # bytes this rank put on the wire in the step: meters.comm counts the collectives
             # it wraps (FSDP2's run inside PyTorch and are not seen)
             wire_before = comm.total_wire
             with StepTimer(rt.device) as timer:
@@ -674,7 +676,7 @@ def train(args, rt):
                 print0(log_line(args, rt, run, loss, lr, timer, state, act_bytes,
                                 sent / (run.step - first_step), skipped, tokens_per_step)
                        + f" | eta {fmt_duration(per_step * (last - run.step))}")
-            # hang detection's second phase: a step's time is known now (plumbing.py)
+            # hang detection's second phase: a step's time is known now (core/runtime.py)
             if run.step == first_step + 1:
                 tight = tighten_after_first_step(rt, args.step_timeout, timer.seconds)
             evaluate_and_save(args, rt, run, last, signum, tight)
@@ -710,7 +712,7 @@ def next_steps(args):
 def evaluate_and_save(args, rt, run, last, signum, tight):
     """The validation and the checkpoint of this step, when they are due. Both take longer
     than a step (and a save can take much longer on one rank than on the others), so their
-    collectives wait the start-up timeout, not the tight one (plumbing.long_phase)."""
+    collectives wait the start-up timeout, not the tight one (runtime.long_phase)."""
     due_eval = run.step % args.eval_interval == 0 or run.step == args.steps
     # on the interval, at this invocation's last step, or after a signal; under --dp
     # every rank writes its own shard, so every rank takes this branch together

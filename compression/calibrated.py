@@ -27,7 +27,7 @@ from torch.func import functional_call
 from core import data
 from model import RMSNorm
 from core.moe import MoE
-from core.plumbing import UserError
+from core.errors import UserError
 from core.quant_format import (QuantLinear, check_format, dequantize, group_params, replace_module,
                                rtn, store, target_linears, to_codes)
 

@@ -17,7 +17,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.plumbing import UserError, fmt_count, print0, tensor_bytes
+from core.cli import fmt_count
+from core.errors import UserError
+from core.meters import tensor_bytes
+from core.runtime import print0
 
 
 # ----------------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from compression import calibrated
 from compression.qat import finetune
 from core import quant_format as Q
-from core.plumbing import UserError, fmt_bytes, print0
+from core.cli import fmt_bytes
+from core.errors import UserError
+from core.runtime import print0
 
 
 

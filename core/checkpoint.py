@@ -27,11 +27,14 @@ import numpy as np
 import torch
 
 from core import llama_format, quant_format
-from core.plumbing import ArgumentParser, UserError, fmt_bytes, load_checkpoint, run_cli
+from core.cli import ArgumentParser, fmt_bytes
+from core.errors import UserError
+from core.files import load_checkpoint
+from core.runtime import run_cli
 from model import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------------------
-# Loading (the file itself is opened by plumbing.load_checkpoint: weights_only=True)
+# Loading (the file itself is opened by files.load_checkpoint: weights_only=True)
 
 def load_model(path, device="cpu"):
     """-> (model, checkpoint dict). The checkpoint carries its config (a plain dict) and its

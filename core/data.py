@@ -46,7 +46,10 @@ import numpy as np
 import tiktoken
 import torch
 
-from core.plumbing import ArgumentParser, UserError, atomic_write, run_cli
+from core.cli import ArgumentParser
+from core.errors import UserError
+from core.files import atomic_write
+from core.runtime import run_cli
 
 DEFAULT_VOCAB_SIZE = 4096     # = enc.n_vocab: 256 bytes + 3839 merges + <|endoftext|>
 EOT = "<|endoftext|>"         # the one special token: separates documents
@@ -210,7 +213,7 @@ def encoding_from_state(state: dict) -> tiktoken.Encoding:
 # ---------------------------------------------------------------------------------------
 # Cache: trained tokenizers and tokenized corpora live on disk, keyed by a hash of what
 # produced them. Several torchrun ranks may build the same file at once, so every write
-# goes through plumbing.atomic_write (a temp file renamed into place, atomically): a reader
+# goes through files.atomic_write (a temp file renamed into place, atomically): a reader
 # sees the whole file or none. (Ranks may duplicate the work the very first time.)
 # ---------------------------------------------------------------------------------------
 def cache_dir() -> str:

@@ -41,7 +41,7 @@ import torch
 
 from core import data
 from model import GPT, GPTConfig
-from core.plumbing import UserError
+from core.errors import UserError
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

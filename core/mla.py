@@ -65,7 +65,7 @@ import math
 import torch
 import torch.nn as nn
 
-from core.plumbing import UserError
+from core.errors import UserError
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """
 core/plots.py -- figures without a plotting dependency: SVG written by hand with the standard
 library, saved under out/plots/, and the same data rendered in the terminal. A part of the
-foundation beside core/plumbing.py (drawing a result, not measuring or running one). Every plotted
+foundation beside core/meters.py (drawing a result, not measuring or running one). Every plotted
 point is one <circle class="point"> and every bar one <rect class="bar">, so a test can
 count what was drawn (tests/test_evaluate.py). Used by evaluate.py and scripts/contamination.py.
 """

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.plumbing import UserError
+from core.errors import UserError
 from model import GPT, GPTConfig
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from core import data
-from core.plumbing import UserError
+from core.errors import UserError
 from model import KVCache
 
 

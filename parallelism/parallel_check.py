@@ -15,7 +15,7 @@ parallel.py can skip it and a reader of this file sees every assertion in one pl
      gradient and every weight after the optimizer step -- each rank its own slices;
   2. the traffic formulas: the calls and bytes every collective of a step must send, from
      the shapes alone (Megatron-LM, Korthikanti et al. 2022 for sp, the ring for cp, the
-     stage boundaries for pp), asserted equal to what plumbing.comm counted;
+     stage boundaries for pp), asserted equal to what meters.comm counted;
   3. the ledger rank 0 prints at the end: measured traffic next to the formulas, the
      activation bytes of one microbatch next to one process's, the model state held;
   4. bench-tp: the hand tensor parallelism next to torch.distributed.tensor.parallel
@@ -33,7 +33,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from parallelism import pipeline
 from model import GPT
 from core.moe import MoE
-from core.plumbing import ActivationMeter, comm, fmt_bytes, model_state_bytes, print0
+from core.cli import fmt_bytes
+from core.meters import ActivationMeter, comm, model_state_bytes
+from core.runtime import print0
 from parallelism.ring_attention import ring_traffic_formula
 
 
@@ -199,7 +201,7 @@ def check_step(step, shard, layout, ref, ref_optimizer, batch, ours, grad_clip, 
 
 # ----------------------------------------------------------------------------------------
 # 2. The traffic formulas. Payload = the bytes handed to each call (the "message size" of
-# the formulas); plumbing.comm counts the same.
+# the formulas); meters.comm counts the same.
 
 def expected_traffic(shard, layout, cfg, batch_size, seq_len):
     """(op, group) -> (calls, payload bytes) per step on this rank, from the shapes alone.
@@ -356,7 +358,7 @@ def dtensor_tp_model(cfg, tp_mesh, device):
 
 class CollectivesSeen(TorchDispatchMode):
     """Counts the collectives DTensor issues (its functional c10d ops pass through the
-    dispatcher) and the bytes handed to each: the same "payload" plumbing.comm counts."""
+    dispatcher) and the bytes handed to each: the same "payload" meters.comm counts."""
 
     def __init__(self):
         super().__init__()

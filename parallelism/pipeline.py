@@ -41,8 +41,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from model import GPT, get_config
-from core.plumbing import (ArgumentParser, HelpFormatter, UserError, comm, fmt_bytes, print0,
-                           require_at_least_one, run_cli, setup_runtime)
+from core.cli import ArgumentParser, fmt_bytes, HelpFormatter, require_at_least_one
+from core.errors import UserError
+from core.meters import comm
+from core.runtime import print0, run_cli, setup_runtime
 
 SCHEDULES = ("gpipe", "1f1b", "zb", "dualpipev")
 

@@ -60,7 +60,8 @@ one); `python parallel.py plan` is its command line.
 import math
 from dataclasses import dataclass
 
-from core.plumbing import UserError, fmt_bytes
+from core.cli import fmt_bytes
+from core.errors import UserError
 
 TP_PASSES = {"none": 2, "selective": 2, "full": 3}        # forward, backward, recompute
 CP_LAPS = {"none": 3, "selective": 3, "full": 4}          # K/V forward, K/V + dK/dV backward

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from model import repeat_kv
-from core.plumbing import UserError, comm
+from core.errors import UserError
+from core.meters import comm
 
 
 def cp_chunk_ids(cp_rank, cp_size, zigzag):

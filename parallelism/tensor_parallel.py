@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.plumbing import ActivationMeter, comm
+from core.meters import ActivationMeter, comm
 
 
 # ----------------------------------------------------------------------------------------
@@ -178,7 +178,7 @@ class _Regather:
 
 
 class SavedActivations(ActivationMeter):
-    """The activation meter (plumbing.ActivationMeter: counts what autograd keeps), which
+    """The activation meter (meters.ActivationMeter: counts what autograd keeps), which
     also applies the sp swap above. Every forward of a ShardedStage runs under one."""
 
     def __init__(self, model, gathered):

@@ -23,7 +23,8 @@ import numpy as np
 
 import evaluate as ev
 from core.plots import svg_bar_chart, terminal_bars
-from core.plumbing import ArgumentParser, HelpFormatter, print0, run_cli
+from core.cli import ArgumentParser, HelpFormatter
+from core.runtime import print0, run_cli
 
 
 # what each --ece-bins value means, as the output and --help say it (evaluate.ECE_BINS has

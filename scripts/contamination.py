@@ -29,7 +29,9 @@ from core import data
 import evaluate as ev
 from core import scores
 from core.plots import svg_bar_chart, terminal_bars
-from core.plumbing import ArgumentParser, HelpFormatter, UserError, print0, run_cli
+from core.cli import ArgumentParser, HelpFormatter
+from core.errors import UserError
+from core.runtime import print0, run_cli
 
 
 # GPT-3 (Brown et al. 2020, app. C) took n per benchmark from its items: the 5th-percentile

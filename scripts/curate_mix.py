@@ -30,7 +30,9 @@ import torch
 
 import curate
 from core import data
-from core.plumbing import ArgumentParser, HelpFormatter, UserError, run_cli
+from core.cli import ArgumentParser, HelpFormatter
+from core.errors import UserError
+from core.runtime import run_cli
 
 
 def union_tokenizer(domains: dict[str, list[curate.Document]], vocab_size: int,

@@ -31,7 +31,9 @@ import curate
 from scripts import curate_mix
 from core import data
 from model import GPT, get_config
-from core.plumbing import ArgumentParser, HelpFormatter, UserError, run_cli, seed_everything
+from core.cli import ArgumentParser, HelpFormatter
+from core.errors import UserError
+from core.runtime import run_cli, seed_everything
 
 
 def split_by_cluster(docs: list[curate.Document], clusters: list[list[int]], args) -> dict:

@@ -8,7 +8,7 @@ Every figure the README explains on 2 CPU cores, measured where the users run:
   train    train.py's step (train_step: AdamW, clipping) at ~100M parameters (16 layers,
            d = 768, GQA 12/4 heads, 1024 tokens), fp32 and bf16 autocast: tokens/s and
            MFU = FLOPs/token (6·N + 12·L·d·T, PaLM app. B) × tokens/s ÷ the GPU's dense
-           bf16 peak (plumbing.gpu_peak_flops); next to it the memory ledger: model state
+           bf16 peak (meters.gpu_peak_flops); next to it the memory ledger: model state
            (measured == 16 B/param), activations counted by saved-tensor hooks, and the
            allocator's torch.cuda.max_memory_allocated.
   decode   generate() at batch 1 on the trained model in bf16: ms per token, and the bytes a
@@ -43,9 +43,10 @@ from scripts import serve_bench
 import spec_decode as sd
 import train
 from model import GPT, KVCache, get_config
-from core.plumbing import (ArgumentParser, HelpFormatter, StepTimer, UserError, fmt_bytes,
-                           fmt_count, gpu_peak_flops, model_state_bytes, pick_device, run_cli,
-                           seed_everything)
+from core.cli import ArgumentParser, fmt_bytes, fmt_count, HelpFormatter
+from core.errors import UserError
+from core.meters import gpu_peak_flops, model_state_bytes, StepTimer
+from core.runtime import pick_device, run_cli, seed_everything
 
 # Peak HBM/GDDR bandwidth (bytes/s) from the vendors' data sheets; the first key found in
 # torch.cuda.get_device_name() wins (so the specific names come before the general ones).

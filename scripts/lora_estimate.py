@@ -19,8 +19,9 @@ An entry point in scripts/ (nothing imports it): arithmetic, no model.
 import sys
 
 from compression.nf4 import NF4_DQ_BITS
-from core.plumbing import (ArgumentParser, HelpFormatter, UserError, fmt_bytes, fmt_count,
-                           print0, run_cli)
+from core.cli import ArgumentParser, fmt_bytes, fmt_count, HelpFormatter
+from core.errors import UserError
+from core.runtime import print0, run_cli
 
 
 EST_SHAPES = {  # layers, d_model, kv dim, ffn hidden, vocab, heads

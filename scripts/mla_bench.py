@@ -14,8 +14,10 @@ import math
 import torch
 
 from core.mla import mla_dims, set_absorb
-from core.plumbing import (ArgumentParser, HelpFormatter, StepTimer, UserError, fmt_bytes,
-                           pick_device, run_cli)
+from core.cli import ArgumentParser, fmt_bytes, HelpFormatter
+from core.errors import UserError
+from core.meters import StepTimer
+from core.runtime import pick_device, run_cli
 from kvcache import PagedKVCache
 from model import GPT, KVCache, get_config
 

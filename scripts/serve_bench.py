@@ -48,8 +48,9 @@ import torch
 import serve
 from kvcache import PagedKVCache
 from model import KVCache
-from core.plumbing import (ArgumentParser, HelpFormatter, Progress, UserError, fmt_bytes,
-                           run_cli)
+from core.cli import ArgumentParser, fmt_bytes, HelpFormatter
+from core.errors import UserError
+from core.runtime import Progress, run_cli
 from serve import POLICIES, SamplingParams, engine_from_args
 from serving.workloads import AgentSessions, BenchRequest, length_range, mixed_workload
 

@@ -16,8 +16,10 @@ imports train.py for the loop's pieces and flags; train.py does not know it exis
 import argparse
 
 from training import data_parallel
-from core.plumbing import (Progress, StepTimer, UserError, comm, fmt_bytes, fmt_count, print0,
-                           run_cli, seed_everything, setup_runtime)
+from core.cli import fmt_bytes, fmt_count
+from core.errors import UserError
+from core.meters import comm, StepTimer
+from core.runtime import print0, Progress, run_cli, seed_everything, setup_runtime
 import train
 from train import activation_formula, build, micro_batches, state_rows, train_step
 

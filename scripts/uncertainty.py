@@ -26,7 +26,9 @@ from core import data
 import evaluate as ev
 from core import scores
 from core.plots import svg_line_plot, terminal_plot
-from core.plumbing import ArgumentParser, HelpFormatter, UserError, print0, run_cli
+from core.cli import ArgumentParser, HelpFormatter
+from core.errors import UserError
+from core.runtime import print0, run_cli
 
 
 @torch.no_grad()

@@ -52,7 +52,8 @@ from urllib.parse import urlsplit
 from serving.requests import decode_tokens
 from serving.openai_api import (ApiError, answer_choice, parse_request, prompt_entries,
                                 response_head, shorten, stream_chunk, usage)
-from core.plumbing import UserError, fmt_bytes
+from core.cli import fmt_bytes
+from core.errors import UserError
 
 MAX_REQUEST_LINE = 8192     # bytes; 414 above
 MAX_JSON_DEPTH = 32         # nesting levels of the body; 400 above

@@ -37,7 +37,7 @@ import uuid
 from collections import namedtuple
 
 from serving.requests import MAX_LOGPROBS, SamplingParams, decode_tokens
-from core.plumbing import UserError
+from core.errors import UserError
 
 MAX_CHOICES = 64            # prompts x n in one request
 MAX_N = 16

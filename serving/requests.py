@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from core.plumbing import UserError
+from core.errors import UserError
 
 
 # A temperature below this samples greedily (vLLM's _SAMPLING_EPS): logits / 1e-40 would

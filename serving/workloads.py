@@ -11,7 +11,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from core.plumbing import UserError
+from core.errors import UserError
 
 
 @dataclass

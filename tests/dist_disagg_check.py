@@ -11,7 +11,8 @@ import torch
 
 from disagg import HEADER, kv_formula, serve_disaggregated
 from model import GPT, get_config
-from core.plumbing import comm, run_cli, setup_runtime
+from core.meters import comm
+from core.runtime import run_cli, setup_runtime
 from serve import Engine, SamplingParams
 
 BS = 4

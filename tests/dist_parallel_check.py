@@ -12,7 +12,8 @@ import sys
 import torch
 
 import parallel
-from core.plumbing import UserError, print0, setup_runtime
+from core.errors import UserError
+from core.runtime import print0, setup_runtime
 
 COMMON = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--steps", "2",
           "--warmup-steps", "1", "--check"]
@@ -70,7 +71,7 @@ def main(world, data_path):
         parallel.bench_tp(parallel.parse_args(["bench-tp"] + [f for f in common if f != "--check"]), rt)
     torch.distributed.barrier()
     sys.stdout.flush()
-    os._exit(0)   # skip interpreter teardown (see plumbing.run_cli)
+    os._exit(0)   # skip interpreter teardown (see runtime.run_cli)
 
 
 if __name__ == "__main__":

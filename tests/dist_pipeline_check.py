@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from parallelism import pipeline
 from model import GPT, get_config
-from core.plumbing import UserError, print0, setup_runtime
+from core.errors import UserError
+from core.runtime import print0, setup_runtime
 
 SEQ, MB = 16, 2
 rt = setup_runtime("cpu")

@@ -6,7 +6,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from core.plumbing import comm, print0, setup_runtime, teardown_runtime
+from core.meters import comm
+from core.runtime import print0, setup_runtime, teardown_runtime
 
 rt = setup_runtime("cpu")
 r, n = rt.rank, rt.world_size
@@ -66,4 +67,4 @@ print0(comm.report())
 print0(f"plumbing check ok on {n} ranks")
 teardown_runtime()
 sys.stdout.flush()
-os._exit(0)   # skip interpreter teardown (see plumbing.run_cli)
+os._exit(0)   # skip interpreter teardown (see runtime.run_cli)

@@ -15,7 +15,7 @@ import sys
 import torch
 
 import train
-from core.plumbing import Runtime, print0, setup_runtime
+from core.runtime import print0, Runtime, setup_runtime
 
 checks, tmp, data_path = set(sys.argv[1].split(",")), sys.argv[2], sys.argv[3]
 assert checks <= {"equivalence", "reshard", "crash"}, f"no such check: {sorted(checks)}"

@@ -8,7 +8,7 @@ Each either reads the file or raises one UserError whose message is one line (wh
 in any file ever runs.
 
     loader                               reached by
-    core.plumbing.load_checkpoint        every .pt a user names (below all the others)
+    core.files.load_checkpoint          every .pt a user names (below all the others)
     core.checkpoint.load_model           --checkpoint / --ckpt of sample, serve, kvcache,
                                          spec_decode, lora, quantize, evaluate, export
     training.resume.load_resume          train.py --resume (one process)
@@ -32,7 +32,8 @@ import torch
 import lora
 import rl
 from core import checkpoint, data, llama_format
-from core.plumbing import UserError, load_checkpoint
+from core.errors import UserError
+from core.files import load_checkpoint
 from model import GPT, get_config
 from training import data_parallel
 from training import resume

@@ -31,7 +31,7 @@ COMMANDS = [
 ]
 # Modules that are read, not run: --help says so and names the command that runs them.
 LIBRARIES = [
-    "-m core.plumbing", "-m training.resume", "-m core.moe", "-m core.plots",
+    "-m core.runtime", "-m training.resume", "-m core.moe", "-m core.plots",
     "-m compression.nf4", "-m serving.openai_api", "-m parallelism.planner",
     "-m parallelism.tensor_parallel", "-m parallelism.ring_attention",
     "-m parallelism.parallel_check", "-m compression.calibrated", "-m compression.qat",

@@ -21,7 +21,7 @@ from scripts import curate_sweep
 from core import data
 from harness import run_python
 from model import GPT, get_config
-from core.plumbing import UserError
+from core.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

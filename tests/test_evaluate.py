@@ -2,7 +2,7 @@
 # temperature scaling on synthetic logits with a known temperature, bits per byte and the
 # continuation log-likelihood against plain forwards, the shared evaluation API against
 # lora.py / rl.py / train.py's own functions, the n-gram detector on a planted corpus, the
-# SVG plots (plumbing.py), the bad inputs, and the contamination experiment end to end.
+# SVG plots (core/plots.py), the bad inputs, and the contamination experiment end to end.
 # The references' conventions, each written out here on a case where the rules differ:
 # ECE's bins closed on the right (Guo et al.'s code) or the left (torchmetrics), Min-K%
 # Prob's int(n·k%) tokens (Shi et al.'s code), n-gram overlap over distinct n-grams.
@@ -24,7 +24,8 @@ from core import scores
 from scripts import uncertainty
 from model import GPT, get_config
 from core.plots import svg_bar_chart, svg_line_plot, terminal_bars, terminal_plot
-from core.plumbing import UserError, run_cli
+from core.errors import UserError
+from core.runtime import run_cli
 
 BYTES = data.make_encoding({bytes([i]): i for i in range(256)})
 

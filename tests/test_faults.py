@@ -130,7 +130,7 @@ def test_a_shard_from_another_save_is_refused(tmp_path):
 def one_save(root, step=2, world=1):
     """A sharded save of a tiny model in a 1-rank ZeRO-1 layout (no process group needed);
     its meta has every key a resume reads (placeholders where this test needs none)."""
-    from core.plumbing import Runtime
+    from core.runtime import Runtime
     zero = data_parallel.ZeRO(GPT(get_config("tiny"), seed=step), 1, 0, 1)
     opt = torch.optim.AdamW(zero.optimizer_groups(0.1))
     meta = dict(world_size=world, step=step, save_id=f"run/step_{step}", run_id="run",
@@ -213,7 +213,7 @@ def test_sigint_one_process_saves_and_resumes(text_file, tmp_path):
 
 SECOND_SIGNAL = """
 import os, signal, sys, time
-from core.plumbing import GracefulStop
+from core.runtime import GracefulStop
 with GracefulStop() as stop:
     os.kill(os.getpid(), signal.SIG{first})
     time.sleep(0.2)                      # handlers run between bytecodes
@@ -386,7 +386,7 @@ def test_frozen_rank_is_named_and_the_restart_finishes(text_file, tmp_path, zero
 
 def test_a_slow_save_does_not_look_like_a_frozen_peer(text_file, tmp_path):
     """--step-timeout 2, but the last rank's every save takes 3 s longer (--save-delay):
-    saves wait the start-up --timeout (plumbing.long_phase), so the run finishes."""
+    saves wait the start-up --timeout (runtime.long_phase), so the run finishes."""
     ckpt = tmp_path / "slow.pt"
     r = torchrun("train.py", tiny(text_file, ckpt, "--steps", "4", "--dp", "zero1",
                                   "--save-interval", "2", "--timeout", "60",
@@ -461,7 +461,7 @@ def test_a_fresh_run_refuses_to_write_over_another_run(tmp_path):
     not a checkpoint are refused in one line naming the way out; a finished run of the
     same configuration, a missing file and --overwrite are not."""
     import argparse
-    from core.plumbing import UserError
+    from core.errors import UserError
     path = str(tmp_path / "ckpt.pt")
     tiny = asdict(get_config("tiny"))
     args = argparse.Namespace(ckpt=path, overwrite=False)

@@ -48,8 +48,8 @@ from harness import ROOT, in_repo, run_python, torchrun                    # noq
 from kvcache import BlockAllocator, PagedKVCache, paged_logits    # noqa: E402
 from core.checkpoint import load_model
 from model import GPT, KVCache, get_config, math_attention, sdpa_attention
-from core.plumbing import (ActivationMeter, Runtime, StepTimer, comm, model_state_bytes, print0,
-                           setup_runtime)
+from core.meters import ActivationMeter, comm, model_state_bytes, StepTimer
+from core.runtime import print0, Runtime, setup_runtime
 from parallelism.ring_attention import make_ring_attn_fn                      # noqa: E402
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")
@@ -81,7 +81,7 @@ def byte_encoding():
 
 
 # ----------------------------------------------------------------------------------------
-# model.py and plumbing.py
+# model.py and the meters (core/meters.py)
 
 @pytest.mark.parametrize("device", BOTH)
 def test_model_cache_generate_and_attention_kernels(device):
@@ -789,7 +789,7 @@ def worker(what, device, tmp, data_path):
     torch.distributed.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)        # skip interpreter teardown (see plumbing.run_cli)
+    os._exit(0)        # skip interpreter teardown (see runtime.run_cli)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import kv_router
 from harness import run_python
 from kv_router import PrefixGroups, Replica, Router, simulate, summarize
 from model import GPT, get_config
-from core.plumbing import UserError
+from core.errors import UserError
 from serve import Engine
 from scripts.serve_bench import AgentSessions
 

@@ -8,7 +8,7 @@ from kvcache import (BlockAllocator, KVTier, PagedKVCache, block_hash, blocks_fo
                      extend_hash_chain, paged_attention_blockwise, paged_logits, payload_bytes,
                      quantize_int8)
 from model import GPT, get_config, math_attention, sdpa_attention
-from core.plumbing import UserError
+from core.errors import UserError
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 import labs
-from core.plumbing import UserError
+from core.errors import UserError
 
 # one break lab per topic family, the cheapest of each (the full check: docs/labs.md):
 # the data, the model, training, the optimizer, parallelism, adapters, RL, serving

@@ -23,7 +23,7 @@ from harness import ROOT
 from core import checkpoint as checkpoint_py
 from core.checkpoint import load_model
 from model import GPT, get_config
-from core.plumbing import UserError
+from core.errors import UserError
 
 CASES = [("tiny", {}),                                        # GQA, untied
          ("tiny", dict(n_kv_head=4, tie_embeddings=True)),   # MHA, tied

@@ -21,7 +21,7 @@ from compression import nf4
 from harness import run_python, torchrun
 from core.checkpoint import load_model
 from model import GPT, get_config
-from core.plumbing import UserError
+from core.errors import UserError
 from serve import Engine, SamplingParams
 
 # The NF4 levels as bitsandbytes defines them (QLoRA, Dettmers et al. 2023, Appendix E),
@@ -232,7 +232,7 @@ def test_nf4_matmul_backward_dequantizes_instead_of_saving():
     q = nf4.NF4Weight(w)
     x = torch.randn(5, 32, requires_grad=True)
     x2 = x.detach().clone().requires_grad_(True)
-    from core.plumbing import ActivationMeter
+    from core.meters import ActivationMeter
     with ActivationMeter() as meter:
         y = lora.NF4Matmul.apply(x, q)
     assert meter.bytes == 0                 # neither x nor an fp32 W is kept for backward

@@ -13,7 +13,7 @@ from core import mla
 from scripts import mla_bench
 from kvcache import BlockAllocator, PagedKVCache, blocks_for, paged_logits
 from model import GPT, KVCache, apply_rope, get_config
-from core.plumbing import UserError
+from core.errors import UserError
 from serve import Engine, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread

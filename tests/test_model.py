@@ -3,7 +3,7 @@ import torch
 
 from core.checkpoint import load_model
 from model import GPT, KVCache, get_config, math_attention, sample_next, sdpa_attention
-from core.plumbing import UserError
+from core.errors import UserError
 
 
 def tiny(**kw):

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import optim                                    # noqa: E402
 from model import GPT, get_config               # noqa: E402
-from core.plumbing import UserError                  # noqa: E402
+from core.errors import UserError  # noqa: E402
 
 STEPS = 20
 
@@ -553,7 +553,8 @@ def _sharded_worker():
     Muon sharded by matrix; after every step the weights must equal a one-process
     torch.optim.Muon bit for bit, and each rank must hold only its matrices' momentum."""
     import torch.distributed as dist
-    from core.plumbing import comm, setup_runtime
+    from core.meters import comm
+    from core.runtime import setup_runtime
     rt = setup_runtime("cpu")
     a, b = tiny_model(), tiny_model()
     pick = lambda m: [p for n, p in m.named_parameters() if optim.is_hidden_matrix(n, p)]
@@ -578,5 +579,5 @@ def _sharded_worker():
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["sharded"]:
-    from core.plumbing import run_cli
+    from core.runtime import run_cli
     run_cli(lambda argv: _sharded_worker())

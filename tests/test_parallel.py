@@ -9,7 +9,7 @@ import parallel
 from dist_parallel_check import BAD, LAYOUTS
 from harness import python_cmd, run_together, torchrun
 from model import get_config
-from core.plumbing import UserError
+from core.errors import UserError
 
 CHECK = "tests/dist_parallel_check.py"
 

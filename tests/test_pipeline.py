@@ -12,7 +12,7 @@ import torch.nn as nn
 from parallelism import pipeline
 from harness import run_python, torchrun
 from model import GPT, get_config
-from core.plumbing import UserError
+from core.errors import UserError
 
 CHECK = "tests/dist_pipeline_check.py"
 

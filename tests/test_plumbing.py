@@ -3,7 +3,10 @@ import torch
 import torch.nn as nn
 
 from harness import torchrun
-from core.plumbing import ActivationMeter, model_state_bytes, fmt_bytes, UserError, pick_device
+from core.cli import fmt_bytes
+from core.errors import UserError
+from core.meters import ActivationMeter, model_state_bytes
+from core.runtime import pick_device
 
 
 @pytest.mark.slow
@@ -47,9 +50,10 @@ def test_helpers():
 
 def test_a_mistyped_flag_is_named_even_before_a_positional_mode():
     """argparse alone reads `--stpes 10` as an unknown flag plus a mode "10" and names the
-    mode; plumbing.ArgumentParser names the flag and the nearest real one."""
+    mode; cli.ArgumentParser names the flag and the nearest real one."""
     import pytest
-    from core.plumbing import ArgumentParser, UserError
+    from core.cli import ArgumentParser
+    from core.errors import UserError
     p = ArgumentParser(prog="demo")
     p.add_argument("mode", nargs="?", default="train", choices=["train", "bench"])
     p.add_argument("--steps", type=int, default=3)
@@ -62,7 +66,7 @@ def test_a_mistyped_flag_is_named_even_before_a_positional_mode():
 
 
 def test_progress_prints_percent_elapsed_and_eta_at_most_every_interval(capsys):
-    from core.plumbing import Progress
+    from core.runtime import Progress
     now = [0.0]
     progress = Progress("build", total=10, every=5.0, clock=lambda: now[0])
     for done in range(10):
@@ -77,7 +81,7 @@ def test_progress_prints_percent_elapsed_and_eta_at_most_every_interval(capsys):
 
 
 def test_progress_names_the_configuration_it_starts_and_guesses_no_eta_before_one(capsys):
-    from core.plumbing import Progress
+    from core.runtime import Progress
     now = [0.0]
     progress = Progress("bench", total=3, every=0, clock=lambda: now[0])
     for done, label in enumerate(["fp32", "bf16", "fp16"]):

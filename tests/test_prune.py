@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from compression import prune
-from core.plumbing import UserError
+from core.errors import UserError
 from core.quant_format import target_linears
 from model import GPT, get_config
 

@@ -16,7 +16,8 @@ import quantize as Q
 from core import quant_format
 from core.checkpoint import load_model
 from model import GPT, get_config
-from core.plumbing import UserError, run_cli
+from core.errors import UserError
+from core.runtime import run_cli
 from serve import Engine, SamplingParams
 
 

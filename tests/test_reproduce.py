@@ -9,7 +9,7 @@ import pytest
 
 import reproduce
 from reproduction import tradeoffs
-from core.plumbing import UserError
+from core.errors import UserError
 
 
 def test_readers_take_figures_from_tables_and_lines():

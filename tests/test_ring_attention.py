@@ -13,7 +13,7 @@ from parallelism.ring_attention import (_merge_partial_attention, _ring_block_fo
                                         ring_work_counter)
 from harness import torchrun
 from model import math_attention
-from core.plumbing import UserError
+from core.errors import UserError
 
 CHECK = "tests/dist_ring_check.py"
 

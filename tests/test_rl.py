@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from core import data
 import rl
 from model import GPT, get_config
-from core.plumbing import UserError
+from core.errors import UserError
 from tests.harness import python_cmd, run_python, run_together, torchrun_cmd
 
 BYTES = data.make_encoding({bytes([i]): i for i in range(256)})

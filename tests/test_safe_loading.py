@@ -21,9 +21,10 @@ from training import resume as saved
 import train
 from harness import run_python
 from core.checkpoint import load_model
-from core.plumbing import load_checkpoint
+from core.files import load_checkpoint
 from model import GPT, get_config
-from core.plumbing import UserError, rng_state, run_cli
+from core.errors import UserError
+from core.runtime import rng_state, run_cli
 
 
 class Evil:
@@ -61,7 +62,7 @@ def test_the_payload_really_runs_when_unpickled(evil, tmp_path):
 
 
 def one_error_line(capsys, fn, *args):
-    """Run an entry point through plumbing.run_cli: -> its single `error:` line."""
+    """Run an entry point through runtime.run_cli: -> its single `error:` line."""
     with pytest.raises(SystemExit) as e:
         run_cli(fn, list(map(str, args)))
     err = capsys.readouterr().err

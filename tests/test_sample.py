@@ -11,7 +11,7 @@ from core import data
 import sample
 from harness import run_python
 from model import GPT, get_config
-from core.plumbing import run_cli
+from core.runtime import run_cli
 
 BYTES = data.make_encoding({bytes([i]): i for i in range(256)})   # + <|endoftext|> = 257
 

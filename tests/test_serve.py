@@ -16,7 +16,7 @@ import serve
 from scripts import serve_bench
 from harness import python_cmd, run_python, run_together
 from model import GPT, get_config
-from core.plumbing import UserError
+from core.errors import UserError
 from serve import Engine, SamplingParams, decode_tokens
 from scripts.serve_bench import static_batch_generate
 from serving.api_server import make_server

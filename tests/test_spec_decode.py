@@ -15,7 +15,7 @@ import spec_decode as sd
 from harness import python_cmd, run_python, run_together
 from core.checkpoint import load_model
 from model import GPT, KVCache, get_config
-from core.plumbing import UserError
+from core.errors import UserError
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14], [3]]   # ragged, batch 3
 

@@ -11,7 +11,8 @@ import torch
 
 import streaming
 from model import GPT, apply_rope, get_config
-from core.plumbing import UserError, run_cli
+from core.errors import UserError
+from core.runtime import run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

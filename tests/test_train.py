@@ -5,7 +5,8 @@ import train
 from scripts import train_bench
 from harness import run_python
 from model import GPT, get_config
-from core.plumbing import ActivationMeter, UserError, model_state_bytes
+from core.errors import UserError
+from core.meters import ActivationMeter, model_state_bytes
 
 
 def tiny_args(text_file, *extra):

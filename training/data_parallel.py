@@ -41,8 +41,12 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from core.plumbing import (UserError, atomic_save, comm, decay_groups, fmt_bytes,
-                           load_checkpoint, model_state_bytes, print0, tensor_bytes)
+from core.cli import fmt_bytes
+from core.errors import UserError
+from core.files import atomic_save, load_checkpoint
+from core.meters import comm, model_state_bytes, tensor_bytes
+from core.recipe import decay_groups
+from core.runtime import print0
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 # ZeRO-3 gathers the embedding before its backward like every other unit (as FSDP does),

@@ -13,7 +13,7 @@ here is a saved run, not activation checkpointing, which stays in train.py).
     line, to the previous one; a torchrun restart resumes only its own launch's save;
   - a resume with model flags that disagree with the checkpoint is refused in one line;
   - a save the disk refuses (full, read-only) is one line saying why, and the previous
-    checkpoint is untouched (plumbing.atomic_write).
+    checkpoint is untouched (files.atomic_write).
   costs: disk (--keep × one checkpoint: ~12 B/param with Adam), and a save's time.
 """
 import os
@@ -25,8 +25,10 @@ import torch
 from core import data
 from training import data_parallel
 from model import PRESETS
-from core.plumbing import (UserError, atomic_save, attempt, comm, generation_paths,
-                           load_checkpoint, os_reason, print0, rng_state, set_rng_state)
+from core.errors import UserError
+from core.files import atomic_save, generation_paths, load_checkpoint, os_reason
+from core.meters import comm
+from core.runtime import attempt, print0, rng_state, set_rng_state
 
 
 def save_checkpoint(path, model, optimizer, scaler, master, step, args, corpus, history,
@@ -48,7 +50,7 @@ def save_checkpoint(path, model, optimizer, scaler, master, step, args, corpus, 
 
 
 def plain_rng_state():
-    """plumbing.rng_state() as plain data: numpy's state is a tuple holding an ndarray (a
+    """runtime.rng_state() as plain data: numpy's state is a tuple holding an ndarray (a
     pickled numpy object, which torch.load(weights_only=True) refuses), so its MT19937 key
     travels as an int64 tensor and the rest as numbers."""
     state = rng_state()

@@ -11,7 +11,8 @@ rl.py holds the algorithms, the loop that trains with them and the measurements 
 distilled students (rl.distill_metrics); this file only lays out the tables, so the loop
 reads without a screen of column formatting. It imports no topic: rl.py imports it.
 """
-from core.plumbing import fmt_bytes, fmt_count, print0
+from core.cli import fmt_bytes, fmt_count
+from core.runtime import print0
 
 RL_COLUMNS = ("algo", "extra held", "state", "act", "gen s", "score s", "train s", "critic s",
               "×ref", "tok samp", "reward", "held-out greedy", "held-out sampled",
