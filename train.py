@@ -55,8 +55,8 @@ import optim
 from training import resume as saved
 from core.plots import svg_line_plot
 from model import GPT, GPTConfig, PRESETS, get_config
-from core.cli import (ArgumentParser, fmt_bytes, fmt_count, fmt_duration, HelpFormatter,
-                      require_at_least_one)
+from core.cli import (command_line, fmt_bytes, fmt_count, fmt_duration, given, knob,
+                      preset_knob, require_at_least_one)
 from core.errors import Interrupted, UserError
 from core.files import check_writable
 from core.meters import ActivationMeter, comm, gpu_peak_flops, StepTimer
@@ -443,11 +443,7 @@ def build_model(args, rt, resume):
         cfg = GPTConfig(**resume["config"]).validate()
     else:
         args.preset = args.preset or "small"
-        cfg = get_config(args.preset, n_layer=args.n_layer, n_embd=args.n_embd,
-                         n_head=args.n_head, n_kv_head=args.n_kv_head,
-                         block_size=args.block_size, attn=args.attn, n_expert=args.n_expert,
-                         moe_balance=args.moe_balance, moe_aux_coef=args.moe_aux_coef,
-                         moe_bias_rate=args.moe_bias_rate)
+        cfg = get_config(args.preset, **given(args, CONFIG_KNOBS))
     # The tokenizer is trained on the corpus (and cached) for this vocabulary size. A resume
     # needs the checkpoint's byte for byte: other merges and every id means another string.
     corpus = data.load_corpus(args.data, vocab_size=args.vocab_size or cfg.vocab_size)
@@ -812,143 +808,123 @@ def sample(model, enc, args, device):
 
 
 # ----------------------------------------------------------------------------------------
-# The command line
+# The command line: every knob once, a row each (flag, default, help; core/cli.py makes
+# the flags, --help and the "did you mean" line from these tables)
 
-def add_model_flags(p):
-    g = p.add_argument_group("model")
-    g.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: "
-                   "small; with --resume the checkpoint's, and a different one is refused)")
-    g.add_argument("--n-layer", type=int,
-                   help="override the preset's layer count (not given: the preset's)")
-    g.add_argument("--n-embd", type=int,
-                   help="override the preset's width (not given: the preset's)")
-    g.add_argument("--n-head", type=int,
-                   help="override the preset's attention heads (not given: the preset's)")
-    g.add_argument("--n-kv-head", type=int,
-                   help="override the preset's key/value heads (not given: the preset's)")
-    g.add_argument("--n-expert", type=int,
-                   help="override the preset's experts (0 = dense; not given: the preset's)")
-    g.add_argument("--block-size", type=int,
-                   help="override the preset's context length (not given: the preset's)")
-    g.add_argument("--moe-balance", choices=["aux", "loss_free"], help="MoE balancing: the "
-                   "Switch aux loss, or DeepSeek-V3's routing bias (default: the preset's)")
-    g.add_argument("--moe-aux-coef", type=float, help="weight of the MoE balance loss "
-                   "(default: the preset's: 0.01; v3: 1e-4)")
-    g.add_argument("--moe-bias-rate", type=float, help="γ of the loss-free bias update "
-                   "(default: the preset's: 0.001, DeepSeek-V3's)")
-    g.add_argument("--attn", default=None, choices=["sdpa", "math"],
-                   help="attention kernel (default: the preset's, sdpa; bench uses math)")
+MODEL_KNOBS = [
+    knob("--preset", None, f"one of {', '.join(PRESETS)} (default: small; with --resume the "
+         "checkpoint's, and a different one is refused)"),
+    preset_knob("--n-layer", int, "layer count"),
+    preset_knob("--n-embd", int, "width"),
+    preset_knob("--n-head", int, "attention heads"),
+    preset_knob("--n-kv-head", int, "key/value heads"),
+    knob("--n-expert", int, "override the preset's experts (0 = dense; not given: the preset's)"),
+    preset_knob("--block-size", int, "context length"),
+    knob("--moe-balance", None, "MoE balancing: the Switch aux loss, or DeepSeek-V3's routing "
+         "bias (default: the preset's)", choices=["aux", "loss_free"]),
+    knob("--moe-aux-coef", float, "weight of the MoE balance loss (default: the preset's: "
+         "0.01; v3: 1e-4)"),
+    knob("--moe-bias-rate", float, "γ of the loss-free bias update (default: the preset's: "
+         "0.001, DeepSeek-V3's)"),
+    knob("--attn", None, "attention kernel (default: the preset's, sdpa; bench uses math)",
+         choices=["sdpa", "math"]),
+]
+# the knobs above that model.get_config takes as overrides (all but --preset)
+CONFIG_KNOBS = MODEL_KNOBS[1:]
 
+DATA_KNOBS = [
+    knob("--data", None, "a UTF-8 text file (default: the built-in corpus, the Python "
+         "standard library's top-level sources)"),
+    knob("--vocab-size", int, "tokenizer vocabulary (default: the preset's)"),
+    knob("--batch-size", 8, "sequences per micro-batch"),
+    knob("--seq-len", int, "tokens per sequence (default: the model's block size)"),
+    knob("--grad-accum", 1, "micro-batches per step"),
+]
 
-def add_data_flags(p):
-    g = p.add_argument_group("data")
-    g.add_argument("--data", default=None, help="a UTF-8 text file (default: the built-in "
-                   "corpus, the Python standard library's top-level sources)")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="tokenizer vocabulary (default: the preset's)")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
-    g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence "
-                   "(default: the model's block size)")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+# GPT-3's recipe (Brown et al. 2020, appendix B): β2 0.95 (not Adam's 0.999: v tracks the
+# gradients' scale within ~20 steps, so a burst of large gradients cannot make m/√v large
+# for long), weight decay 0.1, clipping at norm 1.0, cosine to 10% of the peak (min-lr =
+# lr/10). The peak is 5× GPT-3 Small's 6e-4: small models take larger steps, and the
+# 600-step demo needs them.
+OPTIMIZER_KNOBS = [
+    knob("--steps", 600, "optimizer steps"),
+    knob("--lr", 3e-3, "peak learning rate"),
+    knob("--min-lr", 3e-4, "final learning rate"),
+    knob("--warmup-steps", 30, "linear warm-up steps"),
+    knob("--weight-decay", 0.1, "AdamW weight decay (matrices only)"),
+    knob("--beta1", 0.9, "Adam β1"),
+    knob("--beta2", 0.95, "Adam β2"),
+    knob("--grad-clip", 1.0, "max gradient norm (0 = off)"),
+    knob("--optimizer", "adamw", "adamw, or muon: Muon on hidden matrices + AdamW on "
+         "embeddings, head, norms (optim.py)", choices=optim.OPTIMIZERS),
+    knob("--muon-lr", float, "Muon's peak lr (default: --lr; its update is scaled to AdamW's "
+         "RMS)"),
+    knob("--qk-clip", 0.0, "MuonClip: after each step rescale W_q/W_k of heads whose max "
+         "logit > TAU (0 = off; K2: 100)", metavar="TAU"),
+]
 
+MEMORY_KNOBS = [
+    knob("--precision", "fp32", "fp32; bf16 autocast over fp32 weights; bf16 or fp16 weights "
+         "with fp32 master weights (fp16 adds dynamic loss scaling)",
+         choices=["fp32", "autocast-bf16", "bf16", "fp16"]),
+    knob("--loss-scale", 2.0 ** 16, "initial fp16 scale"),
+    knob("--scale-window", 200, "clean steps before the fp16 loss scale doubles"),
+    knob("--checkpointing", "none", "activation checkpointing",
+         choices=["none", "selective", "full"]),
+]
 
-def add_optimizer_flags(p):
-    g = p.add_argument_group("optimisation")
-    # GPT-3's recipe (Brown et al. 2020, appendix B): β2 0.95 (not Adam's 0.999: v tracks
-    # the gradients' scale within ~20 steps, so a burst of large gradients cannot make
-    # m/√v large for long), weight decay 0.1, clipping at norm 1.0, cosine to 10% of
-    # the peak (min-lr = lr/10). The peak is 5× GPT-3 Small's 6e-4: small models take
-    # larger steps, and the 600-step demo needs them.
-    g.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=3e-4, help="final learning rate")
-    g.add_argument("--warmup-steps", type=int, default=30, help="linear warm-up steps")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay "
-                   "(matrices only)")
-    g.add_argument("--beta1", type=float, default=0.9, help="Adam β1")
-    g.add_argument("--beta2", type=float, default=0.95, help="Adam β2")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0 = off)")
-    g.add_argument("--optimizer", default="adamw", choices=optim.OPTIMIZERS, help="adamw, or "
-                   "muon: Muon on hidden matrices + AdamW on embeddings, head, norms (optim.py)")
-    g.add_argument("--muon-lr", type=float, default=None,
-                   help="Muon's peak lr (default: --lr; its update is scaled to AdamW's RMS)")
-    g.add_argument("--qk-clip", type=float, default=0.0, metavar="TAU", help="MuonClip: after "
-                   "each step rescale W_q/W_k of heads whose max logit > TAU (0 = off; K2: 100)")
-
-
-def add_memory_flags(p):
-    g = p.add_argument_group("memory techniques")
-    g.add_argument("--precision", default="fp32",
-                   choices=["fp32", "autocast-bf16", "bf16", "fp16"],
-                   help="fp32; bf16 autocast over fp32 weights; bf16 or fp16 weights with "
-                        "fp32 master weights (fp16 adds dynamic loss scaling)")
-    g.add_argument("--loss-scale", type=float, default=2.0 ** 16, help="initial fp16 scale")
-    g.add_argument("--scale-window", type=int, default=200,
-                   help="clean steps before the fp16 loss scale doubles")
-    g.add_argument("--checkpointing", default="none", choices=["none", "selective", "full"],
-                   help="activation checkpointing")
-
-
-def add_data_parallel_flags(p):
-    g = p.add_argument_group("data parallelism (under torchrun)")
-    g.add_argument("--dp", default=None, choices=data_parallel.MODES,
-                   help="ddp, zero1, zero2, zero3 (by hand) or fsdp (PyTorch's fully_shard); not "
-                        "given: one process")
+DATA_PARALLEL_KNOBS = [
+    knob("--dp", None, "ddp, zero1, zero2, zero3 (by hand) or fsdp (PyTorch's fully_shard); "
+         "not given: one process", choices=data_parallel.MODES),
     # 1 MB, not PyTorch DDP's 25: `small`'s ~3.9M fp32 gradients (~16 MB) would fill one
     # 25 MB bucket, launched only when backward ends -- nothing left to overlap with.
-    g.add_argument("--bucket-mb", type=float, default=1.0, help="ddp gradient bucket size")
-    g.add_argument("--crash-at-step", type=int, default=-1, help="the last rank exits abruptly "
-                   "at this step (first attempt only): try it under torchrun --max-restarts=1")
-    g.add_argument("--hang-at-step", type=int, default=-1, help="the last rank stops itself "
-                   "(SIGSTOP) at this step (first attempt only): the --timeout watchdog")
-    g.add_argument("--timeout", type=float, default=None, help="seconds a collective waits "
-                   "for a silent peer during start-up, the first step, saves and evaluations "
-                   "before the job exits (status 3) for torchrun to restart (default: 300 on "
-                   "CPU, 600 on GPU)")
-    g.add_argument("--step-timeout", type=float, default=None, help="seconds a collective "
-                   "waits after the first step (not given: max(60, 20 x the first step's "
-                   "time), at most --timeout; 0: --timeout throughout). Under NCCL its "
-                   "watchdog aborts the process at this deadline")
-    g.add_argument("--save-delay", type=float, default=0, help="fault injection: the last "
-                   "rank sleeps this many seconds in every save, like a slow disk (saves "
-                   "wait --timeout, so a tight --step-timeout must not end the job)")
+    knob("--bucket-mb", 1.0, "ddp gradient bucket size"),
+    knob("--crash-at-step", -1, "the last rank exits abruptly at this step (first attempt "
+         "only): try it under torchrun --max-restarts=1"),
+    knob("--hang-at-step", -1, "the last rank stops itself (SIGSTOP) at this step (first "
+         "attempt only): the --timeout watchdog"),
+    knob("--timeout", float, "seconds a collective waits for a silent peer during start-up, "
+         "the first step, saves and evaluations before the job exits (status 3) for torchrun "
+         "to restart (default: 300 on CPU, 600 on GPU)"),
+    knob("--step-timeout", float, "seconds a collective waits after the first step (not "
+         "given: max(60, 20 x the first step's time), at most --timeout; 0: --timeout "
+         "throughout). Under NCCL its watchdog aborts the process at this deadline"),
+    knob("--save-delay", 0.0, "fault injection: the last rank sleeps this many seconds in "
+         "every save, like a slow disk (saves wait --timeout, so a tight --step-timeout must "
+         "not end the job)"),
+]
 
+RUN_KNOBS = [
+    knob("--device", "auto", "auto, cpu or cuda"),
+    knob("--seed", 1337, "weights, data and sampling seed"),
+    knob("--log-interval", 10, "steps between log lines"),
+    knob("--eval-interval", 100, "steps between validations"),
+    knob("--eval-iters", 20, "validation batches"),
+    knob("--checkpoint --ckpt", "out/ckpt.pt", "checkpoint path (written, and read by "
+         "--resume; --ckpt: the same)", dest="ckpt"),
+    knob("--save-interval", 100, "0 = never save"),
+    knob("--resume", False, "continue from --ckpt (the newest readable of the --keep "
+         "generations)"),
+    knob("--overwrite", False, "a fresh run may write over a --ckpt that holds another model "
+         "or an unfinished run (refused otherwise)"),
+    knob("--keep", 2, "checkpoint generations kept (ckpt.pt, ckpt.pt.1, ...; --dp: step_K "
+         "folders): the fallback if the newest is unreadable"),
+    knob("--stop-after", 0, "stop (and save) after this many steps of this invocation; the "
+         "schedule still runs to --steps (0 = off)"),
+    knob("--sample-tokens", 200, "tokens sampled at the end"),
+    knob("--prompt", "def ", "prompt of the final sample"),
+    knob("--temperature", 0.8, "final sample's temperature"),
+    knob("--top-k", 50, "final sample's top-k"),
+]
 
-def add_run_flags(p):
-    g = p.add_argument_group("run")
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--seed", type=int, default=1337, help="weights, data and sampling seed")
-    g.add_argument("--log-interval", type=int, default=10, help="steps between log lines")
-    g.add_argument("--eval-interval", type=int, default=100, help="steps between validations")
-    g.add_argument("--eval-iters", type=int, default=20, help="validation batches")
-    g.add_argument("--checkpoint", "--ckpt", dest="ckpt", default="out/ckpt.pt",
-                   help="checkpoint path (written, and read by --resume; --ckpt: the same)")
-    g.add_argument("--save-interval", type=int, default=100, help="0 = never save")
-    g.add_argument("--resume", action="store_true", help="continue from --ckpt (the newest "
-                   "readable of the --keep generations)")
-    g.add_argument("--overwrite", action="store_true", help="a fresh run may write over a "
-                   "--ckpt that holds another model or an unfinished run (refused otherwise)")
-    g.add_argument("--keep", type=int, default=2, help="checkpoint generations kept (ckpt.pt, "
-                   "ckpt.pt.1, ...; --dp: step_K folders): the fallback if the newest is "
-                   "unreadable")
-    g.add_argument("--stop-after", type=int, default=0, help="stop (and save) after this many "
-                   "steps of this invocation; the schedule still runs to --steps (0 = off)")
-    g.add_argument("--sample-tokens", type=int, default=200, help="tokens sampled at the end")
-    g.add_argument("--prompt", default="def ", help="prompt of the final sample")
-    g.add_argument("--temperature", type=float, default=0.8, help="final sample's temperature")
-    g.add_argument("--top-k", type=int, default=50, help="final sample's top-k")
+KNOBS = {"model": MODEL_KNOBS, "data": DATA_KNOBS, "optimisation": OPTIMIZER_KNOBS,
+         "memory techniques": MEMORY_KNOBS,
+         "data parallelism (under torchrun)": DATA_PARALLEL_KNOBS, "run": RUN_KNOBS}
 
 
 def build_parser(description):
-    """Every flag group of the loop; scripts/train_bench.py adds its own group to these."""
-    p = ArgumentParser(description=description, formatter_class=HelpFormatter)
-    add_model_flags(p)
-    add_data_flags(p)
-    add_optimizer_flags(p)
-    add_memory_flags(p)
-    add_data_parallel_flags(p)
-    add_run_flags(p)
-    return p
+    """Every knob of the loop; scripts/train_bench.py adds its own group to these."""
+    return command_line(description, KNOBS)
 
 
 def check_args(args):
