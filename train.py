@@ -43,7 +43,7 @@ import os
 import signal
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
@@ -289,20 +289,36 @@ class ExpertLoads:
         self.imbalance = float((loads.max(1).values / loads.mean(1)).mean())
 
 
-def train_step(model, optimizer, batches, args, device, scaler=None, master=None, sync=None,
-               qk_clip=None, expert_loads=None):
-    """One optimizer step over len(batches) micro-batches (gradient accumulation: the loss
-    of each is divided by their number, so the summed gradient is that of the mean loss).
-    sync: who holds the gradients -- data_parallel.OneProcess (the default) or a
-    data-parallel wrapper, which communicates the gradients (during backward and in
-    finish_grads) and, for ZeRO-1/2, the updated parameters (after_step).
-    qk_clip: an optim.QKClip (MuonClip), applied after the update.
-    expert_loads: an ExpertLoads (MoE: the step's tokens per expert, the loss-free update).
-    Returns (mean loss, activation bytes of one micro-batch, step skipped?)."""
-    if sync is None:        # the world of one: the same interface, no communication
-        sync = data_parallel.OneProcess(model, trained_params(model, master))
-    if expert_loads is None and model.config.n_expert:
-        expert_loads = ExpertLoads()     # a loss-free bias moves whoever calls this
+@dataclass
+class Trainer:
+    """What one optimizer step works on: the model and its optimizer, and what each memory
+    technique adds. Only the first two are needed; the rest default to "off"."""
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    scaler: Optional[LossScaler] = None      # fp16's dynamic loss scale
+    master: Optional[MasterWeights] = None   # fp32 copies of the weights (bf16 / fp16 only)
+    # who holds the gradients: data_parallel.OneProcess (None: made here, the world of one:
+    # the same interface, no communication), or a --dp wrapper that communicates them
+    # (during backward and in finish_grads) and, for ZeRO-1/2, the updated parameters
+    sync: object = None
+    qk_clip: Optional[optim.QKClip] = None   # MuonClip's recorders and clip (--qk-clip)
+    expert_loads: Optional[ExpertLoads] = None   # MoE: tokens per expert, loss-free bias
+
+    def __post_init__(self):
+        if self.sync is None:
+            self.sync = data_parallel.OneProcess(self.model,
+                                                 trained_params(self.model, self.master))
+        if self.expert_loads is None and self.model.config.n_expert:
+            self.expert_loads = ExpertLoads()    # a loss-free bias moves whoever trains
+
+
+def train_step(trainer, batches, args, device):
+    """One optimizer step of a Trainer over len(batches) micro-batches (gradient
+    accumulation: the loss of each is divided by their number, so the summed gradient is
+    that of the mean loss); MuonClip (qk_clip) after the update, then the MoE loads'
+    loss-free step (expert_loads). Returns (mean loss, activation bytes of one micro-batch,
+    step skipped?)."""
+    model, sync, scaler, master = trainer.model, trainer.sync, trainer.scaler, trainer.master
     # S: the fp16 loss scale, else 1 (fp32, bf16 and autocast need none)
     scale = scaler.scale if scaler is not None and scaler.enabled else 1.0
     total = 0.0
@@ -316,8 +332,8 @@ def train_step(model, optimizer, batches, args, device, scaler=None, master=None
         # what autograd saved for this micro-batch (read before backward frees it); the
         # max over equal-shaped micro-batches: what gradient accumulation divides by k
         act_bytes = max(act_bytes, meter.bytes)
-        if expert_loads is not None:
-            expert_loads.observe(model)
+        if trainer.expert_loads is not None:
+            trainer.expert_loads.observe(model)
         # loss·S/k: S lifts fp16's small gradients above underflow; 1/k makes the k summed
         # gradients those of the mean over all k·b sequences, as one big batch would give
         # (tests/test_train.py, test_gradient_accumulation_equals_one_big_batch).
@@ -342,25 +358,26 @@ def train_step(model, optimizer, batches, args, device, scaler=None, master=None
         # all-reduce, data_parallel.clip_grad_norm). Clipping scaled grads would clip S× early.
         if args.grad_clip > 0:
             sync.clip_grads(args.grad_clip)
-        optimizer.step()
+        trainer.optimizer.step()
         if master is not None:
             master.master_to_model()              # round the fp32 update into the model
         sync.after_step()                         # ZeRO-1/2: gather the updated slices
     # The fp32 masters are scaled with the model's W_q/W_k (the copies dict), or the next
     # master_to_model would write the unclipped weights back. It runs on a skipped step too:
     # the maxima came from forwards that did run.
-    if qk_clip is not None:    # MuonClip, with the maxima this step's forwards recorded
-        qk_clip.apply(dict(zip(master.model_params, master.params)) if master else None)
-    if expert_loads is not None:    # loss-free balancing: an explicit step of its own
-        expert_loads.after_step(model, skipped=bool(found_inf))
+    if trainer.qk_clip is not None:    # MuonClip, with the maxima this step's forwards recorded
+        trainer.qk_clip.apply(dict(zip(master.model_params, master.params)) if master else None)
+    if trainer.expert_loads is not None:    # loss-free balancing: an explicit step of its own
+        trainer.expert_loads.after_step(model, skipped=bool(found_inf))
     return total, act_bytes, found_inf
 
 
 def evaluate(model, corpus, args, device):
     """Mean cross-entropy over eval_iters fixed validation batches (the same batches every
-    time): evaluate.py's validation_loss, the one definition every script shares."""
+    time): core/scores.py's validation_loss, the one definition every script shares."""
     return scores.validation_loss(model, corpus.val, args.batch_size, args.seq_len,
-                              args.eval_iters, args.seed + 1, device, autocast_ctx(args, device))
+                                  args.eval_iters, args.seed + 1, device,
+                                  autocast_ctx(args, device))
 
 
 def micro_batches(corpus, args, step, device, rank=0):
@@ -419,19 +436,13 @@ def activation_formula(seq, batch, hidden, heads, layers, bytes_per_value=2):
 # Building and the loop
 
 @dataclass
-class Run:
-    """What one training run holds: built by build(), carried by the loop, saved by save()."""
-    model: GPT
-    optimizer: torch.optim.Optimizer
-    scaler: LossScaler
-    master: Optional[MasterWeights]   # fp32 copies of the weights (bf16 / fp16 only)
-    sync: object                      # data_parallel.OneProcess, or a --dp wrapper
-    corpus: data.Corpus
-    step: int                         # optimizer steps done = the data position
-    history: dict                     # losses so far (saved with the checkpoint)
-    run_id: str                       # one per training run, kept by every resume
-    qk_clip: Optional[optim.QKClip] = None   # MuonClip's recorders and clip (--qk-clip)
-    expert_loads: Optional[ExpertLoads] = None   # MoE: tokens per expert, loss-free bias
+class Run(Trainer):
+    """What one training run holds: a Trainer (what a step works on) and where the run is.
+    Built by build(), carried by the loop, saved by training/resume.py."""
+    corpus: Optional[data.Corpus] = None
+    step: int = 0                     # optimizer steps done = the data position
+    history: dict = field(default_factory=lambda: {"loss": [], "val": []})   # saved too
+    run_id: str = ""                  # one per training run, kept by every resume
 
 
 def build_model(args, rt, resume):
@@ -520,10 +531,9 @@ def build(args, rt):
     # only fp16 scales: bf16's 8 exponent bits cover fp32's range
     scaler = LossScaler(args.loss_scale, args.scale_window, enabled=args.precision == "fp16")
     run_id = resume.get("run_id") if resume else None
-    run = Run(model, optimizer, scaler, master, sync, corpus, 0, {"loss": [], "val": []},
-              run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12],
-              optim.QKClip(model, args.qk_clip) if args.qk_clip else None,
-              ExpertLoads() if model.config.n_expert else None)
+    run = Run(model, optimizer, scaler, master, sync,
+              optim.QKClip(model, args.qk_clip) if args.qk_clip else None, corpus=corpus,
+              run_id=run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12])
     if resume:
         _, full, where = found
         # Adam's m, v and step counts continue: fresh moments would re-run Adam's bias
@@ -540,7 +550,7 @@ def build(args, rt):
     return run
 
 
-def state_rows(run, rt):
+def state_rows(run):
     """This rank's model-state bytes by kind, with their total."""
     rows = run.sync.state_bytes(run.optimizer)
     rows.setdefault("opt_scalars", 0)
@@ -622,26 +632,15 @@ def log_line(args, rt, run, loss, lr, timer, state, act_bytes, sent_per_step, sk
 
 
 def train(args, rt):
-    seed_everything(args.seed)
-    run = build(args, rt)
-    with torch.device("meta"):      # count from the config: ZeRO-3/FSDP hold only shards
-        n_params = GPT(run.model.config, seed=None).num_params()
-    # the global batch in tokens: b·T per micro-batch, k micro-batches, on every rank
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * rt.world_size
-    banner(args, rt, run, n_params, tokens_per_step)
-    if args.save_interval:        # a read-only or full disk: now, not at the first save
-        check_writable(os.path.dirname(os.path.abspath(args.ckpt)),
-                       saved.checkpoint_bytes(n_params, args))
+    """The loop: one screen, as nanoGPT's. Every step: the schedule's lr, the step's
+    micro-batches, one optimizer step, the loss every rank agrees on, then the log line,
+    the validation and the checkpoint when they are due."""
+    run, n_params, tokens_per_step, last = start(args, rt)
     first_step = run.step
-    # --stop-after ends this invocation early, but the schedule keeps --steps as its length,
-    # so a resumed run continues the same cosine (test_resume_reproduces_the_uninterrupted_run)
-    last = min(args.steps, first_step + (args.stop_after or args.steps))
     if first_step and first_step >= args.steps:
         print0(f"nothing to do: the checkpoint is already at step {first_step} of --steps "
                f"{args.steps} (raise --steps to train further)")
         return run.history
-    if first_step:
-        print0(f"resumed at step {first_step} from {saved.location(args)}")
     state, act_bytes, sent, t_start = None, 0, 0, time.time()
     tight = 0.0                     # the collective timeout after the first step (0: none)
     with GracefulStop() as stop:    # Ctrl-C: finish the step, save, say how to resume
@@ -655,13 +654,11 @@ def train(args, rt):
             # it wraps (FSDP2's run inside PyTorch and are not seen)
             wire_before = comm.total_wire
             with StepTimer(rt.device) as timer:
-                loss, act_bytes, skipped = train_step(run.model, run.optimizer, batches, args,
-                                                      rt.device, run.scaler, run.master,
-                                                      run.sync, run.qk_clip, run.expert_loads)
+                loss, act_bytes, skipped = train_step(run, batches, args, rt.device)
             sent += comm.total_wire - wire_before
             if run.expert_loads is not None and not skipped:
                 run.history.setdefault("imbalance", []).append(run.expert_loads.imbalance)
-            state = state_rows(run, rt)        # measured while the gradients still exist
+            state = state_rows(run)        # measured while the gradients still exist
             run.sync.zero_grad()        # set to None: freed until the next backward
             # A collective every rank makes every step: skip it on one rank and all hang.
             loss, signum = global_mean(loss, rt, stop.signum)   # every rank stops together
@@ -680,10 +677,37 @@ def train(args, rt):
                 stopped(args, run, signum)
     if tight:                       # the report and the sample: long steps again
         set_collective_timeout(rt.timeout)
-    elapsed = time.time() - t_start
+    run.history["elapsed"] = time.time() - t_start
     if state is not None:
         final_report(args, rt, run, state, n_params, act_bytes, sent / (run.step - first_step))
-    print0(f"trained {run.step} steps in {elapsed:.1f} s")
+    wrap_up(args, rt, run)
+    return run.history
+
+
+def start(args, rt):
+    """-> (the Run, its parameter count, tokens per step, the last step of this invocation),
+    after the banner and the disk check."""
+    seed_everything(args.seed)
+    run = build(args, rt)
+    with torch.device("meta"):      # count from the config: ZeRO-3/FSDP hold only shards
+        n_params = GPT(run.model.config, seed=None).num_params()
+    # the global batch in tokens: b·T per micro-batch, k micro-batches, on every rank
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * rt.world_size
+    banner(args, rt, run, n_params, tokens_per_step)
+    if args.save_interval:        # a read-only or full disk: now, not at the first save
+        check_writable(os.path.dirname(os.path.abspath(args.ckpt)),
+                       saved.checkpoint_bytes(n_params, args))
+    # --stop-after ends this invocation early, but the schedule keeps --steps as its length,
+    # so a resumed run continues the same cosine (test_resume_reproduces_the_uninterrupted_run)
+    last = min(args.steps, run.step + (args.stop_after or args.steps))
+    if run.step and run.step < args.steps:
+        print0(f"resumed at step {run.step} from {saved.location(args)}")
+    return run, n_params, tokens_per_step, last
+
+
+def wrap_up(args, rt, run):
+    """After the loop: the time, how to go on, the loss curve, the sample, what next."""
+    print0(f"trained {run.step} steps in {run.history['elapsed']:.1f} s")
     if run.step < args.steps and args.save_interval:
         print0(f"stopped at step {run.step} of {args.steps} (--stop-after): continue with "
                f"the same command and --resume")
@@ -693,8 +717,6 @@ def train(args, rt):
         sample(run.model, run.corpus.enc, args, rt.device)
     if args.save_interval and run.step > 0:
         next_steps(args)
-    run.history["elapsed"] = elapsed
-    return run.history
 
 
 def next_steps(args):

@@ -37,7 +37,7 @@ def reference(argv, worlds):
             group["lr"] = train.learning_rate(step, args)
         parts = [train.micro_batches(corpus, args, step, "cpu", rank=r)[0] for r in range(world)]
         x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        loss, _, _ = train.train_step(model, opt, [(x, y)], args, "cpu")
+        loss, _, _ = train.train_step(train.Trainer(model, opt), [(x, y)], args, "cpu")
         model.zero_grad(set_to_none=True)
         losses.append(loss)
     return losses, model.state_dict()

@@ -716,7 +716,7 @@ def train_reference(argv, world, device):
         optim.set_lr(opt, train.learning_rate(step, args))
         parts = [train.micro_batches(corpus, args, step, device, rank=r)[0] for r in range(world)]
         x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        loss, _, _ = train.train_step(model, opt, [(x, y)], args, device)
+        loss, _, _ = train.train_step(train.Trainer(model, opt), [(x, y)], args, device)
         model.zero_grad(set_to_none=True)
         losses.append(loss)
     return losses, model.state_dict()

@@ -52,10 +52,10 @@ def test_gradient_accumulation_equals_one_big_batch():
     cfg, args, big, opt_big, _, _ = make_setup()
     _, _, acc, opt_acc, _, _ = make_setup()
     x, y = batch(cfg, 8)
-    loss_big, _, _ = train.train_step(big, opt_big, [(x, y)], args, "cpu")
+    loss_big, _, _ = train.train_step(train.Trainer(big, opt_big), [(x, y)], args, "cpu")
     grads_big = [p.grad.clone() for p in big.parameters()]
     micro = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)]
-    loss_acc, _, _ = train.train_step(acc, opt_acc, micro, args, "cpu")
+    loss_acc, _, _ = train.train_step(train.Trainer(acc, opt_acc), micro, args, "cpu")
     assert abs(loss_big - loss_acc) < 1e-6
     for gb, pa in zip(grads_big, acc.parameters()):
         torch.testing.assert_close(pa.grad, gb, rtol=1e-5, atol=1e-7)
@@ -99,7 +99,8 @@ def test_checkpointing_replays_autocast():
 def test_inf_gradient_skips_step_and_halves_scale():
     cfg, args, model, opt, scaler, master = make_setup("fp16")
     x, y = batch(cfg, 2)
-    train.train_step(model, opt, [(x, y)], args, "cpu", scaler, master)   # one clean step
+    step = train.Trainer(model, opt, scaler, master)
+    train.train_step(step, [(x, y)], args, "cpu")   # one clean step
     model.zero_grad(set_to_none=True)
     before_model = [p.detach().clone() for p in model.parameters()]
     before_master = [p.detach().clone() for p in master.params]
@@ -107,7 +108,7 @@ def test_inf_gradient_skips_step_and_halves_scale():
     scale = scaler.scale
     victim = model.layers[0].attention.wq.weight
     handle = victim.register_hook(lambda g: torch.full_like(g, float("inf")))
-    _, _, skipped = train.train_step(model, opt, [(x, y)], args, "cpu", scaler, master)
+    _, _, skipped = train.train_step(step, [(x, y)], args, "cpu")
     handle.remove()
     assert skipped and scaler.scale == scale / 2 and scaler.skipped == 1
     for a, b in zip(model.parameters(), before_model):
@@ -117,7 +118,7 @@ def test_inf_gradient_skips_step_and_halves_scale():
     for s, b in zip(opt.state.values(), before_opt):
         assert torch.equal(s["exp_avg"], b)
     model.zero_grad(set_to_none=True)
-    _, _, skipped = train.train_step(model, opt, [(x, y)], args, "cpu", scaler, master)
+    _, _, skipped = train.train_step(step, [(x, y)], args, "cpu")
     wq_index = [n for n, _ in model.named_parameters()].index("layers.0.attention.wq.weight")
     assert not skipped and not torch.equal(victim, before_model[wq_index])
 
@@ -138,7 +139,7 @@ def test_loss_scale_grows_after_clean_steps():
 def test_model_state_bytes_equal_the_formula(precision, per_param):
     cfg, args, model, opt, scaler, master = make_setup(precision)
     x, y = batch(cfg, 2)
-    train.train_step(model, opt, [(x, y)], args, "cpu", scaler, master)
+    train.train_step(train.Trainer(model, opt, scaler, master), [(x, y)], args, "cpu")
     state = model_state_bytes(model, opt, master.params if master else ())
     n = model.num_params()
     for key, per in per_param.items():
@@ -267,10 +268,10 @@ def test_loss_free_bias_moves_once_per_step_by_the_summed_micro_batch_loads():
         one(x)
         loads = one.expert_loads()
     want = 0.01 * torch.sign(loads.mean(1, keepdim=True) - loads)
-    loss_one, _, _ = train.train_step(one, opt_one, [(x, y)], args, "cpu")
+    loss_one, _, _ = train.train_step(train.Trainer(one, opt_one), [(x, y)], args, "cpu")
     micro = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)]
     loads_seen = train.ExpertLoads()
-    train.train_step(acc, opt_acc, micro, args, "cpu", expert_loads=loads_seen)
+    train.train_step(train.Trainer(acc, opt_acc, expert_loads=loads_seen), micro, args, "cpu")
     for a, b, w in zip(one.layers, acc.layers, want):
         assert torch.equal(a.feed_forward.router.expert_bias, w)
         assert torch.equal(b.feed_forward.router.expert_bias, w)
@@ -278,5 +279,6 @@ def test_loss_free_bias_moves_once_per_step_by_the_summed_micro_batch_loads():
                                                         loads.mean(1)).mean()))
     aux = get_config("tiny", **{**v3, "moe_balance": "aux"})
     model = GPT(aux, seed=0)
-    train.train_step(model, torch.optim.AdamW(model.parameters()), [(x, y)], args, "cpu")
+    train.train_step(train.Trainer(model, torch.optim.AdamW(model.parameters())), [(x, y)],
+                     args, "cpu")
     assert model.layers[0].feed_forward.router.expert_bias is None     # aux: no bias
