@@ -64,7 +64,7 @@ from core.checkpoint import load_model
 from core.files import load_checkpoint
 from model import GPT, get_config, PRESETS
 from compression.nf4 import NF4Matmul, NF4Weight, nf4_bits_report
-from core.cli import ArgumentParser, fmt_bytes, fmt_count, HelpFormatter, require_at_least_one
+from core.cli import command_line, fmt_bytes, fmt_count, knob, require_at_least_one
 from core.errors import UserError
 from core.files import atomic_save
 from core.meters import ActivationMeter, comm, model_state_bytes, StepTimer, tensor_bytes
@@ -143,18 +143,19 @@ class LoRALinear(nn.Module):
         # merge and for DoRA's norm; a LoRA training step never forms it (adapter_forward).
         return self.scale * self.lora_B @ self.lora_A
 
-    def adapter_forward(self, x):
-        # B(A x): two thin matmuls, r·(in+out) multiply-adds per token, never the out×in
-        # ΔW. Saved for backward: dropout(x) (for A's gradient) and A x (r per token, for
-        # B's) -- about what full FT saves (x, for W's): LoRA saves state, not activations.
-        return self.scale * F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
+    def adapter_forward(self, dropped):
+        # B(A x) on the dropped-out input (forward applies the dropout): two thin matmuls,
+        # r·(in+out) multiply-adds per token, never the out×in ΔW. Saved for backward:
+        # dropout(x) (for A's gradient) and A x (r per token, for B's) -- about what full FT
+        # saves (x, for W's): LoRA saves state, not activations.
+        return self.scale * F.linear(F.linear(dropped, self.lora_A), self.lora_B)
 
     def forward(self, x):
         # Merged: one matmul, the adapter's cost gone. Do not train a merged layer: forward skips
         # A and B, so they would get no gradient while W silently carries the old ΔW.
         if self.merged:
             return F.linear(x, self.weight)
-        return self.base_forward(x) + self.adapter_forward(x)
+        return self.base_forward(x) + self.adapter_forward(self.dropout(x))
 
     # Hooks the subclasses override (DoRA rescales rows, VeRA has its own ΔW); merge, unmerge
     # and merge_and_unload are shared and call only these.
@@ -218,10 +219,10 @@ class DoRALinear(LoRALinear):
         scale = self.magnitude / self.weight_norm()
         base = self.base_forward(x)
         if not (self.training and self.dropout.p > 0):  # eval, or no dropout: W' x
-            return scale * (base + self.adapter_forward(x))
+            return scale * (base + self.adapter_forward(self.dropout(x)))
         dropped = self.dropout(x)                    # ONE mask for both adapter terms
-        lora = self.scale * F.linear(F.linear(dropped, self.lora_A), self.lora_B)
-        return base + (scale - 1) * self.base_forward(dropped) + scale * lora
+        return base + (scale - 1) * self.base_forward(dropped) + \
+            scale * self.adapter_forward(dropped)
 
     def merged_weight(self, w0):
         # W' = (m/‖V‖)[:, None]·V, each row of V rescaled to norm m. ‖V‖ is stored: after merging
@@ -278,11 +279,11 @@ class VeRALinear(LoRALinear):
         # B's columns); no diagonal matrix is built.
         return (self.vera_b[:, None] * B) @ (self.vera_d[:, None] * A)
 
-    def adapter_forward(self, x):
+    def adapter_forward(self, dropped):
         A, B = self.frozen_pair()
         # The FLOPs of a LoRA of rank r: VeRA saves parameters, not compute -- and its default r
         # is the largest the layers allow, far above LoRA's 8 (--vera-rank lowers it).
-        return self.vera_b * F.linear(self.vera_d * F.linear(self.dropout(x), A), B)
+        return self.vera_b * F.linear(self.vera_d * F.linear(dropped, A), B)
 
 
 ADAPTER_CLASS = {"dora": DoRALinear, "vera": VeRALinear}     # LoRA, LoRA+, QLoRA: LoRALinear
@@ -794,99 +795,83 @@ def evaluate_loaded(args, rt, base, enc, loaded):
     write_outputs(model, spec, enc, args, rt)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    rt = setup_runtime(args.device)
-    torch.set_num_threads(args.threads)
-    base, enc = build_base(args, rt.device)
-    loaded = read_adapter(args.load) if args.load else None  # checked before anything slow
-    if args.mode == "eval":
-        return evaluate_loaded(args, rt, base, enc, loaded)
-    methods = (args.methods.split(",") if args.mode == "compare" else
-               [loaded["method"] if loaded else args.method])
-    for m in methods:                 # fail on bad flags or a bad file before any training
-        adapt(copy.deepcopy(base), m, args, loaded)
-    train_pairs, test, test_pairs = task_data(enc, args)
-    # The base's own score on the held-out problems: every row's "before".
-    t0 = time.perf_counter()
-    base_quality = evaluate(base, enc, test)
-    print0(f"base {args.ckpt}: {base.num_params():,} params | task: {args.digits}-digit "
-           f"'{args.ops}', {len(train_pairs)} train / {len(test)} held-out problems | "
-           f"{args.steps} steps × {args.batch_size * rt.world_size} rows, {rt.world_size} "
-           f"rank(s) | base exact match {base_quality[0]:.1%}, answer loss {base_quality[1]:.3f}")
-    rows = []
-    # one progress line as each method starts (a compare at the default sizes takes minutes)
-    progress = Progress("lora compare", len(methods), every=0)
-    for i, method in enumerate(methods):  # adapt a copy of the base, fine-tune, evaluate, merge
-        progress.update(i, now_on=method)
-        model = copy.deepcopy(base)
-        spec = adapt(model, method, args, loaded)
-        seed_everything(args.seed)                 # same dropout masks for every method
-        comm.reset()  # communication counters per method
-        run = finetune(model, method, train_pairs, args, rt)
-        quality = evaluate(model, enc, test)
-        if method != "full" and test_pairs:        # the merged plain GPT == the adapter?
-            run["merge_err"] = merge_error(model, test_pairs, rt.device)
-        print0(f"{method}: trained {args.steps} steps in {run['seconds']:.1f} s | test exact match "
-               f"{quality[0]:.1%} (base {base_quality[0]:.1%}) | answer loss "
-               f"{quality[1]:.3f} (base {base_quality[1]:.3f})")
-        if rt.world_size > 1:
-            print0(comm.report(f"data-parallel communication, {method} (this rank)"))
-        rows.append(ledger_row(model, method, run, quality, base_quality))
-    cmd = " ".join(["python lora.py", *(sys.argv[1:] if argv is None else argv)])
-    print0(f"\nledger ({cmd}; {rt.world_size} rank(s), device {rt.device}):")
-    print_ledger(rows)
-    nf4_bits_report(target_linears(base, args.targets), args.quant_block, args.dq_block)
-    print0(f"total {time.perf_counter() - t0:.0f} s")
-    # The last method's model: train mode runs one, and compare refuses --save/--export
-    write_outputs(model, spec, enc, args, rt)
-    return rows
+def fine_tune_method(method, base, enc, args, rt, loaded, task, base_quality):
+    """One row of the ledger: adapt a copy of the base, fine-tune, evaluate, merge-check.
+    task: task_data's (train pairs, test problems, test pairs). -> (model, spec, row)."""
+    train_pairs, test, test_pairs = task
+    model = copy.deepcopy(base)
+    spec = adapt(model, method, args, loaded)
+    seed_everything(args.seed)                 # same dropout masks for every method
+    comm.reset()  # communication counters per method
+    run = finetune(model, method, train_pairs, args, rt)
+    quality = evaluate(model, enc, test)
+    if method != "full" and test_pairs:        # the merged plain GPT == the adapter?
+        run["merge_err"] = merge_error(model, test_pairs, rt.device)
+    print0(f"{method}: trained {args.steps} steps in {run['seconds']:.1f} s | test exact match "
+           f"{quality[0]:.1%} (base {base_quality[0]:.1%}) | answer loss "
+           f"{quality[1]:.3f} (base {base_quality[1]:.3f})")
+    if rt.world_size > 1:
+        print0(comm.report(f"data-parallel communication, {method} (this rank)"))
+    return model, spec, ledger_row(model, method, run, quality, base_quality)
 
 
-def add_adapter_flags(g):
-    g.add_argument("--targets", default=ALL_LINEARS, help="linear layers to adapt (names)")
-    g.add_argument("--rank", type=int, default=8, help="LoRA/QLoRA/DoRA rank r")
-    g.add_argument("--alpha", type=float, default=16.0, help="LoRA scale α (ΔW = α/r·BA)")
-    g.add_argument("--rslora", action="store_true", help="scale by α/√r (rsLoRA)")
-    g.add_argument("--dropout", type=float, default=0.0, help="dropout on the adapter input")
-    g.add_argument("--loraplus-ratio", type=float, default=16.0, help="LoRA+: lr_B / lr_A")
-    g.add_argument("--vera-rank", type=int, default=0, help="0 = the largest all layers allow")
-    g.add_argument("--vera-d-init", type=float, default=0.1, help="VeRA: initial d")
-    g.add_argument("--quant-block", type=int, default=64, help="QLoRA: NF4 block size")
-    g.add_argument("--dq-block", type=int, default=256, help="QLoRA: absmax block size")
-    g.add_argument("--no-double-quant", action="store_true", help="QLoRA: fp32 absmax")
+# ----------------------------------------------------------------------------------------
+# The command line: every knob once, a row each (flag, default, help; core/cli.py makes
+# the flags, --help and the "did you mean" line from these tables)
 
+MODE_KNOBS = [
+    knob("mode", "train", "train: one --method (or continue --load); compare: every method in "
+         "--methods, one table; eval: evaluate (and --export) the --load adapter", nargs="?",
+         choices=["train", "compare", "eval"]),
+    knob("--method", "lora", f"one of {', '.join(METHODS)}"),
+    knob("--methods", ",".join(METHODS), "compare: methods to run"),
+]
 
-def add_training_flags(g):
-    g.add_argument("--steps", type=int, default=200, help="optimizer steps per method")
-    g.add_argument("--batch-size", type=int, default=32, help="problems per step per rank")
-    g.add_argument("--lr", type=float, default=0.0, help=f"0 = per method: {DEFAULT_LR}")
-    g.add_argument("--warmup", type=int, default=10, help="warmup steps, then cosine")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="0 = off")
-    g.add_argument("--digits", type=int, default=1, help="digits per operand")
-    g.add_argument("--ops", default="+-", help="operators, from '+-*'")
-    g.add_argument("--n-train", type=int, default=20000, help="training problems")
-    g.add_argument("--eval-problems", type=int, default=200, help="held-out draws, 0 = none")
+ADAPTER_KNOBS = [
+    knob("--targets", ALL_LINEARS, "linear layers to adapt (names)"),
+    knob("--rank", 8, "LoRA/QLoRA/DoRA rank r"),
+    knob("--alpha", 16.0, "LoRA scale α (ΔW = α/r·BA)"),
+    knob("--rslora", False, "scale by α/√r (rsLoRA)"),
+    knob("--dropout", 0.0, "dropout on the adapter input"),
+    knob("--loraplus-ratio", 16.0, "LoRA+: lr_B / lr_A"),
+    knob("--vera-rank", 0, "0 = the largest all layers allow"),
+    knob("--vera-d-init", 0.1, "VeRA: initial d"),
+    knob("--quant-block", 64, "QLoRA: NF4 block size"),
+    knob("--dq-block", 256, "QLoRA: absmax block size"),
+    knob("--no-double-quant", False, "QLoRA: fp32 absmax"),
+]
 
+TRAINING_KNOBS = [
+    knob("--steps", 200, "optimizer steps per method"),
+    knob("--batch-size", 32, "problems per step per rank"),
+    knob("--lr", 0.0, f"0 = per method: {DEFAULT_LR}"),
+    knob("--warmup", 10, "warmup steps, then cosine"),
+    knob("--weight-decay", 0.0, "AdamW weight decay"),
+    knob("--grad-clip", 1.0, "0 = off"),
+    knob("--digits", 1, "digits per operand"),
+    knob("--ops", "+-", "operators, from '+-*'"),
+    knob("--n-train", 20000, "training problems"),
+    knob("--eval-problems", 200, "held-out draws, 0 = none"),
+]
 
-def add_run_flags(g):
-    g.add_argument("--checkpoint", "--ckpt", dest="ckpt", default="out/ckpt.pt",
-                   help="the base model; 'none' = random --preset model (--ckpt: the old name)")
-    g.add_argument("--preset", default="tiny", help=f"with --ckpt none: {', '.join(PRESETS)}")
-    g.add_argument("--seed", type=int, default=0, help="data, adapter init, dropout")
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matmuls)")
-    g.add_argument("--log-interval", type=int, default=25, help="steps between log lines")
-    g.add_argument("--save", default="",
-                   help="write the adapter file (method, settings, "
-                        "tensors, base identity) here, e.g. out/lora/adapter.pt")
-    g.add_argument("--load", default="",
-                   help="start from this adapter file: its method and "
-                        "settings replace the adapter flags; checked against --ckpt")
-    g.add_argument("--export", default="",
-                   help="write the merged, unloaded model here as a "
-                        "checkpoint that serve.py and every script read, e.g. out/lora/merged.pt")
+RUN_KNOBS = [
+    knob("--checkpoint --ckpt", "out/ckpt.pt", "the base model; 'none' = random --preset model "
+         "(--ckpt: the old name)", dest="ckpt"),
+    knob("--preset", "tiny", f"with --ckpt none: {', '.join(PRESETS)}"),
+    knob("--seed", 0, "data, adapter init, dropout"),
+    knob("--device", "auto", "auto, cpu or cuda"),
+    knob("--threads", 1, "torch CPU threads (tiny matmuls)"),
+    knob("--log-interval", 25, "steps between log lines"),
+    knob("--save", "", "write the adapter file (method, settings, tensors, base identity) "
+         "here, e.g. out/lora/adapter.pt"),
+    knob("--load", "", "start from this adapter file: its method and settings replace the "
+         "adapter flags; checked against --ckpt"),
+    knob("--export", "", "write the merged, unloaded model here as a checkpoint that serve.py "
+         "and every script read, e.g. out/lora/merged.pt"),
+]
+
+KNOBS = {None: MODE_KNOBS, "adapters": ADAPTER_KNOBS, "training and task": TRAINING_KNOBS,
+         "run": RUN_KNOBS}
 
 
 def check_args(args):
@@ -908,21 +893,50 @@ def check_args(args):
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(
-        description="Fine-tune the base GPT on arithmetic with LoRA, LoRA+, QLoRA, VeRA, "
-                    "DoRA or full fine-tuning, and print what each costs.",
-        formatter_class=HelpFormatter)
-    p.add_argument("mode", nargs="?", default="train", choices=["train", "compare", "eval"],
-                   help="train: one --method (or continue --load); compare: every method in "
-                        "--methods, one table; eval: evaluate (and --export) the --load adapter")
-    p.add_argument("--method", default="lora", help=f"one of {', '.join(METHODS)}")
-    p.add_argument("--methods", default=",".join(METHODS), help="compare: methods to run")
-    add_adapter_flags(p.add_argument_group("adapters"))
-    add_training_flags(p.add_argument_group("training and task"))
-    add_run_flags(p.add_argument_group("run"))
+    p = command_line("Fine-tune the base GPT on arithmetic with LoRA, LoRA+, QLoRA, VeRA, "
+                     "DoRA or full fine-tuning, and print what each costs.", KNOBS)
     args = p.parse_args(argv)
     check_args(args)
     return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rt = setup_runtime(args.device)
+    torch.set_num_threads(args.threads)
+    base, enc = build_base(args, rt.device)
+    loaded = read_adapter(args.load) if args.load else None  # checked before anything slow
+    if args.mode == "eval":
+        return evaluate_loaded(args, rt, base, enc, loaded)
+    methods = (args.methods.split(",") if args.mode == "compare" else
+               [loaded["method"] if loaded else args.method])
+    for m in methods:                 # fail on bad flags or a bad file before any training
+        adapt(copy.deepcopy(base), m, args, loaded)
+    task = task_data(enc, args)
+    train_pairs, test, _ = task
+    # The base's own score on the held-out problems: every row's "before".
+    t0 = time.perf_counter()
+    base_quality = evaluate(base, enc, test)
+    print0(f"base {args.ckpt}: {base.num_params():,} params | task: {args.digits}-digit "
+           f"'{args.ops}', {len(train_pairs)} train / {len(test)} held-out problems | "
+           f"{args.steps} steps × {args.batch_size * rt.world_size} rows, {rt.world_size} "
+           f"rank(s) | base exact match {base_quality[0]:.1%}, answer loss {base_quality[1]:.3f}")
+    rows = []
+    # one progress line as each method starts (a compare at the default sizes takes minutes)
+    progress = Progress("lora compare", len(methods), every=0)
+    for i, method in enumerate(methods):  # adapt a copy of the base, fine-tune, evaluate, merge
+        progress.update(i, now_on=method)
+        model, spec, row = fine_tune_method(method, base, enc, args, rt, loaded, task,
+                                            base_quality)
+        rows.append(row)
+    cmd = " ".join(["python lora.py", *(sys.argv[1:] if argv is None else argv)])
+    print0(f"\nledger ({cmd}; {rt.world_size} rank(s), device {rt.device}):")
+    print_ledger(rows)
+    nf4_bits_report(target_linears(base, args.targets), args.quant_block, args.dq_block)
+    print0(f"total {time.perf_counter() - t0:.0f} s")
+    # The last method's model: train mode runs one, and compare refuses --save/--export
+    write_outputs(model, spec, enc, args, rt)
+    return rows
 
 
 if __name__ == "__main__":

@@ -33,7 +33,15 @@ NF4_CODE = torch.tensor([
     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
-NF4_DQ_BITS = 4 + 8 / 64 + 32 / (64 * 256)      # codes + int8 absmax + fp32 per 256 absmax
+
+
+def nf4_bits(block=64, dq_block=256, double_quant=True):
+    """Stored bits per parameter, by formula: the 4-bit code plus, per block, one absmax of
+    8 bits (itself quantized, with one fp32 constant per dq_block absmaxes) or of 32 (fp32)."""
+    return 4 + 8 / block + 32 / (block * dq_block) if double_quant else 4 + 32 / block
+
+
+NF4_DQ_BITS = nf4_bits()          # 4 + 8/64 + 32/(64·256) = 4.127: codes + int8 absmax + fp32
 
 
 def pack_nibbles(codes):
@@ -114,16 +122,12 @@ class NF4Matmul(torch.autograd.Function):
         return grad_y @ ctx.qweight.dequantize(grad_y.dtype), None
 
 
-
-
 def nf4_bits_report(linears, block=64, dq_block=256):
     """Quantize the weights of these (name, nn.Linear) both ways (with and without double
     quantization) and print the stored bits per parameter next to the formula."""
-    # 4-bit codes + per block one absmax: 8 bits (itself quantized, with one fp32 constant
-    # per dq_block absmaxes) or 32 bits (fp32)
-    ways = ((True, 4 + 8 / block + 32 / (block * dq_block), "4 + 8/64 + 32/(64·256)"),
-            (False, 4 + 32 / block, "4 + 32/64"))
-    for dq, formula, label in ways:
+    # the formula's label names the default blocks, as the papers write it
+    for dq, label in ((True, "4 + 8/64 + 32/(64·256)"), (False, "4 + 32/64")):
+        formula = nf4_bits(block, dq_block, dq)
         qs = [NF4Weight(m.weight, block, dq, dq_block) for _, m in linears]
         n = sum(math.prod(q.shape) for q in qs)
         bits = 8 * sum(q.nbytes for q in qs) / n
