@@ -53,14 +53,12 @@ import torch
 import torch.distributed as dist
 
 from kvcache import blocks_for
-from core.checkpoint import load_model
-from model import GPT, get_config
-from core.cli import ArgumentParser, fmt_bytes
+from core.cli import ArgumentParser, add_knobs, fmt_bytes, knob, require_at_least_one
 from core.errors import UserError
 from core.meters import comm
 from core.runtime import job_store, run_cli, setup_runtime
 from serve import FINISHED, PREFILLED, Engine, PoolFull, SamplingParams
-from serving.workloads import length_range, mixed_workload
+from serving.workloads import bench_model, length_range, mixed_workload, pct
 
 # Every message starts with a header of exactly HEADER int64s (control messages pad it
 # with zeros), so the receiver can always post the same first irecv: a point-to-point
@@ -506,13 +504,6 @@ def check_roles(rt):
 # ----------------------------------------------------------------------------------------
 # Measuring
 
-def pct(xs, p):
-    """Nearest-rank percentile: the ceil(p/100 · n)-th smallest, no interpolation (so the
-    p99 of fewer than 100 samples is their maximum); nan for no samples."""
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(p / 100 * len(xs)) - 1))] if xs else math.nan
-
-
 def latency(results, reqs):
     """TTFT (from arrival), inter-token latencies from the second token on, and the gap
     between the first and the second token apart (for disaggregation it holds the
@@ -572,16 +563,6 @@ def make_engine(model, args):
                   max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype)
 
 
-def build_model(args):
-    """Both ranks build their copy: from the checkpoint, or random-init from the same
-    seed -- the decode rank must continue with the very weights that made the KV."""
-    if args.checkpoint:
-        model, _ = load_model(args.checkpoint)
-    else:
-        model = GPT(get_config(args.preset, block_size=args.context), seed=args.seed)
-    return model.eval()
-
-
 def workload(args, cfg):
     """serving/workloads.mixed_workload: short and long prompts mixed, Poisson arrivals. ->
     plain dicts (id, prompt, out_len, arrival, long)."""
@@ -602,7 +583,7 @@ def run(rt, args):
     """Serve the workload disaggregated; on rank 0 print the bytes moved per request
     next to the formula, check the outputs against one engine, show the decode rank's
     pool at the end."""
-    model = build_model(args)
+    model = bench_model(args.checkpoint, args.preset, args.context, args.seed)
     cfg = model.config
     reqs = workload(args, cfg)
     engine = make_engine(model, args)
@@ -640,7 +621,7 @@ def bench(rt, args):
     """The same workload through one colocated engine (rank 0 alone), two colocated
     engines (one per rank: the same total compute as disaggregation) and one prefill +
     one decode rank. Rank 0 prints the tables."""
-    model = build_model(args)
+    model = bench_model(args.checkpoint, args.preset, args.context, args.seed)
     reqs = workload(args, model.config)
     systems = (("colocated x1 (rank 0 alone)", lambda e, i: serve_colocated(rt, e, reqs, 1)),
                ("colocated x2 (half each)", lambda e, i: serve_colocated(rt, e, reqs, 2)),
@@ -709,55 +690,71 @@ def print_bench(rows, reqs, args, cfg):
 # ----------------------------------------------------------------------------------------
 # The command line
 
+# Every knob once, a row each (flag, default, help; core/cli.py turns the rows into flags).
+# Both modes take the model, engine and workload tables; each adds a knob of its own.
+MODEL_KNOBS = [
+    knob("--checkpoint", None, "a model from train.py; None = a random-init --preset model"),
+    knob("--preset", "small", "model preset without --checkpoint"),
+    knob("--context", int, "the --preset model's context (None = the preset's)"),
+    knob("--threads", 1, "torch CPU threads per rank"),
+]
+
+ENGINE_KNOBS = [                # both ranks build their engine from these
+    knob("--block-size", 16, "tokens per KV block"),
+    knob("--num-blocks", 256, "KV blocks per rank"),
+    knob("--max-num-batched-tokens", 128, "token budget of one step"),
+    knob("--max-num-seqs", 32, "running sequences at most"),
+    knob("--kv-dtype", None, "KV pool dtype; None = the model's",
+         choices=["float32", "bfloat16", "int8"]),
+]
+
+
+def workload_knobs(num_requests, rate):
+    """serving/workloads.mixed_workload's knobs. Only two defaults differ by mode: `run`
+    checks a few requests arriving at once, `bench` measures a longer Poisson stream."""
+    return [
+        knob("--num-requests", num_requests, "requests"),
+        knob("--short-len", "8:32", "short prompts, LO:HI tokens"),
+        knob("--long-len", "160:224", "long prompts, LO:HI tokens"),
+        knob("--long-frac", 0.25, "share of long prompts"),
+        knob("--output-len", "16:32", "output tokens, LO:HI"),
+        knob("--rate", rate, "Poisson arrivals per second (inf = all at once)"),
+        knob("--seed", 0, "workload and model seed"),
+    ]
+
+
+# mode: (its help, its workload table, its own knobs)
+MODES = {
+    "run": ("serve a workload disaggregated; bytes vs the formula, outputs vs one engine",
+            workload_knobs(12, math.inf),
+            [knob("--show", 6, "requests listed in the table")]),
+    "bench": ("colocated x1, colocated x2 and disaggregated on one workload: TTFT, ITL",
+              workload_knobs(48, 16.0),
+              [knob("--repeats", 1, "run each system this many times, report the fastest run")]),
+}
+
+
 def build_parser():
+    # argparse's formatter, not core.cli's: "(default: None)" by the "None = ..." flags, as ever
+    formatter = argparse.ArgumentDefaultsHelpFormatter
     p = ArgumentParser(description="Prefill/decode disaggregation over torch.distributed "
                        "point-to-point: torchrun --standalone --nproc_per_node=2 disagg.py "
-                       "{run,bench}.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       "{run,bench}.", formatter_class=formatter)
     sub = p.add_subparsers(dest="mode", required=True)
-    for mode, text in (("run", "serve a workload disaggregated; bytes vs the formula, outputs "
-                                "vs one engine"),
-                       ("bench", "colocated x1, colocated x2 and disaggregated on one "
-                                 "workload: TTFT, ITL")):
-        m = sub.add_parser(mode, help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        m.add_argument("--checkpoint", default=None,
-                       help="a model from train.py; None = a random-init --preset model")
-        m.add_argument("--preset", default="small", help="model preset without --checkpoint")
-        m.add_argument("--context", type=int, default=None,
-                       help="the --preset model's context (None = the preset's)")
-        m.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
-        e = m.add_argument_group("engines (both ranks)")
-        e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-        e.add_argument("--num-blocks", type=int, default=256, help="KV blocks per rank")
-        e.add_argument("--max-num-batched-tokens", type=int, default=128,
-                       help="token budget of one step")
-        e.add_argument("--max-num-seqs", type=int, default=32, help="running sequences at most")
-        e.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "int8"],
-                       help="KV pool dtype; None = the model's")
-        w = m.add_argument_group("workload (serving/workloads.mixed_workload)")
-        w.add_argument("--num-requests", type=int, default=48 if mode == "bench" else 12,
-                       help="requests")
-        w.add_argument("--short-len", default="8:32", help="short prompts, LO:HI tokens")
-        w.add_argument("--long-len", default="160:224", help="long prompts, LO:HI tokens")
-        w.add_argument("--long-frac", type=float, default=0.25, help="share of long prompts")
-        w.add_argument("--output-len", default="16:32", help="output tokens, LO:HI")
-        w.add_argument("--rate", type=float, default=16.0 if mode == "bench" else math.inf,
-                       help="Poisson arrivals per second (inf = all at once)")
-        w.add_argument("--seed", type=int, default=0, help="workload and model seed")
-        if mode == "bench":
-            m.add_argument("--repeats", type=int, default=1,
-                           help="run each system this many times, report the fastest run")
-        if mode == "run":
-            m.add_argument("--show", type=int, default=6, help="requests listed in the table")
+    for mode, (text, workload_table, own) in MODES.items():
+        m = sub.add_parser(mode, help=text, formatter_class=formatter)
+        add_knobs(m, MODEL_KNOBS)
+        add_knobs(m, ENGINE_KNOBS, "engines (both ranks)")
+        add_knobs(m, workload_table, "workload (serving/workloads.mixed_workload)")
+        add_knobs(m, own)           # after the groups: last in the usage line, as ever
     return p
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
-                 "num_requests", "threads") + (("repeats",) if args.mode == "bench" else ()):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got "
-                            f"{getattr(args, name)}")
+    require_at_least_one(args, ("block_size", "num_blocks", "max_num_batched_tokens",
+                                "max_num_seqs", "num_requests", "threads")
+                         + (("repeats",) if args.mode == "bench" else ()))
     if not 0 <= args.long_frac <= 1 or args.rate <= 0:
         raise UserError("--long-frac must be in [0, 1] and --rate > 0")
     # the engines run on the CPU and every tensor sent is a CPU tensor: gloo. On NCCL

@@ -45,6 +45,7 @@ behave as N devices in parallel, and a loaded machine's neighbours are not count
 """
 import argparse
 import heapq
+import itertools
 import math
 import random
 import time
@@ -54,13 +55,11 @@ from dataclasses import dataclass
 import torch
 
 from kvcache import extend_hash_chain
-from core.checkpoint import load_model
-from model import GPT, get_config
-from core.cli import ArgumentParser
+from core.cli import ArgumentParser, add_knobs, knob, require_at_least_one
 from core.errors import UserError
 from core.runtime import run_cli
 from serve import FINISHED, Engine, SamplingParams
-from serving.workloads import AgentSessions, BenchRequest, length_range
+from serving.workloads import AgentSessions, BenchRequest, bench_model, length_range, pct
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
@@ -293,10 +292,13 @@ class Routed:
     seq: object = None              # the engine's Sequence
 
 
+MESSAGE, ARRIVAL = 0, 1         # event kinds; at equal times a message goes first
+
+
 def simulate(replicas, router, workload):
     """Run the workload to the end through the router. Events (time, kind, order,
-    payload): kind 0 = a replica's message, 1 = an arrival (at equal times the message
-    first). A turn's follow-up is asked for when the message reporting its answer
+    payload): kind MESSAGE = a replica's message, ARRIVAL = a request (at equal times the
+    message first). A turn's follow-up is asked for when the message reporting its answer
     arrives (the client has the answer when the step that finished it ends), and comes
     the workload's think time later. -> [Routed] in arrival order."""
     # one block size for all: a chain hash names a prefix cut at this block size only
@@ -304,36 +306,9 @@ def simulate(replicas, router, workload):
     # queue: requests waiting at the router for an open replica (FIFO); done: every Routed
     # in arrival order (its index is its id and the engine's seq_id); seen: every hash any
     # replica has reported, for ideal_hit
-    events, order, queue, done, seen = [], 0, deque(), [], set()
-
-    def push(t, kind, payload):
-        nonlocal order
-        # `order`, unique, breaks ties before the payload: heapq would otherwise compare
-        # two payloads (dataclasses without an ordering: TypeError), and events of equal
-        # time and kind keep their push order: the run is deterministic
-        heapq.heappush(events, (t, kind, order, payload))
-        order += 1
-
-    def dispatch(t):
-        # head first: None means every replica is full (whatever the chain), so nothing
-        # behind the head could go either -- FIFO costs no throughput here
-        while queue:
-            r = router.choose(queue[0].chain)
-            if r is None:                   # every replica full: wait for a finish
-                return
-            item = queue.popleft()
-            item.replica = r
-            router.dispatched(r)
-            replicas[r].wake(t)             # before add_request: the clock the engine reads
-            # arrival=t, the dispatch time: a request that waited at the router has that
-            # wait left out of its TTFT (summarize measures from seq.arrival); pass
-            # item.req.arrival to count it
-            item.seq = replicas[r].engine.add_request(
-                item.req.prompt, SamplingParams(max_tokens=item.req.out_len, temperature=0,
-                                                ignore_eos=True), arrival=t, seq_id=item.id)
-
+    events, order, queue, done, seen = [], itertools.count(), deque(), [], set()
     for req in workload.first_turns():
-        push(req.arrival, 1, req)
+        push(events, order, req.arrival, ARRIVAL, req)
     while events or queue or any(r.engine.has_work() for r in replicas):
         # The next thing to happen: the earliest event, or the step of the busy replica
         # whose clock is earliest. `<=`: an event at the very time a step would start goes
@@ -342,33 +317,76 @@ def simulate(replicas, router, workload):
         t_step = min((r.vtime for r in busy), default=math.inf)
         if events and events[0][0] <= t_step:
             t, kind, _, payload = heapq.heappop(events)
-            if kind == 0:
-                # the router learns a step's registrations, evictions and finishes only
-                # now, at the step's end: the staleness of its index
-                router.apply(payload)
-                for rid in payload.finished:        # the client's next turn
-                    item = done[rid]
-                    nxt = workload.next_turn(item.req, item.seq.output_ids, t)
-                    if nxt is not None:
-                        push(nxt.arrival, 1, nxt)
+            if kind == MESSAGE:
+                for nxt in deliver(router, workload, done, payload, t):
+                    push(events, order, nxt.arrival, ARRIVAL, nxt)
             else:
-                # hashing the prompt at the router: one sha256 per full block, per request
-                chain = prompt_chain(payload.prompt, bs)
-                item = Routed(len(done), payload, chain)
-                item.ideal_hit = bs * sum(1 for _ in _leading(chain, seen))
+                item = arrival(payload, len(done), bs, seen)
                 done.append(item)
                 queue.append(item)
-            dispatch(t)
+            dispatch(queue, router, replicas, t)
         elif busy:
             rep = min(busy, key=lambda r: (r.vtime, r.id))
             event = rep.step()
             seen.update(event.added)
             # delivered when the step ends, no network delay modelled: push it at
             # event.time + d instead to see stale routes turn into misses
-            push(event.time, 0, event)
+            push(events, order, event.time, MESSAGE, event)
         else:                                # only possible if a request can never fit
             raise RuntimeError("requests wait at the router but no replica has work")
     return done
+
+
+def push(events, order, t, kind, payload):
+    """An event onto the heap. `order` (a counter), unique, breaks ties before the
+    payload: heapq would otherwise compare two payloads (dataclasses without an ordering:
+    TypeError), and events of equal time and kind keep their push order: the run is
+    deterministic."""
+    heapq.heappush(events, (t, kind, next(order), payload))
+
+
+def deliver(router, workload, done, event, t):
+    """A replica's message reaches the router at t. -> the follow-up turns it triggers."""
+    # the router learns a step's registrations, evictions and finishes only now, at the
+    # step's end: the staleness of its index
+    router.apply(event)
+    follow_ups = []
+    for rid in event.finished:                  # the client's next turn
+        item = done[rid]
+        nxt = workload.next_turn(item.req, item.seq.output_ids, t)
+        if nxt is not None:
+            follow_ups.append(nxt)
+    return follow_ups
+
+
+def arrival(req, rid, bs, seen):
+    """A request reaches the router: its hash chain, and the hit one shared cache of
+    everything reported so far (`seen`) would give it. -> its Routed record."""
+    # hashing the prompt at the router: one sha256 per full block, per request
+    chain = prompt_chain(req.prompt, bs)
+    item = Routed(rid, req, chain)
+    item.ideal_hit = bs * sum(1 for _ in _leading(chain, seen))
+    return item
+
+
+def dispatch(queue, router, replicas, t):
+    """Route the requests waiting at the router, head first, while a replica is open."""
+    # head first: None means every replica is full (whatever the chain), so nothing
+    # behind the head could go either -- FIFO costs no throughput here
+    while queue:
+        r = router.choose(queue[0].chain)
+        if r is None:                   # every replica full: wait for a finish
+            return
+        item = queue.popleft()
+        item.replica = r
+        router.dispatched(r)
+        replicas[r].wake(t)             # before add_request: the clock the engine reads
+        # arrival=t, the dispatch time: a request that waited at the router has that
+        # wait left out of its TTFT (summarize measures from seq.arrival); pass
+        # item.req.arrival to count it
+        item.seq = replicas[r].engine.add_request(
+            item.req.prompt, SamplingParams(max_tokens=item.req.out_len, temperature=0,
+                                            ignore_eos=True), arrival=t, seq_id=item.id)
 
 
 def _leading(chain, hashes):
@@ -381,11 +399,6 @@ def _leading(chain, hashes):
 
 # ----------------------------------------------------------------------------------------
 # Measuring: prefix hits, recomputation, TTFT
-
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(p / 100 * len(xs)) - 1))] if xs else math.nan
-
 
 def summarize(reqs, replicas, router):
     """-> a row: prefix hit rate (prompt tokens served from a replica's cache), the
@@ -446,11 +459,7 @@ def print_table(rows):
 
 def bench(args):
     torch.set_num_threads(args.threads)
-    if args.checkpoint:
-        model, _ = load_model(args.checkpoint)
-    else:
-        model = GPT(get_config(args.preset, block_size=args.context), seed=args.seed)
-    model.eval()
+    model = bench_model(args.checkpoint, args.preset, args.context, args.seed)
     cfg = model.config
     workload = AgentSessions(cfg, None, args.sessions, args.turns, args.system_len,
                              length_range(args.message_len, "message-len"),
@@ -489,55 +498,58 @@ def bench(args):
 # ----------------------------------------------------------------------------------------
 # The command line
 
+# Every knob once, a row each (flag, default, help; core/cli.py turns the rows into flags).
+MODEL_KNOBS = [                 # the model and the replicas' engines
+    knob("--checkpoint", None, "a model from train.py; None = a random-init --preset model"),
+    knob("--preset", "tiny", "model preset without --checkpoint"),
+    knob("--context", 256, "the --preset model's context (None = the preset's)"),
+    knob("--threads", 1, "torch CPU threads"),
+    knob("--replicas", 4, "engine replicas"),
+    knob("--block-size", 16, "tokens per KV block"),
+    knob("--num-blocks", 96, "KV blocks per replica"),
+    knob("--max-num-batched-tokens", 256, "token budget of one engine step"),
+    knob("--max-num-seqs", 16, "running sequences per replica"),
+]
+
+ROUTER_KNOBS = [                # Router's arguments: SGLang's balance rule and the queue cap
+    knob("--max-queue", 16, "requests a replica may hold; beyond, requests wait at the router"),
+    knob("--balance-abs", 8, "imbalanced when max - min load exceeds this ..."),
+    knob("--balance-rel", 1.5, "... and max > this x min"),
+    knob("--cache-threshold", 0.1, "least fraction of the prompt's blocks the best match must "
+                                   "cover"),
+]
+
+WORKLOAD_KNOBS = [              # serving/workloads.AgentSessions' arguments
+    knob("--sessions", 16, "agent sessions"),
+    knob("--turns", 6, "turns per session at most"),
+    knob("--system-len", 32, "tokens of the system prompt every session starts with"),
+    knob("--message-len", "8:24", "new tokens per turn, LO:HI"),
+    knob("--answer-len", "8:24", "answer tokens per turn, LO:HI"),
+    knob("--think-time", 0.05, "seconds between an answer and the next turn"),
+    knob("--rate", math.inf, "sessions starting per second, Poisson (inf = all at once)"),
+    knob("--seed", 0, "workload and model seed"),
+]
+
+
 def build_parser():
+    # argparse's formatter, not core.cli's: "(default: None)" by --checkpoint, as ever
+    formatter = argparse.ArgumentDefaultsHelpFormatter
     p = ArgumentParser(description="Cache-aware routing across engine replicas vs "
                        "round-robin and least-loaded, on multi-turn agent sessions.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=formatter)
     sub = p.add_subparsers(dest="mode", required=True)
     b = sub.add_parser("bench", help="the three policies on one seeded workload",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    b.add_argument("--checkpoint", default=None,
-                   help="a model from train.py; None = a random-init --preset model")
-    b.add_argument("--preset", default="tiny", help="model preset without --checkpoint")
-    b.add_argument("--context", type=int, default=256,
-                   help="the --preset model's context (None = the preset's)")
-    b.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    b.add_argument("--replicas", type=int, default=4, help="engine replicas")
-    b.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    b.add_argument("--num-blocks", type=int, default=96, help="KV blocks per replica")
-    b.add_argument("--max-num-batched-tokens", type=int, default=256,
-                   help="token budget of one engine step")
-    b.add_argument("--max-num-seqs", type=int, default=16, help="running sequences per replica")
-    r = b.add_argument_group("router")
-    r.add_argument("--max-queue", type=int, default=16,
-                   help="requests a replica may hold; beyond, requests wait at the router")
-    r.add_argument("--balance-abs", type=int, default=8,
-                   help="imbalanced when max - min load exceeds this ...")
-    r.add_argument("--balance-rel", type=float, default=1.5, help="... and max > this x min")
-    r.add_argument("--cache-threshold", type=float, default=0.1,
-                   help="least fraction of the prompt's blocks the best match must cover")
-    w = b.add_argument_group("workload (serving/workloads.AgentSessions)")
-    w.add_argument("--sessions", type=int, default=16, help="agent sessions")
-    w.add_argument("--turns", type=int, default=6, help="turns per session at most")
-    w.add_argument("--system-len", type=int, default=32,
-                   help="tokens of the system prompt every session starts with")
-    w.add_argument("--message-len", default="8:24", help="new tokens per turn, LO:HI")
-    w.add_argument("--answer-len", default="8:24", help="answer tokens per turn, LO:HI")
-    w.add_argument("--think-time", type=float, default=0.05,
-                   help="seconds between an answer and the next turn")
-    w.add_argument("--rate", type=float, default=math.inf,
-                   help="sessions starting per second, Poisson (inf = all at once)")
-    w.add_argument("--seed", type=int, default=0, help="workload and model seed")
+                       formatter_class=formatter)
+    add_knobs(b, MODEL_KNOBS)
+    add_knobs(b, ROUTER_KNOBS, "router")
+    add_knobs(b, WORKLOAD_KNOBS, "workload (serving/workloads.AgentSessions)")
     return p
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    for name in ("replicas", "block_size", "num_blocks", "max_num_batched_tokens",
-                 "max_num_seqs", "threads"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got "
-                            f"{getattr(args, name)}")
+    require_at_least_one(args, ("replicas", "block_size", "num_blocks",
+                                "max_num_batched_tokens", "max_num_seqs", "threads"))
     Router(args.replicas, "cache_aware", args.max_queue, args.balance_abs,    # its checks,
            args.balance_rel, args.cache_threshold)                        # before any work
     return bench(args)

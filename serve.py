@@ -69,7 +69,7 @@ from kvcache import (TIER_KINDS, BlockAllocator, KVTier, PagedKVCache, blocks_fo
                      extend_hash_chain)
 from core.checkpoint import load_model
 from model import sample_next
-from core.cli import ArgumentParser
+from core.cli import add_knobs, command_line, knob
 from core.errors import UserError
 from core.runtime import pick_device, run_cli
 from serving import api_server
@@ -242,94 +242,6 @@ class Engine:
             self.stats["aborted"] += 1
         return seq
 
-    # -- the disaggregation seam: a prefilled sequence's KV out of one engine, into another
-    def export_kv(self, seq_id, release=True):
-        """The prefill side of prefill/decode disaggregation (DistServe, Zhong et al. 2024;
-        Splitwise): a sequence added with prefill_only=True and now PREFILLED ->
-        a plain dict (tensors, lists, numbers, strings: torch.save/send_object_list-able):
-          tokens        prompt + the first sampled token
-          num_prompt    prompt length
-          num_computed  tokens whose K/V are in `kv` (= num_prompt: the first output
-                        token's K/V are computed by the decode side's first step)
-          kv            PagedKVCache.read_blocks of the sequence's blocks covering
-                        num_computed tokens, in block-table order (on this cache's device)
-          block_size, kv_dtype   what the importing cache must match
-          params        the SamplingParams as a dict
-          generator     the sampler's torch.Generator state (a seeded request continues
-                        the same random stream), or None when greedy
-          logprobs, prompt_logprobs   what was recorded so far
-        release=True frees the blocks at once (kv is a copy); release=False keeps them
-        until `abort(seq_id)`."""
-        seq = self.live.get(seq_id)
-        if seq is None or seq.status != PREFILLED:
-            state = "not live" if seq is None else seq.status
-            raise UserError(f"export_kv: sequence {seq_id!r} is {state}, not prefilled "
-                            f"(add it with prefill_only=True and step until it is)")
-        # The blocks holding computed K/V (the whole table: it was grown to num_prompt in
-        # the prefill); the first output token has none yet -- the decode side computes
-        # it in its first step. Payload: 2·L·H_kv·D·bytes per token (payload_bytes).
-        n = blocks_for(seq.num_computed, self.block_size)
-        # list() copies: the dict must not change when this engine later edits seq
-        out = dict(tokens=list(seq.tokens), num_prompt=seq.num_prompt,
-                   num_computed=seq.num_computed,
-                   kv=self.cache.read_blocks(seq.block_table[:n]),
-                   block_size=self.block_size, kv_dtype=self.cache.kv_dtype,
-                   params=dataclasses.asdict(seq.params),
-                   generator=seq.generator.get_state() if seq.generator else None,
-                   logprobs=list(seq.logprobs), prompt_logprobs=list(seq.prompt_logprobs))
-        if release:
-            self._finish(seq, "exported")
-        return out
-
-    def can_import(self, exported):
-        """Whether import_kv would find room now (blocks for the KV and a running slot)."""
-        need = blocks_for(exported["num_computed"], self.block_size)
-        return self.alloc.can_allocate(need) and len(self.running) < self.max_num_seqs
-
-    def import_kv(self, exported, seq_id=None, arrival=None):
-        """The decode side of disaggregation: export_kv's dict -> a live Sequence here,
-        RUNNING, whose next step is a decode (the K/V of num_computed tokens written into
-        freshly allocated blocks; its full blocks registered in the prefix cache). When
-        there are no blocks or no running slot free it raises PoolFull and changes nothing:
-        the caller retries after a step. Preempted later, it is recomputed here (the usual
-        recompute preemption). token_times hold only the tokens produced on this engine."""
-        # Every check comes before the first allocation: a refused import (UserError or
-        # PoolFull) leaves the pool exactly as it was, so the caller can simply retry.
-        params = SamplingParams.from_dict(exported["params"]).validate(self.cfg.vocab_size)
-        tokens, n_done = list(exported["tokens"]), exported["num_computed"]
-        if (exported["block_size"] != self.block_size
-                or exported["kv_dtype"] != self.cache.kv_dtype):
-            raise UserError(f"import_kv: blocks of {exported['block_size']} tokens in "
-                            f"{exported['kv_dtype']}, this engine: {self.block_size} in "
-                            f"{self.cache.kv_dtype}")
-        if not 0 < n_done < len(tokens) <= self.cfg.block_size:
-            raise UserError(f"import_kv: {n_done} computed of {len(tokens)} tokens (context "
-                            f"{self.cfg.block_size}): nothing left to decode")
-        if not self.can_import(exported):
-            raise PoolFull(f"import_kv: {blocks_for(n_done, self.block_size)} blocks needed, "
-                           f"{self.alloc.num_free} free; {len(self.running)} of "
-                           f"{self.max_num_seqs} running slots taken: retry later")
-        if seq_id is not None and seq_id in self.live:
-            raise UserError(f"import_kv: sequence id {seq_id!r} is already live here")
-        seq = Sequence(next(self.ids) if seq_id is None else seq_id,
-                       tokens[:exported["num_prompt"]], params,
-                       self.clock() if arrival is None else arrival, self.device)
-        seq.tokens, seq.num_computed, seq.num_cached_tokens = tokens, n_done, n_done
-        if seq.generator is not None and exported["generator"] is not None:
-            seq.generator.set_state(exported["generator"])    # the same random stream
-        seq.logprobs = list(exported["logprobs"])
-        seq.prompt_logprobs = list(exported["prompt_logprobs"])
-        # can_import held above, so grow cannot fail here. A payload of another shape (a
-        # model of another config) makes write_blocks raise ValueError after grow: the
-        # blocks just allocated are then not given back.
-        self.alloc.grow(seq.block_table, n_done)
-        self.cache.write_blocks(seq.block_table, exported["kv"])
-        # imported prompts become prefix-cache hits for later requests on this engine too
-        self._register_full_blocks(seq)
-        seq.status, self.live[seq.id] = RUNNING, seq
-        bisect.insort(self.running, seq, key=self._key)
-        return seq
-
     def has_work(self):
         return bool(self.waiting or self.running)
 
@@ -478,68 +390,49 @@ class Engine:
         eos = () if seq.params.ignore_eos or self.eos_id is None else (self.eos_id,)
         return eos + tuple(seq.params.stop_token_ids)
 
-    # -- one step -------------------------------------------------------------------------
+    # -- one step: schedule -> run -> post-process (nano-vllm's engine loop: a scheduler
+    # decides which sequences run, a model runner computes, post-processing appends the
+    # tokens and finishes sequences). Each phase below is one method.
     @torch.no_grad()
     def step(self):
         """Schedule, run the model once over the packed batch, sample where a sequence's
         computed tokens reached its end, finish what is done. -> the sequences that got a
         token this step, and those that failed (finish_reason "error")."""
+        # schedule: which sequences run, and how many of their tokens (_schedule above)
         batch = self._schedule()
         if not batch:
-            parked = sum(s.status == PREFILLED for s in self.live.values())
-            if self.has_work() and parked:     # the caller's to fix: export them
-                raise PoolFull(f"{parked} prefilled sequences hold the blocks the queue "
-                               f"needs: export_kv or abort them")
-            if self.has_work():     # the start-up checks make this impossible: a bug
-                raise RuntimeError("the scheduler made no progress")
-            return []
+            return self._nothing_scheduled()
         t0 = self.clock()
-        try:
-            logits, rows = self._forward(batch)
-            failed = []
-        except Exception as e:      # whose fault? find out, then rerun without them
-            batch, logits, rows, failed = self._isolate(batch, e)
-        # Only after the forward succeeded: the K/V of these n tokens are now in their
-        # slots, so the blocks they filled may be named in the prefix cache.
-        for seq, n in batch:
-            seq.num_computed += n
-            self._register_full_blocks(seq)
-            if seq.num_computed >= seq.num_prompt:
-                self._release_held(seq)    # its prompt's blocks are now in the cache
-        sampled = []
-        for i, (seq, pos) in enumerate(rows):
-            if pos is not None:            # a prompt position: score the next prompt token
-                seq.prompt_logprobs.append(logprob_entry(logits[i], seq.tokens[pos + 1],
-                                                         seq.params.prompt_logprobs))
-            elif seq.params.max_tokens == 0:   # scoring only: the prompt is done
-                sampled.append((seq, None))
-            else:
-                try:
-                    sampled.append((seq, self._sample_one(seq, logits[i])))
-                except Exception as e:     # this row's sampling alone failed
-                    self._fail(seq, e)
-                    failed.append(seq)
+        # run: one forward over the packed batch; a fault fails only its own sequence
+        batch, logits, rows, failed = self._run(batch)
+        self._commit(batch)
+        # post-process: score prompt positions and sample, then append and finish
+        sampled, failed_sampling = self._sample_rows(logits, rows)
         # one timestamp for the step: every token sampled in it became available at once
         now = self.clock()
-        for seq, tok in sampled:
-            if tok is None:
-                self._finish(seq, "length")
-                continue
-            seq.tokens.append(tok)
-            seq.token_times.append(now)
-            self.stats["output_tokens"] += 1
-            try:
-                reason = self._stop_reason(seq, tok)
-            except Exception as e:         # (decoding its text for stop strings)
-                self._fail(seq, e)
-                continue
-            if reason:
-                self._finish(seq, reason)
-            elif seq.prefill_only:        # park it for export_kv: out of the queues
-                self.running.remove(seq)
-                seq.status = PREFILLED
+        self._append_tokens(sampled, now)
         self._account(batch, now - t0)
-        return [seq for seq, _ in sampled] + failed
+        return [seq for seq, _ in sampled] + failed + failed_sampling
+
+    def _nothing_scheduled(self):
+        """An empty schedule is fine only when there is no work; else someone must act."""
+        parked = sum(s.status == PREFILLED for s in self.live.values())
+        if self.has_work() and parked:     # the caller's to fix: export them
+            raise PoolFull(f"{parked} prefilled sequences hold the blocks the queue "
+                           f"needs: export_kv or abort them")
+        if self.has_work():     # the start-up checks make this impossible: a bug
+            raise RuntimeError("the scheduler made no progress")
+        return []
+
+    def _run(self, batch):
+        """The model runner: the packed forward -> (the batch that ran, logits, rows,
+        the sequences that failed). A fault is a request's, not the batch's: _isolate
+        finds whose it was and reruns the step without them."""
+        try:
+            logits, rows = self._forward(batch)
+        except Exception as e:      # whose fault? find out, then rerun without them
+            return self._isolate(batch, e)
+        return batch, logits, rows, []
 
     def _isolate(self, batch, error):
         """The packed forward raised. Run each sequence's part alone: the ones that still
@@ -611,6 +504,48 @@ class Engine:
                 rows.append((seq, None))
         return picks, rows
 
+    def _commit(self, batch):
+        """Only after the forward succeeded: the K/V of these n tokens are now in their
+        slots, so the blocks they filled may be named in the prefix cache."""
+        for seq, n in batch:
+            seq.num_computed += n
+            self._register_full_blocks(seq)
+            if seq.num_computed >= seq.num_prompt:
+                self._release_held(seq)    # its prompt's blocks are now in the cache
+
+    def _register_full_blocks(self, seq):
+        """Blocks that just became full (and hold computed K/V) join the prefix cache."""
+        if not self.alloc.prefix_caching:
+            return
+        # num_computed // bs, not len(tokens) // bs: a block whose last slots hold
+        # sampled-but-uncomputed tokens has no K/V for them yet and must not be shared
+        bs, full = self.block_size, seq.num_computed // self.block_size
+        extend_hash_chain(seq.block_hashes, seq.tokens, full, bs)
+        for i in range(seq.num_registered, full):
+            self.alloc.register(seq.block_table[i], seq.block_hashes[i],
+                                seq.tokens[i * bs:(i + 1) * bs])
+        seq.num_registered = max(seq.num_registered, full)
+
+    def _sample_rows(self, logits, rows):
+        """Post-processing, first half: each logits row either scores a prompt token
+        (prompt log-probs), ends a scoring-only request (max_tokens 0: token None), or
+        samples the sequence's next token. -> ([(seq, token or None)], failed): a row
+        whose sampling raised fails its sequence alone."""
+        sampled, failed = [], []
+        for i, (seq, pos) in enumerate(rows):
+            if pos is not None:            # a prompt position: score the next prompt token
+                seq.prompt_logprobs.append(logprob_entry(logits[i], seq.tokens[pos + 1],
+                                                         seq.params.prompt_logprobs))
+            elif seq.params.max_tokens == 0:   # scoring only: the prompt is done
+                sampled.append((seq, None))
+            else:
+                try:
+                    sampled.append((seq, self._sample_one(seq, logits[i])))
+                except Exception as e:     # this row's sampling alone failed
+                    self._fail(seq, e)
+                    failed.append(seq)
+        return sampled, failed
+
     def _sample_one(self, seq, logits):
         """One token from one row of logits: bias, min_tokens and penalties applied (when
         asked for), then greedy (temperature < GREEDY_EPS) or model.sample_next with the
@@ -653,6 +588,28 @@ class Engine:
             row -= p.frequency_penalty * count + p.presence_penalty * (count > 0).to(row.dtype)
         return row
 
+    def _append_tokens(self, sampled, now):
+        """Post-processing, second half: append each sampled token (stamped `now`), then
+        finish the sequences it ends (stop token or string, length) and park a
+        prefill_only one for export_kv (the disaggregation seam)."""
+        for seq, tok in sampled:
+            if tok is None:
+                self._finish(seq, "length")
+                continue
+            seq.tokens.append(tok)
+            seq.token_times.append(now)
+            self.stats["output_tokens"] += 1
+            try:
+                reason = self._stop_reason(seq, tok)
+            except Exception as e:         # (decoding its text for stop strings)
+                self._fail(seq, e)
+                continue
+            if reason:
+                self._finish(seq, reason)
+            elif seq.prefill_only:        # park it for export_kv: out of the queues
+                self.running.remove(seq)
+                seq.status = PREFILLED
+
     def _stop_reason(self, seq, tok):
         p = seq.params
         if tok in self._stop_ids(seq):
@@ -669,19 +626,6 @@ class Engine:
         if len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.cfg.block_size:
             return "length"
         return None
-
-    def _register_full_blocks(self, seq):
-        """Blocks that just became full (and hold computed K/V) join the prefix cache."""
-        if not self.alloc.prefix_caching:
-            return
-        # num_computed // bs, not len(tokens) // bs: a block whose last slots hold
-        # sampled-but-uncomputed tokens has no K/V for them yet and must not be shared
-        bs, full = self.block_size, seq.num_computed // self.block_size
-        extend_hash_chain(seq.block_hashes, seq.tokens, full, bs)
-        for i in range(seq.num_registered, full):
-            self.alloc.register(seq.block_table[i], seq.block_hashes[i],
-                                seq.tokens[i * bs:(i + 1) * bs])
-        seq.num_registered = max(seq.num_registered, full)
 
     def _account(self, batch, seconds):
         """Step log (roofline) and KV waste: slots reserved in a sequence's blocks but not
@@ -701,36 +645,134 @@ class Engine:
             st["waste_samples"] += 1
         st["peak_blocks"] = max(st["peak_blocks"], self.alloc.num_used)
 
+    # -- the disaggregation seam: a prefilled sequence's KV out of one engine, into another
+    def export_kv(self, seq_id, release=True):
+        """The prefill side of prefill/decode disaggregation (DistServe, Zhong et al. 2024;
+        Splitwise): a sequence added with prefill_only=True and now PREFILLED ->
+        a plain dict (tensors, lists, numbers, strings: torch.save/send_object_list-able):
+          tokens        prompt + the first sampled token
+          num_prompt    prompt length
+          num_computed  tokens whose K/V are in `kv` (= num_prompt: the first output
+                        token's K/V are computed by the decode side's first step)
+          kv            PagedKVCache.read_blocks of the sequence's blocks covering
+                        num_computed tokens, in block-table order (on this cache's device)
+          block_size, kv_dtype   what the importing cache must match
+          params        the SamplingParams as a dict
+          generator     the sampler's torch.Generator state (a seeded request continues
+                        the same random stream), or None when greedy
+          logprobs, prompt_logprobs   what was recorded so far
+        release=True frees the blocks at once (kv is a copy); release=False keeps them
+        until `abort(seq_id)`."""
+        seq = self.live.get(seq_id)
+        if seq is None or seq.status != PREFILLED:
+            state = "not live" if seq is None else seq.status
+            raise UserError(f"export_kv: sequence {seq_id!r} is {state}, not prefilled "
+                            f"(add it with prefill_only=True and step until it is)")
+        # The blocks holding computed K/V (the whole table: it was grown to num_prompt in
+        # the prefill); the first output token has none yet -- the decode side computes
+        # it in its first step. Payload: 2·L·H_kv·D·bytes per token (payload_bytes).
+        n = blocks_for(seq.num_computed, self.block_size)
+        # list() copies: the dict must not change when this engine later edits seq
+        out = dict(tokens=list(seq.tokens), num_prompt=seq.num_prompt,
+                   num_computed=seq.num_computed,
+                   kv=self.cache.read_blocks(seq.block_table[:n]),
+                   block_size=self.block_size, kv_dtype=self.cache.kv_dtype,
+                   params=dataclasses.asdict(seq.params),
+                   generator=seq.generator.get_state() if seq.generator else None,
+                   logprobs=list(seq.logprobs), prompt_logprobs=list(seq.prompt_logprobs))
+        if release:
+            self._finish(seq, "exported")
+        return out
+
+    def can_import(self, exported):
+        """Whether import_kv would find room now (blocks for the KV and a running slot)."""
+        need = blocks_for(exported["num_computed"], self.block_size)
+        return self.alloc.can_allocate(need) and len(self.running) < self.max_num_seqs
+
+    def import_kv(self, exported, seq_id=None, arrival=None):
+        """The decode side of disaggregation: export_kv's dict -> a live Sequence here,
+        RUNNING, whose next step is a decode (the K/V of num_computed tokens written into
+        freshly allocated blocks; its full blocks registered in the prefix cache). When
+        there are no blocks or no running slot free it raises PoolFull and changes nothing:
+        the caller retries after a step. Preempted later, it is recomputed here (the usual
+        recompute preemption). token_times hold only the tokens produced on this engine."""
+        # Every check comes before the first allocation: a refused import (UserError or
+        # PoolFull) leaves the pool exactly as it was, so the caller can simply retry.
+        params = SamplingParams.from_dict(exported["params"]).validate(self.cfg.vocab_size)
+        tokens, n_done = list(exported["tokens"]), exported["num_computed"]
+        if (exported["block_size"] != self.block_size
+                or exported["kv_dtype"] != self.cache.kv_dtype):
+            raise UserError(f"import_kv: blocks of {exported['block_size']} tokens in "
+                            f"{exported['kv_dtype']}, this engine: {self.block_size} in "
+                            f"{self.cache.kv_dtype}")
+        if not 0 < n_done < len(tokens) <= self.cfg.block_size:
+            raise UserError(f"import_kv: {n_done} computed of {len(tokens)} tokens (context "
+                            f"{self.cfg.block_size}): nothing left to decode")
+        if not self.can_import(exported):
+            raise PoolFull(f"import_kv: {blocks_for(n_done, self.block_size)} blocks needed, "
+                           f"{self.alloc.num_free} free; {len(self.running)} of "
+                           f"{self.max_num_seqs} running slots taken: retry later")
+        if seq_id is not None and seq_id in self.live:
+            raise UserError(f"import_kv: sequence id {seq_id!r} is already live here")
+        seq = Sequence(next(self.ids) if seq_id is None else seq_id,
+                       tokens[:exported["num_prompt"]], params,
+                       self.clock() if arrival is None else arrival, self.device)
+        seq.tokens, seq.num_computed, seq.num_cached_tokens = tokens, n_done, n_done
+        if seq.generator is not None and exported["generator"] is not None:
+            seq.generator.set_state(exported["generator"])    # the same random stream
+        seq.logprobs = list(exported["logprobs"])
+        seq.prompt_logprobs = list(exported["prompt_logprobs"])
+        # can_import held above, so grow cannot fail here. A payload of another shape (a
+        # model of another config) makes write_blocks raise ValueError after grow: the
+        # blocks just allocated are then not given back.
+        self.alloc.grow(seq.block_table, n_done)
+        self.cache.write_blocks(seq.block_table, exported["kv"])
+        # imported prompts become prefix-cache hits for later requests on this engine too
+        self._register_full_blocks(seq)
+        seq.status, self.live[seq.id] = RUNNING, seq
+        bisect.insort(self.running, seq, key=self._key)
+        return seq
 
 # ----------------------------------------------------------------------------------------
-# The command line: the model and engine flags (shared with scripts/serve_bench.py), the serving
-# mode; `bench` is handed to scripts/serve_bench.py
+# The command line: every knob once, a row each (flag, default, help; core/cli.py turns the
+# rows into flags). The model and engine tables are shared with scripts/serve_bench.py
+# (add_model_args); the server's sit beside the HTTP layer (serving/api_server.py).
+
+MODEL_KNOBS = [
+    knob("--checkpoint", DEFAULT_CHECKPOINT, "written by train.py"),
+    knob("--device", "cpu", "cpu, cuda or auto"),
+    knob("--threads", 1, "torch CPU threads (1 is fastest on a busy 2-core machine; 0 = as many "
+                         "as torch picks)"),
+]
+
+
+def engine_knobs(policy_help):
+    """The engine's table. Only --policy's help is the caller's: serving defaults to slo,
+    the benchmark runs both policies when it is not given."""
+    return [
+        knob("--block-size", 16, "tokens per KV block"),
+        knob("--num-blocks", 1024, "KV blocks in the pool"),
+        knob("--max-num-batched-tokens", 256, "token budget of one step (decodes + prefill "
+                                              "chunks)"),
+        knob("--max-num-seqs", 64, "running sequences at most"),
+        knob("--policy", None, policy_help, choices=POLICIES),
+        knob("--no-prefix-caching", False, "turn prefix caching off"),
+        knob("--no-chunked-prefill", False, "a prompt must fit one step's budget whole"),
+        knob("--kv-dtype", None, "KV pool dtype (not given: the model's)",
+             choices=["float32", "bfloat16", "float16", "int8"]),
+        knob("--kv-tier", "none", "second KV tier for evicted prefix blocks: host memory or a "
+                                  "file", choices=TIER_KINDS),
+        knob("--kv-tier-blocks", 1024, "blocks the tier holds"),
+        knob("--kv-tier-dir", "out/serve/kv_tier", "directory of the file tier (an unlinked "
+                                                   "temporary file)"),
+    ]
+
 
 def add_model_args(p, policy_help):
     """--checkpoint, --device, --threads and the engine's flags: serving and the benchmark
     build the same engine from the same command line (engine_from_args)."""
-    p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="written by train.py")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (1 is fastest on a busy 2-core machine; 0 = as many "
-                        "as torch picks)")
-    g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--num-blocks", type=int, default=1024, help="KV blocks in the pool")
-    g.add_argument("--max-num-batched-tokens", type=int, default=256,
-                   help="token budget of one step (decodes + prefill chunks)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="running sequences at most")
-    g.add_argument("--policy", choices=POLICIES, default=None, help=policy_help)
-    g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    g.add_argument("--no-chunked-prefill", action="store_true",
-                   help="a prompt must fit one step's budget whole")
-    g.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "float16", "int8"],
-                   help="KV pool dtype (not given: the model's)")
-    g.add_argument("--kv-tier", choices=TIER_KINDS, default="none",
-                   help="second KV tier for evicted prefix blocks: host memory or a file")
-    g.add_argument("--kv-tier-blocks", type=int, default=1024, help="blocks the tier holds")
-    g.add_argument("--kv-tier-dir", default="out/serve/kv_tier",
-                   help="directory of the file tier (an unlinked temporary file)")
+    add_knobs(p, MODEL_KNOBS)
+    add_knobs(p, engine_knobs(policy_help), "engine")
 
 
 def engine_from_args(model, enc, args, policy, clock=time.perf_counter):
@@ -759,16 +801,17 @@ def load_served_model(args):
 
 
 def build_parser():
-    p = ArgumentParser(
-        description="Serve the checkpoint over an OpenAI-compatible HTTP API. The benchmark "
-                    "(sequential generate() vs static batching vs the engine) runs on its "
-                    "own: python -m scripts.serve_bench --help.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_model_args(p, policy_help="scheduling; not given: slo (FCFS order when requests carry "
-                                  "no priority)")
-    # the HTTP layer's flags live beside it, in serving/api_server.py
-    api_server.add_server_args(p.add_argument_group("server"))
-    return p
+    # argparse's formatter, not core.cli's: "(default: None)" by "not given" flags, as ever
+    return command_line(
+        "Serve the checkpoint over an OpenAI-compatible HTTP API. The benchmark (sequential "
+        "generate() vs static batching vs the engine) runs on its own: python -m "
+        "scripts.serve_bench --help.",
+        {None: MODEL_KNOBS,
+         "engine": engine_knobs("scheduling; not given: slo (FCFS order when requests carry "
+                                "no priority)"),
+         # the HTTP layer's knobs live beside it, in serving/api_server.py
+         "server": api_server.SERVER_KNOBS},
+        formatter=argparse.ArgumentDefaultsHelpFormatter)
 
 
 def main(argv=None):

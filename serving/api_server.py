@@ -52,7 +52,7 @@ from urllib.parse import urlsplit
 from serving.requests import decode_tokens
 from serving.openai_api import (ApiError, answer_choice, parse_request, prompt_entries,
                                 response_head, shorten, stream_chunk, usage)
-from core.cli import fmt_bytes
+from core.cli import fmt_bytes, knob
 from core.errors import UserError
 
 MAX_REQUEST_LINE = 8192     # bytes; 414 above
@@ -257,7 +257,7 @@ def render_metrics(h, loop):
         histograms = [("time_to_first_token_seconds", loop.ttft, "Arrival to first token."),
                       ("inter_token_latency_seconds", loop.itl, "Between tokens.")]
         for name, hist, about in histograms:
-            out.extend([f"# HELP nanoscale_{name} {about}", f"# TYPE nanoscale_{name} histogram"])
+            metric(name, "histogram", about, [])      # HELP and TYPE; the samples:
             out.extend(hist.lines(f"nanoscale_{name}"))
     return "\n".join(out) + "\n"
 
@@ -375,9 +375,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_error_json(ApiError(int(code), message or HTTPStatus(code).phrase))
 
     def send_json(self, status, obj, close=False, headers=()):
-        body = json.dumps(obj).encode()
+        self.send_body(status, json.dumps(obj).encode(), "application/json", close, headers)
+
+    def send_body(self, status, body, content_type, close=False, headers=()):
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         for key, value in dict(headers).items():
             self.send_header(key, value)
@@ -419,11 +421,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_json(200, srv.loop.health())
         elif path == "/metrics":
             body = render_metrics({**srv.loop.health(), **srv.conn_stats()}, srv.loop).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.send_body(200, body, "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
             self.send_json(200, {"object": "list", "data": [{
                 "id": srv.model_name, "object": "model", "created": srv.created,
@@ -588,6 +586,26 @@ class Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024      # listen() backlog: a burst of clients is not reset
 
+    def __init__(self, engine, enc, host, port, model_name, max_body_bytes, max_tokens_cap,
+                 verbose, max_connections, header_timeout, body_timeout, allow_priority):
+        """Not bound yet (make_server binds it); what the handlers and
+        openai_api.parse_request read as `self.server` / `srv`."""
+        super().__init__((host, port), Handler, bind_and_activate=False)
+        self.conns, self.conn_lock = OrderedDict(), threading.Lock()
+        self.conn_counts = dict(evicted=0, refused=0)
+        self.loop = None                # the engine's thread: started once bound (start)
+        self.enc, self.model_name, self.verbose = enc, model_name, verbose
+        self.context, self.vocab_size = engine.cfg.block_size, engine.cfg.vocab_size
+        self.max_body_bytes, self.created = max_body_bytes, int(time.time())
+        self.max_tokens_cap = max_tokens_cap or engine.cfg.block_size
+        self.max_connections, self.header_timeout, self.body_timeout = max_connections, \
+            header_timeout, body_timeout
+        self.allow_priority = allow_priority
+
+    def start(self, engine, max_queue):
+        """The engine thread (EngineLoop), started only once the port is ours."""
+        self.loop = EngineLoop(engine, max_queue)
+
     def process_request(self, sock, addr):
         with self.conn_lock:
             room = len(self.conns) < self.max_connections or self._evict_oldest_reader()
@@ -647,8 +665,8 @@ def make_server(engine, enc, host="127.0.0.1", port=8000, model_name="nanoscale"
     """Bind (127.0.0.1 unless told otherwise: serving to a network is a decision), start
     the engine thread. Call serve_forever() on the result; shutdown() + loop.stop()."""
     try:
-        srv = Server((host, port), Handler, bind_and_activate=False)
-        srv.conns, srv.conn_lock = OrderedDict(), threading.Lock()
+        srv = Server(engine, enc, host, port, model_name, max_body_bytes, max_tokens_cap,
+                     verbose, max_connections, header_timeout, body_timeout, allow_priority)
         srv.server_bind()
         srv.server_activate()
     except OSError as e:
@@ -656,37 +674,27 @@ def make_server(engine, enc, host="127.0.0.1", port=8000, model_name="nanoscale"
             raise UserError(f"port {port} on {host} is already in use: stop the other "
                             f"server or pick another --port") from None
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    srv.loop, srv.enc, srv.model_name, srv.verbose = EngineLoop(engine, max_queue), enc, \
-        model_name, verbose
-    srv.context, srv.vocab_size = engine.cfg.block_size, engine.cfg.vocab_size
-    srv.max_body_bytes, srv.created = max_body_bytes, int(time.time())
-    srv.max_tokens_cap = max_tokens_cap or engine.cfg.block_size
-    srv.max_connections, srv.header_timeout, srv.body_timeout = max_connections, \
-        header_timeout, body_timeout
-    srv.allow_priority, srv.conn_counts = allow_priority, dict(evicted=0, refused=0)
+    srv.start(engine, max_queue)
     return srv
 
 
-def add_server_args(g):
-    """The server's flags (serve.py's parser adds them)."""
-    g.add_argument("--host", default="127.0.0.1",
-                   help="interface to bind (0.0.0.0 exposes the server to the network)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free one)")
-    g.add_argument("--model-name", default="nanoscale", help="the id /v1/models lists")
-    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="413 above this")
-    g.add_argument("--max-tokens-cap", type=int, default=0,
-                   help="400 if max_tokens is above this (0 = the context length)")
-    g.add_argument("--max-queue", type=int, default=256,
-                   help="429 when this many sequences wait beyond max-num-seqs")
-    g.add_argument("--max-connections", type=int, default=256,
-                   help="open connections at most (the oldest idle one is evicted first)")
-    g.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds for the request line + headers to arrive (in total)")
-    g.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds for the body to arrive (in total)")
-    g.add_argument("--allow-client-priority", action="store_true",
-                   help="accept 'priority' from clients (the SLO policy's queue order)")
-    g.add_argument("--verbose", action="store_true", help="log every HTTP request")
+# The server's knobs, a row each (serve.py's parser shows them under "server")
+SERVER_KNOBS = [
+    knob("--host", "127.0.0.1", "interface to bind (0.0.0.0 exposes the server to the network)"),
+    knob("--port", 8000, "TCP port (0 = any free one)"),
+    knob("--model-name", "nanoscale", "the id /v1/models lists"),
+    knob("--max-body-bytes", 1 << 20, "413 above this"),
+    knob("--max-tokens-cap", 0, "400 if max_tokens is above this (0 = the context length)"),
+    knob("--max-queue", 256, "429 when this many sequences wait beyond max-num-seqs"),
+    knob("--max-connections", 256, "open connections at most (the oldest idle one is evicted "
+                                   "first)"),
+    knob("--header-timeout", 10.0, "seconds for the request line + headers to arrive (in "
+                                   "total)"),
+    knob("--body-timeout", 30.0, "seconds for the body to arrive (in total)"),
+    knob("--allow-client-priority", False, "accept 'priority' from clients (the SLO policy's "
+                                           "queue order)"),
+    knob("--verbose", False, "log every HTTP request"),
+]
 
 
 def _interrupt(*_):

@@ -5,13 +5,17 @@ mix of long and short prompts, and multi-turn agent sessions whose every turn re
 conversation so far (what prefix caching is for).
 
 Shared by scripts/serve_bench.py, disagg.py and kv_router.py, so each measures its engine,
-its disaggregation or its router on the same traffic; a pure function of its seed.
+its disaggregation or its router on the same traffic; a pure function of its seed. With
+it, what those measurements share around the traffic: the model they serve (a checkpoint,
+or a random-init preset from the seed) and the nearest-rank percentile of their tables.
 """
 import math
 import random
 from dataclasses import dataclass
 
+from core.checkpoint import load_model
 from core.errors import UserError
+from model import GPT, get_config
 
 
 @dataclass
@@ -111,3 +115,25 @@ class AgentSessions:
             return None
         return self._turn(req.session, req.turn + 1, req.prompt + list(output_ids),
                           finish + self.think_time)
+
+
+# ----------------------------------------------------------------------------------------
+# Around the traffic: the model served, and the percentiles reported
+
+def bench_model(checkpoint, preset, context, seed):
+    """The model a measurement serves, in eval mode: the checkpoint when one is named, else
+    a random-init `preset` model of `context` tokens (None: the preset's) from `seed`. A
+    pure function of its arguments, so every process that calls it (disagg.py's two
+    ranks) holds the very same weights."""
+    if checkpoint:
+        model, _ = load_model(checkpoint)
+    else:
+        model = GPT(get_config(preset, block_size=context), seed=seed)
+    return model.eval()
+
+
+def pct(xs, p):
+    """Nearest-rank percentile: the ceil(p/100 · n)-th smallest, no interpolation (so the
+    p99 of fewer than 100 samples is their maximum); nan for no samples."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(p / 100 * len(xs)) - 1))] if xs else math.nan
