@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from core import data
 from model import GPT, get_config
-from core.cli import ArgumentParser, HelpFormatter, require_at_least_one
+from core.cli import command_line, given, knob, require_at_least_one
 from core.errors import UserError
 from core.meters import comm, model_state_bytes, StepTimer
 from core.recipe import warmup_cosine
@@ -681,9 +681,10 @@ def tokens_to_target(curve, target, tokens_per_step):
 
 
 def model_config(args, vocab_size):
-    # block_size = seq_len: the RoPE table exactly as long as the training sequences
-    return get_config("small", n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
-                      n_kv_head=args.n_kv_head, block_size=args.seq_len, vocab_size=vocab_size)
+    # the shape knobs (SHAPE_KNOBS) on top of `small`; block_size = seq_len: the RoPE table
+    # exactly as long as the training sequences
+    return get_config("small", **given(args, SHAPE_KNOBS), block_size=args.seq_len,
+                      vocab_size=vocab_size)
 
 
 def compare(args, device):
@@ -788,44 +789,60 @@ def bench(args, device):
           f"hidden matrices)\n(timings on a shared CPU: contended; read the ratios)")
 
 
+# ----------------------------------------------------------------------------------------
+# Command line: every knob once, a row each (flag, default, help; core/cli.py makes the
+# flags and --help).
+
 def floats(text):            # "1e-3,3e-3" -> [0.001, 0.003] (argparse reports a bad one)
     return [float(v) for v in text.split(",")]
 
 
+MODE_KNOBS = [
+    knob("mode", "compare", "compare: AdamW vs Muon; bench: state and step time vs "
+         "torch.optim", nargs="?", choices=("compare", "bench")),
+]
+
+# the shape model_config hands to get_config (on top of `small`)
+SHAPE_KNOBS = [
+    knob("--n-layer", 4, "layers"),
+    knob("--n-embd", 128, "width"),
+    knob("--n-head", 4, "attention heads"),
+    knob("--n-kv-head", 2, "key/value heads (GQA)"),
+]
+
+MODEL_KNOBS = SHAPE_KNOBS + [
+    knob("--vocab-size", 1024, "tokenizer vocabulary"),
+    knob("--data", None, "a UTF-8 text file (not given: the built-in corpus)"),
+]
+
+TRAINING_KNOBS = [
+    knob("--steps", 150, "optimizer steps per run"),
+    knob("--batch-size", 16, "sequences per step"),
+    knob("--seq-len", 128, "tokens per sequence"),
+    knob("--warmup-steps", 15, "linear warmup steps"),
+    knob("--lrs", "3e-4,1e-3,3e-3", "AdamW's lr sweep", type=floats),
+    knob("--muon-lrs", "1e-3,3e-3,1e-2", "Muon's lr sweep (hidden matrices; the rest keeps "
+         "AdamW's best lr)", type=floats),
+    knob("--adjust-lr-fn", "match_rms_adamw", "Muon's shape scaling",
+         choices=("original", "match_rms_adamw")),
+    knob("--weight-decay", 0.1, "decoupled, both"),
+    knob("--eval-interval", 10, "steps between val losses"),
+    knob("--eval-iters", 4, "val batches per evaluation"),
+    knob("--target", 0.0, "target val loss (0 = the worse of the two best runs' final loss)"),
+    knob("--seed", 1337, "weights and batches"),
+    knob("--bench-steps", 10, "timed steps per bench row"),
+    knob("--threads", 1, "CPU threads (1: reproducible, and fastest on a shared machine; 0: "
+         "as many as torch picks)"),
+    knob("--device", "cpu", "cpu, cuda or auto"),
+]
+
+KNOBS = {None: MODE_KNOBS,
+         "model (a custom config smaller than `small`, to fit 2 CPU cores)": MODEL_KNOBS,
+         "training": TRAINING_KNOBS}
+
+
 def parse_args(argv=None):
-    p = ArgumentParser(description="Optimizers by hand; AdamW vs Muon.",
-                       formatter_class=HelpFormatter)
-    p.add_argument("mode", nargs="?", default="compare", choices=["compare", "bench"],
-                   help="compare: AdamW vs Muon; bench: state and step time vs torch.optim")
-    g = p.add_argument_group("model (a custom config smaller than `small`, to fit 2 CPU cores)")
-    g.add_argument("--n-layer", type=int, default=4, help="layers")
-    g.add_argument("--n-embd", type=int, default=128, help="width")
-    g.add_argument("--n-head", type=int, default=4, help="attention heads")
-    g.add_argument("--n-kv-head", type=int, default=2, help="key/value heads (GQA)")
-    g.add_argument("--vocab-size", type=int, default=1024, help="tokenizer vocabulary")
-    g.add_argument("--data", default=None,
-                   help="a UTF-8 text file (not given: the built-in corpus)")
-    g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
-    g.add_argument("--batch-size", type=int, default=16, help="sequences per step")
-    g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    g.add_argument("--warmup-steps", type=int, default=15, help="linear warmup steps")
-    g.add_argument("--lrs", default="3e-4,1e-3,3e-3", type=floats, help="AdamW's lr sweep")
-    g.add_argument("--muon-lrs", default="1e-3,3e-3,1e-2", type=floats,
-                   help="Muon's lr sweep (hidden matrices; the rest keeps AdamW's best lr)")
-    g.add_argument("--adjust-lr-fn", default="match_rms_adamw",
-                   choices=["original", "match_rms_adamw"], help="Muon's shape scaling")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled, both")
-    g.add_argument("--eval-interval", type=int, default=10, help="steps between val losses")
-    g.add_argument("--eval-iters", type=int, default=4, help="val batches per evaluation")
-    g.add_argument("--target", type=float, default=0.0,
-                   help="target val loss (0 = the worse of the two best runs' final loss)")
-    g.add_argument("--seed", type=int, default=1337, help="weights and batches")
-    g.add_argument("--bench-steps", type=int, default=10, help="timed steps per bench row")
-    g.add_argument("--threads", type=int, default=1, help="CPU threads (1: reproducible, "
-                   "and fastest on a shared machine; 0: as many as torch picks)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    args = p.parse_args(argv)
+    args = command_line("Optimizers by hand; AdamW vs Muon.", KNOBS).parse_args(argv)
     require_at_least_one(args, ("steps", "batch_size", "seq_len", "warmup_steps",
                                 "eval_interval", "eval_iters", "bench_steps", "n_layer",
                                 "n_embd"))

@@ -61,9 +61,9 @@ from parallelism import planner
 from parallelism.ring_attention import cp_positions, cp_shard, make_ring_attn_fn
 from model import GPT, get_config
 from core.moe import MoE
-from core.cli import ArgumentParser, fmt_bytes, require_at_least_one
+from core.cli import ArgumentParser, add_knobs, fmt_bytes, given, knob, require_at_least_one
 from core.errors import UserError
-from core.meters import comm
+from core.meters import StepTimer, comm
 from core.recipe import all_reduce_flat, decay_groups, warmup_cosine
 from core.runtime import print0, run_cli, seed_everything, setup_runtime
 from parallelism.tensor_parallel import (GatheredInputs, SavedActivations,
@@ -116,9 +116,7 @@ def check_layout(layout, cfg, world, batch_size, seq_len):
     """Every rank runs the same checks before any collective: a bad layout is one clear
     message and exit status 2 on every rank, never a hang."""
     L = layout
-    for d in DIMS:
-        if getattr(L, d) < 1:
-            raise UserError(f"--{d} must be at least 1, got {getattr(L, d)}")
+    require_at_least_one(L, DIMS)       # "--tp must be at least 1, got 0"
     if L.world != world:
         raise UserError(f"the layout {' × '.join(f'{d} {getattr(L, d)}' for d in DIMS)} "
                         f"needs {L.world} processes, but {world} were launched")
@@ -161,7 +159,7 @@ def check_layout(layout, cfg, world, batch_size, seq_len):
                         f"replicas × {L.microbatches} microbatches")
     if L.pp > 1:              # the calls build_shard makes later, run now for their errors;
         # DualPipeV puts two stages on each rank (a V), so the layers split 2·pp ways
-        pipeline.split_layers(cfg.n_layer, L.pp * (2 if L.schedule == "dualpipev" else 1))
+        pipeline.split_layers(cfg.n_layer, pipeline.stage_count(L.schedule, L.pp))
         pipeline.build_schedule(L.schedule, L.pp, L.microbatches)   # raises if M too small
 
 
@@ -280,7 +278,7 @@ class ExpertParallelMoE(nn.Module):
         # experts; the rest go with the full MoE. Contiguity is what lets the dispatch below
         # sort by expert id and get the rows grouped by destination rank for free.
         self.n_expert, self.top_k = len(moe.experts), moe.top_k
-        self.local = self.n_expert // e
+        self.ep_size, self.local = e, self.n_expert // e
         self.first = r * self.local
         self.router = moe.router                  # moe.Router: scores, the bias buffer
         self.experts = nn.ModuleList(moe.experts[self.first:self.first + self.local])
@@ -298,11 +296,40 @@ class ExpertParallelMoE(nn.Module):
         # holds), so both route identically; the balance statistics cover the microbatch
         probs, weights, ids = MoE.gate(self, x_flat)
         weights = weights.type_as(x_flat)         # the gate is fp32; the combine is x's dtype
+        aux = self.balance_loss(probs, ids, x_flat.shape[0])
+
+        # dispatch: (token, slot) pairs sorted by expert = grouped by destination rank
+        # flat index = token·k + slot, so order // k is each pair's token; stable keeps each
+        # expert's tokens in token order: the same rows, in the same order, every run
+        flat_ids = ids.flatten()
+        order = flat_ids.argsort(stable=True)
+        token_of = order // self.top_k
+        send_splits, recv_splits, recv_counts = self.exchange_sizes(flat_ids)
+        # x_flat[token_of]: a token is copied once per chosen expert, N·k rows of D go out
+        # (less those whose expert is on this rank) and as many come back in the combine
+        received = AllToAll.apply(x_flat[token_of], send_splits, recv_splits, self.ep_group)
+        out_rows = self.run_local_experts(received, recv_counts)
+        # the reverse exchange: each rank gets its own pairs back, in its sorted order
+        returned = AllToAll.apply(out_rows, recv_splits, send_splits, self.ep_group)
+
+        # combine: weight each expert output by its gate and add it to its token
+        # each pair's gate weight in the same sorted order as `returned`; index_add sums a
+        # token's k weighted expert outputs. Shared experts: local tokens, no exchange.
+        gate = weights.flatten()[order][:, None]
+        out = torch.zeros_like(x_flat).index_add(0, token_of, returned * gate)
+        out = AttachAuxLoss.apply(out + MoE.shared(self, x_flat), aux, self.aux_scale)
+        return out.view(B, T, D)
+
+    def balance_loss(self, probs, ids, n_local):
+        """Switch Transformer's aux loss over the GLOBAL microbatch (its statistics summed
+        over the data ranks), and the step's bookkeeping: aux_loss, aux_seen, idle_experts,
+        load_seen (the loads loss-free balancing moves its bias by)."""
+        device = probs.device
         # f_i's numerators, (token, slot) pairs per expert among this rank's tokens; the token
         # count rides in the same buffer, so ONE all-reduce of E+1 floats gives both totals
-        counts = torch.zeros(self.n_expert, device=x.device).index_add_(
-            0, ids.flatten(), torch.ones(ids.numel(), device=x.device))
-        n_tokens = torch.tensor([float(x_flat.shape[0])], device=x.device)
+        counts = torch.zeros(self.n_expert, device=device).index_add_(
+            0, ids.flatten(), torch.ones(ids.numel(), device=device))
+        n_tokens = torch.tensor([float(n_local)], device=device)
         stats = torch.cat([counts, n_tokens])
         comm.all_reduce(stats, group=self.stats_group)            # no gradient through f_i
         # P_i's numerator must keep its gradient (the router learns balance through it):
@@ -318,31 +345,25 @@ class ExpertParallelMoE(nn.Module):
         self.aux_seen += self.aux_scale * aux.item()   # its share of the logged loss
         self.idle_experts += int((stats[:-1] == 0).sum())   # experts that got no token
         self.load_seen = stats[:-1] if self.load_seen is None else self.load_seen + stats[:-1]
+        return aux
 
-        # dispatch: (token, slot) pairs sorted by expert = grouped by destination rank
-        # flat index = token·k + slot, so order // k is each pair's token; stable keeps each
-        # expert's tokens in token order: the same rows, in the same order, every run
-        flat_ids = ids.flatten()
-        order = flat_ids.argsort(stable=True)
-        token_of = order // self.top_k
+    def exchange_sizes(self, flat_ids):
+        """-> (rows sent to each ep rank, rows received from each, the received rows per
+        (source rank, local expert)): the sizes every all-to-all of this layer needs."""
         per_expert = torch.bincount(flat_ids, minlength=self.n_expert)
-        e = self.n_expert // self.local
-        send_counts = per_expert.view(e, self.local)              # [dest rank, its expert]
+        send_counts = per_expert.view(self.ep_size, self.local)   # [dest rank, its expert]
         recv_counts = torch.empty_like(send_counts)
         # The receiver must size its buffer before the rows arrive, and needs per-expert
         # counts to know which rows are whose: e·L integers, then the payload itself.
         comm.all_to_all_single(recv_counts, send_counts, group=self.ep_group)  # sizes first
-        send_splits = send_counts.sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
-        # x_flat[token_of]: a token is copied once per chosen expert, N·k rows of D go out
-        # (less those whose expert is on this rank) and as many come back in the combine
-        received = AllToAll.apply(x_flat[token_of], send_splits, recv_splits, self.ep_group)
+        return send_counts.sum(1).tolist(), recv_counts.sum(1).tolist(), recv_counts
 
-        # run the local experts: received rows are [source rank][local expert] blocks;
-        # recv_counts is (source, local expert) row-major, so its flattened entries are the
-        # block lengths in arrival order
-        expert_of_row = torch.arange(self.local, device=x.device).repeat(e).repeat_interleave(
-            recv_counts.flatten())
+    def run_local_experts(self, received, recv_counts):
+        """Each received row through its local expert, in arrival order."""
+        # received rows are [source rank][local expert] blocks; recv_counts is (source, local
+        # expert) row-major, so its flattened entries are the block lengths in arrival order
+        expert_of_row = torch.arange(self.local, device=received.device).repeat(
+            self.ep_size).repeat_interleave(recv_counts.flatten())
         # zeros that stay in the graph: when none of this rank's experts gets a token, the
         # backward must still run its two all-to-alls, as every other ep rank's does
         # (torch.zeros_like would cut the graph: no gradient to received, no AllToAll.backward
@@ -354,16 +375,7 @@ class ExpertParallelMoE(nn.Module):
             rows = (expert_of_row == j).nonzero(as_tuple=True)[0]
             if rows.numel():                      # an expert may receive no token at all
                 out_rows = out_rows.index_add(0, rows, expert(received[rows]))
-        # the reverse exchange: each rank gets its own pairs back, in its sorted order
-        returned = AllToAll.apply(out_rows, recv_splits, send_splits, self.ep_group)
-
-        # combine: weight each expert output by its gate and add it to its token
-        # each pair's gate weight in the same sorted order as `returned`; index_add sums a
-        # token's k weighted expert outputs. Shared experts: local tokens, no exchange.
-        gate = weights.flatten()[order][:, None]
-        out = torch.zeros_like(x_flat).index_add(0, token_of, returned * gate)
-        out = AttachAuxLoss.apply(out + MoE.shared(self, x_flat), aux, self.aux_scale)
-        return out.view(B, T, D)
+        return out_rows
 
 
 # ----------------------------------------------------------------------------------------
@@ -733,9 +745,9 @@ def balance_summary(balance, cfg):
             f"rows per ep rank {per_rank:.3f}, mean over {len(balance)} steps")
 
 
-def train(args, rt):
-    layout = layout_from(args)
-    cfg = model_config(args)
+def start_run(args, rt, layout, cfg):
+    """Every rank checks the layout (one clear error, never a hang), then loads the corpus
+    and builds its shard: -> (corpus, shard)."""
     if not rt.distributed:
         raise UserError(f"parallel.py trains under torchrun: torchrun --standalone "
                         f"--nproc_per_node={layout.world} parallel.py ... (dp·ep·pp·cp·tp "
@@ -744,6 +756,30 @@ def train(args, rt):
     seed_everything(args.seed)  # global RNGs; the weights come from GPT's own seed-0 generator
     corpus = data.load_corpus(args.data, vocab_size=cfg.vocab_size)
     shard = build_shard(cfg, layout, build_mesh(layout, rt.device), args.seq_len, rt.device)
+    return corpus, shard
+
+
+def print_summary(args, rt, layout, cfg, shard, optimizer, pipeline_run, balance, elapsed):
+    """After the last step: the ledger (bytes each group sent, checked against the formulas
+    under --check), the last step's pipeline timeline (pipeline_run: its records and their
+    common zero), the expert balance, the time."""
+    print0(parallel_check.ledger(shard, layout, cfg, args, rt, optimizer))
+    if args.check:
+        parallel_check.check_traffic(shard, layout, cfg, args)
+    if layout.pp > 1:           # the last step, as each pipeline rank of this column ran it
+        timeline, t_pipe = pipeline_run
+        timelines = pipeline.gather_timelines(timeline, t_pipe, shard.groups["pp"])
+        print0(pipeline.format_timeline(timelines, layout.schedule, layout.microbatches))
+    if balance:
+        print0(balance_summary(balance, cfg))
+    print0(f"trained {args.steps} steps in {elapsed:.1f} s")
+
+
+def train(args, rt):
+    """The run: this rank's shard trained args.steps steps, a log line each (checked against
+    one process under --check), then the summary. -> figures the tests compare."""
+    layout, cfg = layout_from(args), model_config(args)
+    corpus, shard = start_run(args, rt, layout, cfg)
     optimizer = make_optimizer([p for _, p in shard.params], args)
     optimizers = [optimizer]
     if args.check:              # one process, same seed and batches (parallelism/parallel_check.py)
@@ -758,9 +794,7 @@ def train(args, rt):
         print0(pipeline.format_schedule(
             pipeline.build_schedule(layout.schedule, layout.pp, layout.microbatches)))
     comm.reset()                # the ledger counts the training steps' collectives only
-    timeline = []
-    balance = []
-    elapsed = 0.0
+    timeline, t_pipe, balance, elapsed = [], None, [], 0.0
     for step in range(args.steps):
         lr = learning_rate(step, args)
         for group in (g for opt in optimizers for g in opt.param_groups):
@@ -773,34 +807,22 @@ def train(args, rt):
         if layout.pp > 1:       # a common zero for the timeline (bookkeeping, unmetered)
             dist.barrier(group=shard.groups["pp"])
             t_pipe = time.perf_counter()
-        t0 = time.perf_counter()
-        local, norm = train_step(shard, layout, optimizer, batch, args.grad_clip, timeline)
-        if rt.device.type == "cuda":    # kernels run asynchronously: stop the clock when
-            torch.cuda.synchronize()    # the GPU is done, not when the host queued them
-        seconds = time.perf_counter() - t0
-        elapsed += seconds
+        # StepTimer waits for the GPU's queued kernels: the clock stops when they are done
+        with StepTimer(rt.device) as clock:
+            local, norm = train_step(shard, layout, optimizer, batch, args.grad_clip,
+                                     timeline)
+        elapsed += clock.seconds
         loss = global_loss(local, layout, rt.device)
         imbalance = expert_imbalance(shard)
         if imbalance:
             balance.append(imbalance)
-        print0(log_line(step, loss, norm, lr, seconds, args, shard, optimizer, imbalance))
+        print0(log_line(step, loss, norm, lr, clock.seconds, args, shard, optimizer,
+                        imbalance))
         if args.check:
-            loss_free = cfg.n_expert and cfg.moe_balance == "loss_free"
-            # the one process's loads from its weights BEFORE check_step steps its optimizer
-            loads = parallel_check.reference_loads(ref, batch[0]) if loss_free else None
             parallel_check.check_step(step, shard, layout, ref, ref_optimizer, batch,
                                       (loss, norm), args.grad_clip, lr, optimizer)
-            if loss_free:
-                parallel_check.check_expert_bias(step, shard, ref, loads)
-    print0(parallel_check.ledger(shard, layout, cfg, args, rt, optimizer))
-    if args.check:
-        parallel_check.check_traffic(shard, layout, cfg, args)
-    if layout.pp > 1:           # the last step, as each pipeline rank of this column ran it
-        timelines = pipeline.gather_timelines(timeline, t_pipe, shard.groups["pp"])
-        print0(pipeline.format_timeline(timelines, layout.schedule, layout.microbatches))
-    if balance:
-        print0(balance_summary(balance, cfg))
-    print0(f"trained {args.steps} steps in {elapsed:.1f} s")
+    print_summary(args, rt, layout, cfg, shard, optimizer, (timeline, t_pipe), balance,
+                  elapsed)
     return dict(loss=loss, activation_bytes=shard.activation_bytes,
                 state_bytes=parallel_check.state_bytes(shard, optimizer)["total"],
                 seconds=elapsed)
@@ -838,7 +860,8 @@ def bench_tp(args, rt):
 
 
 # ----------------------------------------------------------------------------------------
-# Command line
+# Command line: every knob once, a row each (flag, default, help; core/cli.py makes the
+# flags). The layout's knobs become a Layout, the model's overrides a config.
 
 def layout_from(args):
     return Layout(dp=args.dp, ep=args.ep, pp=args.pp, cp=args.cp, tp=args.tp, sp=args.sp,
@@ -847,79 +870,77 @@ def layout_from(args):
 
 
 def model_config(args):
-    return get_config(args.preset, n_layer=args.n_layer, n_head=args.n_head,
-                      n_kv_head=args.n_kv_head, n_embd=args.n_embd,
-                      vocab_size=args.vocab_size, n_expert=args.n_expert,
-                      n_shared_expert=args.n_shared_expert, moe_score=args.moe_score,
-                      moe_balance=args.moe_balance, moe_bias_rate=args.moe_bias_rate,
-                      moe_aux_coef=args.moe_aux_coef, n_extra_heads=args.n_extra_heads,
-                      # the RoPE table (and the check on positions) must cover --seq-len
+    """The preset with the overrides given (CONFIG_KNOBS); the RoPE table (and the check
+    on positions) must cover --seq-len."""
+    return get_config(args.preset, **given(args, CONFIG_KNOBS),
                       block_size=max(args.seq_len, get_config(args.preset).block_size))
 
 
-def add_layout_flags(p):
-    g = p.add_argument_group("layout (world size = dp·ep·pp·cp·tp)")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
-    g.add_argument("--ep", type=int, default=1,
-                   help="expert parallelism: ranks the MoE experts are spread over (each "
-                        "also takes its own share of the batch, like dp)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages (parallelism/pipeline.py)")
-    g.add_argument("--cp", type=int, default=1, help="context parallelism (ring attention)")
-    g.add_argument("--tp", type=int, default=1, help="tensor parallelism (Megatron)")
-    g.add_argument("--sp", action="store_true",
-                   help="sequence parallelism inside the tp group (norms on sequence shards)")
-    g.add_argument("--cp-layout", choices=("zigzag", "plain"), default="zigzag",
-                   help="how the sequence is cut for cp: zigzag (rank r holds chunks r and "
-                        "2C-1-r: balanced causal work) or plain contiguous chunks")
-    g.add_argument("--schedule", choices=pipeline.SCHEDULES, default="1f1b",
-                   help="pipeline schedule when --pp > 1")
-    g.add_argument("--microbatches", type=int, default=None,
-                   help="microbatches per step; when not given: 2·pp (1 without a "
-                        "pipeline)")
-    g.add_argument("--print-schedule", action="store_true",
-                   help="print each pipeline rank's action list before training")
+MODE_KNOBS = [
+    knob("mode", "train", "train (default) or bench-tp", nargs="?",
+         choices=("train", "bench-tp")),
+]
 
+LAYOUT_KNOBS = [
+    knob("--dp", 1, "data-parallel replicas"),
+    knob("--ep", 1, "expert parallelism: ranks the MoE experts are spread over (each also "
+         "takes its own share of the batch, like dp)"),
+    knob("--pp", 1, "pipeline stages (parallelism/pipeline.py)"),
+    knob("--cp", 1, "context parallelism (ring attention)"),
+    knob("--tp", 1, "tensor parallelism (Megatron)"),
+    knob("--sp", False, "sequence parallelism inside the tp group (norms on sequence shards)"),
+    knob("--cp-layout", "zigzag", "how the sequence is cut for cp: zigzag (rank r holds chunks "
+         "r and 2C-1-r: balanced causal work) or plain contiguous chunks",
+         choices=("zigzag", "plain")),
+    knob("--schedule", "1f1b", "pipeline schedule when --pp > 1", choices=pipeline.SCHEDULES),
+    knob("--microbatches", int, "microbatches per step; when not given: 2·pp (1 without a "
+         "pipeline)"),
+    knob("--print-schedule", False, "print each pipeline rank's action list before training"),
+]
 
-def add_model_flags(p):
-    m = p.add_argument_group("model and data")
-    m.add_argument("--preset", default="small", help="model preset from model.py")
-    m.add_argument("--n-layer", type=int, help="override the preset's layer count")
-    m.add_argument("--n-head", type=int, help="override the preset's attention heads")
-    m.add_argument("--n-kv-head", type=int, help="override the preset's KV heads")
-    m.add_argument("--n-embd", type=int, help="override the preset's width")
-    m.add_argument("--vocab-size", type=int, help="override the preset's tokenizer "
-                   "vocabulary (a BPE of that size is trained once and cached)")
-    m.add_argument("--n-expert", type=int, help="override the preset's expert count")
-    m.add_argument("--n-shared-expert", type=int, help="override the preset's always-on "
-                   "shared experts (DeepSeekMoE)")
-    m.add_argument("--moe-score", choices=("softmax", "sigmoid"),
-                   help="override the preset's router affinities")
-    m.add_argument("--moe-balance", choices=("aux", "loss_free"), help="override the "
-                   "preset's balancing: Switch aux loss, or DeepSeek-V3's routing bias")
-    m.add_argument("--moe-bias-rate", type=float, help="override γ of the loss-free bias")
-    m.add_argument("--moe-aux-coef", type=float, help="override the balance loss's weight")
-    m.add_argument("--n-extra-heads", type=int, help="override the preset's extra (MTP) "
-                   "next-token heads")
-    m.add_argument("--data", default=None, help="a UTF-8 text file, documents separated by "
-                   "<|endoftext|>; when not given: the built-in corpus (see core/data.py)")
-    m.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
-    m.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+# the model settings get_config takes as overrides of --preset (None: the preset's own)
+CONFIG_KNOBS = [
+    knob("--n-layer", int, "override the preset's layer count"),
+    knob("--n-head", int, "override the preset's attention heads"),
+    knob("--n-kv-head", int, "override the preset's KV heads"),
+    knob("--n-embd", int, "override the preset's width"),
+    knob("--vocab-size", int, "override the preset's tokenizer vocabulary (a BPE of that "
+         "size is trained once and cached)"),
+    knob("--n-expert", int, "override the preset's expert count"),
+    knob("--n-shared-expert", int, "override the preset's always-on shared experts "
+         "(DeepSeekMoE)"),
+    knob("--moe-score", None, "override the preset's router affinities",
+         choices=("softmax", "sigmoid")),
+    knob("--moe-balance", None, "override the preset's balancing: Switch aux loss, or "
+         "DeepSeek-V3's routing bias", choices=("aux", "loss_free")),
+    knob("--moe-bias-rate", float, "override γ of the loss-free bias"),
+    knob("--moe-aux-coef", float, "override the balance loss's weight"),
+    knob("--n-extra-heads", int, "override the preset's extra (MTP) next-token heads"),
+]
 
+MODEL_AND_DATA_KNOBS = [
+    knob("--preset", "small", "model preset from model.py"),
+    *CONFIG_KNOBS,
+    knob("--data", None, "a UTF-8 text file, documents separated by <|endoftext|>; when not "
+         "given: the built-in corpus (see core/data.py)"),
+    knob("--batch-size", 8, "global batch, in sequences"),
+    knob("--seq-len", 64, "tokens per sequence"),
+]
 
-def add_training_flags(p):
-    o = p.add_argument_group("training")
-    o.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    o.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
-    o.add_argument("--warmup-steps", type=int, default=5, help="linear warm-up steps")
-    o.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay "
-                   "(matrices only)")
-    o.add_argument("--grad-clip", type=float, default=1.0,
-                   help="clip the global gradient norm (0 = off)")
-    o.add_argument("--seed", type=int, default=1337, help="data seed (weights: seed 0)")
-    o.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    o.add_argument("--check", action="store_true",
-                   help="also run one process on the same batches and assert that loss, "
-                        "every gradient and every weight match at every step")
+TRAINING_KNOBS = [
+    knob("--steps", 20, "optimizer steps"),
+    knob("--lr", 1e-3, "AdamW peak learning rate"),
+    knob("--warmup-steps", 5, "linear warm-up steps"),
+    knob("--weight-decay", 0.1, "AdamW weight decay (matrices only)"),
+    knob("--grad-clip", 1.0, "clip the global gradient norm (0 = off)"),
+    knob("--seed", 1337, "data seed (weights: seed 0)"),
+    knob("--device", "auto", "auto, cpu or cuda"),
+    knob("--check", False, "also run one process on the same batches and assert that loss, "
+         "every gradient and every weight match at every step"),
+]
+
+KNOBS = {None: MODE_KNOBS, "layout (world size = dp·ep·pp·cp·tp)": LAYOUT_KNOBS,
+         "model and data": MODEL_AND_DATA_KNOBS, "training": TRAINING_KNOBS}
 
 
 def parse_args(argv=None):
@@ -929,11 +950,8 @@ def parse_args(argv=None):
                     "hand; --check compares every step with one process. Other modes: "
                     "`parallel.py bench-tp` (hand TP vs DTensor TP, under torchrun) and "
                     "`python parallel.py plan --help` (layout planner).")
-    p.add_argument("mode", nargs="?", default="train", choices=("train", "bench-tp"),
-                   help="train (default) or bench-tp")
-    add_layout_flags(p)
-    add_model_flags(p)
-    add_training_flags(p)
+    for title, knobs in KNOBS.items():
+        add_knobs(p, knobs, title)
     args = p.parse_args(argv)
     if args.microbatches is None:   # M = 2P: 1F1B idles (P-1)/(3P-1) of the step, under 1/3
         args.microbatches = 1 if args.pp == 1 else 2 * args.pp

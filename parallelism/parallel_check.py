@@ -1,7 +1,7 @@
 """
-parallelism/parallel_check.py -- how parallel.py is proven and measured: the one-process reference,
-the
-traffic formulas, the ledger, and PyTorch's DTensor tensor parallelism side by side.
+parallelism/parallel_check.py -- how parallel.py is proven and measured: the one-process
+reference, the traffic formulas, the ledger, and PyTorch's DTensor tensor parallelism side
+by side.
 
 A part of parallel.py, imported one way: parallel.py says how the model is split and trained;
 this file says how we know the split is right and what it costs. It needs nothing from
@@ -178,9 +178,15 @@ def check_step(step, shard, layout, ref, ref_optimizer, batch, ours, grad_clip, 
     and a real error (a parameter not stepped, a wrong scale, a missing sum) still misses
     by whole lr's or by the gradient itself, on the step it happens. The step counts are
     not copied: each optimizer keeps its own, so a shard that skipped a step is still
-    caught by its bias correction."""
+    caught by its bias correction.
+
+    Loss-free balancing: the biases must have moved alike too (check_expert_bias), by the
+    loads the one process routes with the weights it had BEFORE its optimizer step."""
     x, y = batch
     loss, norm = ours
+    cfg = shard.model.config
+    loss_free = cfg.n_expert and cfg.moe_balance == "loss_free"
+    loads = reference_loads(ref, x) if loss_free else None
     ref_optimizer.zero_grad(set_to_none=True)
     ref_loss = reference_step(ref, layout, x, y)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), grad_clip).item()
@@ -197,6 +203,8 @@ def check_step(step, shard, layout, ref, ref_optimizer, batch, ours, grad_clip, 
     print0(f"CHECK step {step} {layout}: loss {loss:.6f} = {ref_loss:.6f}, every "
            f"gradient (max |diff| {grad_diff:.1e}) and weight ({weight_diff:.1e}, "
            f"tolerance {weight_atol:.1e}) equal one process" + idle_note)
+    if loss_free:
+        check_expert_bias(step, shard, ref, loads)
 
 
 # ----------------------------------------------------------------------------------------
@@ -223,7 +231,7 @@ def expected_traffic(shard, layout, cfg, batch_size, seq_len):
     f32 = 4
     act = b * s * cfg.n_embd * f32                    # one (b, s, h) activation
     held = sorted(shard.stages)
-    n_stages = layout.pp * (2 if layout.schedule == "dualpipev" else 1)
+    n_stages = pipeline.stage_count(layout.schedule, layout.pp)
     first = int(0 in held)                            # holds the embedding
     last = int(n_stages - 1 in held)                  # holds the head and the loss
     layers = sum(len(shard.stages[k].layers) for k in held)

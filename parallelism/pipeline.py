@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from model import GPT, get_config
-from core.cli import ArgumentParser, fmt_bytes, HelpFormatter, require_at_least_one
+from core.cli import command_line, fmt_bytes, given, knob, require_at_least_one
 from core.errors import UserError
 from core.meters import comm
 from core.runtime import print0, run_cli, setup_runtime
@@ -71,8 +71,13 @@ def rank_of_stages(n_stages, n_ranks):
     return {s: s if s < n_ranks else 2 * n_ranks - 1 - s for s in range(n_stages)}
 
 
+def stage_count(schedule, n_ranks):
+    """Stages in all: one per rank in a line, two per rank in DualPipeV's V."""
+    return 2 * n_ranks if schedule == "dualpipev" else n_ranks
+
+
 def stage_ranks(schedule, n_ranks):
-    return rank_of_stages(2 * n_ranks if schedule == "dualpipev" else n_ranks, n_ranks)
+    return rank_of_stages(stage_count(schedule, n_ranks), n_ranks)
 
 
 def cross_entropy_loss(logits, targets):
@@ -115,7 +120,7 @@ class Stage(nn.Module):
 def build_stages(model, schedule, n_ranks, pp_rank, loss_fn, cos, sin, make_stage=Stage):
     """stage id -> Stage for the stages this pp rank holds (1, or 2 for DualPipeV).
     make_stage: Stage or a subclass (parallel.py's ShardedStage meters each forward)."""
-    n_stages = 2 * n_ranks if schedule == "dualpipev" else n_ranks
+    n_stages = stage_count(schedule, n_ranks)
     owner = stage_ranks(schedule, n_ranks)
     return {s: make_stage(model, s, n_stages, layers, loss_fn, cos, sin)
             for s, layers in enumerate(split_layers(model.config.n_layer, n_stages))
@@ -358,7 +363,7 @@ def build_schedule(schedule, n_ranks, n_microbatches):
     build = {"gpipe": gpipe_rank, "1f1b": one_f_one_b_rank, "dualpipev": dualpipev_rank,
              "zb": lambda P, M, r: one_f_one_b_rank(P, M, r, split=True)}[schedule]
     per_rank = [build(P, M, r) for r in range(P)]
-    n_stages = 2 * P if schedule == "dualpipev" else P
+    n_stages = stage_count(schedule, P)
     rank_of = rank_of_stages(n_stages, P)
     slots, done = place_on_grid(per_rank, n_stages)
     out = []
@@ -717,12 +722,11 @@ def bench(args, rt):
     pp_group = dist.new_group(list(range(P))) if rt.distributed else None
     if pp_group is not None:
         comm.name_group(pp_group, "pp")
-    cfg = get_config(args.preset, n_layer=args.n_layer, n_embd=args.n_embd,
-                     vocab_size=args.vocab_size,
+    cfg = get_config(args.preset, **given(args, BENCH_MODEL_KNOBS),
                      block_size=max(T, get_config(args.preset).block_size))
     for schedule in args.schedules:                 # every UserError before any P2P
         build_schedule(schedule, P, M)
-        split_layers(cfg.n_layer, 2 * P if schedule == "dualpipev" else P)
+        split_layers(cfg.n_layer, stage_count(schedule, P))
     data = torch.randint(0, cfg.vocab_size, (M, args.microbatch_size, T + 1),
                          generator=torch.Generator().manual_seed(args.seed))
     batch = ([d[:, :-1].to(device) for d in data], [d[:, 1:].to(device) for d in data])
@@ -740,35 +744,47 @@ def bench(args, rt):
     return rows
 
 
+# ----------------------------------------------------------------------------------------
+# Command line: every knob once, a row each (flag, default, help; core/cli.py makes the
+# flags and --help).
+
+MODE_KNOBS = [
+    knob("mode", None, "show: print the step table of --schedule (no torchrun needed); "
+         "bench: run under torchrun --nproc_per_node=P", choices=("show", "bench")),
+]
+
+SHOW_KNOBS = [
+    knob("--schedule", "1f1b", "show: which schedule", choices=SCHEDULES),
+    knob("--pp", 4, "show: number of pipeline ranks"),
+]
+
+# the bench model: --preset with these three overrides (bench's get_config)
+BENCH_MODEL_KNOBS = [
+    knob("--n-layer", 8, "bench: layers (the 2P stages of dualpipev must divide them)"),
+    knob("--n-embd", 384, "bench: model width (tiny's own 32 leaves too little to compute)"),
+    knob("--vocab-size", 64, "bench: vocabulary. The head and the loss make the last stage "
+         "heavier; a small vocabulary balances the stages, as the bubble formulas assume"),
+]
+
+BENCH_KNOBS = [
+    knob("--schedules", ",".join(SCHEDULES), "bench: comma-separated schedules to run"),
+    knob("--microbatches", 8, "microbatches per step (M)"),        # show's too
+    knob("--preset", "tiny", "model preset (model.PRESETS)"),
+    *BENCH_MODEL_KNOBS,
+    knob("--seq-len", 256, "bench: tokens per sequence"),
+    knob("--microbatch-size", 4, "bench: sequences per microbatch"),
+    knob("--steps", 7, "bench: timed steps (median reported)"),
+    knob("--warmup", 1, "bench: untimed steps first"),
+    knob("--seed", 0, "bench: seed of the random token ids"),
+    knob("--device", "auto", "auto, cpu or cuda"),
+    knob("--no-torch", False, "bench: skip the torch schedules"),
+]
+
+
 def parse_args(argv=None):
-    p = ArgumentParser(description="Pipeline parallelism by hand: print a schedule, "
-                                "or time every schedule against torch.distributed.pipelining "
-                                "(training runs go through parallel.py --pp).",
-                                formatter_class=HelpFormatter)
-    p.add_argument("mode", choices=["show", "bench"],
-                   help="show: print the step table of --schedule (no torchrun needed); "
-                        "bench: run under torchrun --nproc_per_node=P")
-    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="show: which schedule")
-    p.add_argument("--pp", type=int, default=4, help="show: number of pipeline ranks")
-    p.add_argument("--schedules", default=",".join(SCHEDULES),
-                   help="bench: comma-separated schedules to run")
-    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (M)")
-    p.add_argument("--preset", default="tiny", help="model preset (model.PRESETS)")
-    p.add_argument("--n-layer", type=int, default=8,
-                   help="bench: layers (the 2P stages of dualpipev must divide them)")
-    p.add_argument("--n-embd", type=int, default=384,
-                   help="bench: model width (tiny's own 32 leaves too little to compute)")
-    p.add_argument("--vocab-size", type=int, default=64,
-                   help="bench: vocabulary. The head and the loss make the last stage "
-                        "heavier; a small vocabulary balances the stages, as the bubble "
-                        "formulas assume")
-    p.add_argument("--seq-len", type=int, default=256, help="bench: tokens per sequence")
-    p.add_argument("--microbatch-size", type=int, default=4, help="bench: sequences per microbatch")
-    p.add_argument("--steps", type=int, default=7, help="bench: timed steps (median reported)")
-    p.add_argument("--warmup", type=int, default=1, help="bench: untimed steps first")
-    p.add_argument("--seed", type=int, default=0, help="bench: seed of the random token ids")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--no-torch", action="store_true", help="bench: skip the torch schedules")
+    p = command_line("Pipeline parallelism by hand: print a schedule, or time every schedule "
+                     "against torch.distributed.pipelining (training runs go through "
+                     "parallel.py --pp).", {None: MODE_KNOBS + SHOW_KNOBS + BENCH_KNOBS})
     args = p.parse_args(argv)
     args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     for s in args.schedules:

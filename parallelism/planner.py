@@ -60,7 +60,7 @@ one); `python parallel.py plan` is its command line.
 import math
 from dataclasses import dataclass
 
-from core.cli import fmt_bytes
+from core.cli import add_knobs, fmt_bytes, knob, require_at_least_one
 from core.errors import UserError
 
 TP_PASSES = {"none": 2, "selective": 2, "full": 3}        # forward, backward, recompute
@@ -83,48 +83,6 @@ def parse_quantity(text, flag, binary=False):
     return int(round(value))
 
 
-def add_plan_arguments(parser):
-    a = parser.add_argument
-    a("--params", help="parameter count Ψ: 405B, 8.03B, 405e9 (default: from the shape)")
-    a("--layers", type=int, default=32, help="layers (default 32: the Playbook's 7B)")
-    a("--hidden", type=int, default=4096, help="hidden size h (default 4096)")
-    a("--heads", type=int, help="attention heads (default hidden/128)")
-    a("--kv-heads", type=int, help="key/value heads (default 8 as in Llama 3, or --heads "
-      "if 8 does not divide them)")
-    a("--vocab", type=int, default=128256, help="vocabulary (default 128256, Llama 3)")
-    a("--ffn", type=int, help="SwiGLU width (default 8h/3 rounded up to 256, Llama's rule)")
-    a("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
-    a("--gpus", type=int, default=8, help="GPUs in all (default 8)")
-    a("--gpu-mem", type=float, default=80, help="GB (decimal) per GPU (default 80)")
-    a("--gpus-per-node", type=int, default=8, help="NVLink island, TP's limit (default 8)")
-    a("--global-batch-tokens", default="16M", help="tokens per optimizer step, K/M/G "
-      "binary (default 16M = 16·2^20, Llama 3's)")
-    a("--micro-batch", type=int, default=1, help="sequences per microbatch (default 1)")
-    a("--recompute", choices=("none", "selective", "full"), default="selective",
-      help="activation recomputation (default selective)")
-    a("--zero", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage over dp·cp "
-      "(default 2, Llama 3's FSDP; 0 = DDP)")
-    a("--state-bytes", default="2,2,12", help="bytes per parameter of weights, gradients, "
-      "optimizer (default 2,2,12: bf16, bf16, fp32 master + Adam; DeepSeek-V3: 2,4,8 = fp32 "
-      "gradients, bf16 Adam moments)")
-    m = parser.add_argument_group("mixture of experts (DeepSeekMoE) and latent attention")
-    m.add_argument("--experts", type=int, default=0, help="routed experts per MoE layer "
-                   "(default 0: dense)")
-    m.add_argument("--shared-experts", type=int, default=0, help="always-on experts (default 0)")
-    m.add_argument("--top-k", type=int, default=8, help="routed experts per token (default 8)")
-    m.add_argument("--expert-ffn", type=int, help="SwiGLU width of one expert (default --ffn)")
-    m.add_argument("--dense-layers", type=int, default=0, help="leading layers with a dense "
-                   "MLP of --ffn (default 0; DeepSeek-V3: 3)")
-    m.add_argument("--ep", type=int, default=1, help="expert parallelism inside the dp·cp "
-                   "ranks (default 1); with experts the search tries TP last")
-    m.add_argument("--kv-lora-rank", type=int, default=0, help="MLA latent d_c (default 0: GQA)")
-    m.add_argument("--q-lora-rank", type=int, default=0, help="MLA query latent (default 0)")
-    m.add_argument("--qk-rope-dim", type=int, default=64, help="MLA rope part d_R (default 64)")
-    m.add_argument("--qk-nope-dim", type=int, default=128, help="MLA position-free part of a "
-                   "query/key head (default 128)")
-    m.add_argument("--v-head-dim", type=int, default=128, help="MLA value head (default 128)")
-
-
 def check_plan_args(args):
     """Fill the defaults that depend on other flags, reject what cannot be planned;
     -> (Ψ used, Ψ counted from the shape)."""
@@ -135,11 +93,8 @@ def check_plan_args(args):
         args.kv_heads = 8 if args.heads % 8 == 0 else args.heads
     if args.ffn is None:
         args.ffn = 256 * math.ceil(8 * args.hidden // 3 / 256)
-    for flag in ("layers", "hidden", "heads", "kv_heads", "vocab", "ffn", "seq", "gpus",
-                 "gpus_per_node", "micro_batch"):
-        if getattr(args, flag) < 1:
-            raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got "
-                            f"{getattr(args, flag)}")
+    require_at_least_one(args, ("layers", "hidden", "heads", "kv_heads", "vocab", "ffn", "seq",
+                                "gpus", "gpus_per_node", "micro_batch"))
     if not args.gpu_mem > 0:
         raise UserError(f"--gpu-mem must be positive (GB), got {args.gpu_mem}")
     if args.hidden % args.heads or args.heads % args.kv_heads:
@@ -477,6 +432,56 @@ def plan(args):
     out += _step1_fit(args, psi, rows, best) + _step2_batch(args, best)
     out.append(f"step 3 - layout: {best.name}")
     return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------
+# `python parallel.py plan`'s knobs, a row each (core/cli.py makes the flags). Its parser
+# uses argparse's plain formatter: each help states its default itself.
+PLAN_KNOBS = [
+    knob("--params", None, "parameter count Ψ: 405B, 8.03B, 405e9 (default: from the shape)"),
+    knob("--layers", 32, "layers (default 32: the Playbook's 7B)"),
+    knob("--hidden", 4096, "hidden size h (default 4096)"),
+    knob("--heads", int, "attention heads (default hidden/128)"),
+    knob("--kv-heads", int, "key/value heads (default 8 as in Llama 3, or --heads if 8 does "
+         "not divide them)"),
+    knob("--vocab", 128256, "vocabulary (default 128256, Llama 3)"),
+    knob("--ffn", int, "SwiGLU width (default 8h/3 rounded up to 256, Llama's rule)"),
+    knob("--seq", 4096, "tokens per sequence (default 4096)"),
+    knob("--gpus", 8, "GPUs in all (default 8)"),
+    knob("--gpu-mem", 80.0, "GB (decimal) per GPU (default 80)"),
+    knob("--gpus-per-node", 8, "NVLink island, TP's limit (default 8)"),
+    knob("--global-batch-tokens", "16M", "tokens per optimizer step, K/M/G binary (default "
+         "16M = 16·2^20, Llama 3's)"),
+    knob("--micro-batch", 1, "sequences per microbatch (default 1)"),
+    knob("--recompute", "selective", "activation recomputation (default selective)",
+         choices=("none", "selective", "full")),
+    knob("--zero", 2, "ZeRO stage over dp·cp (default 2, Llama 3's FSDP; 0 = DDP)",
+         choices=(0, 1, 2, 3)),
+    knob("--state-bytes", "2,2,12", "bytes per parameter of weights, gradients, optimizer "
+         "(default 2,2,12: bf16, bf16, fp32 master + Adam; DeepSeek-V3: 2,4,8 = fp32 "
+         "gradients, bf16 Adam moments)"),
+]
+
+MOE_PLAN_KNOBS = [
+    knob("--experts", 0, "routed experts per MoE layer (default 0: dense)"),
+    knob("--shared-experts", 0, "always-on experts (default 0)"),
+    knob("--top-k", 8, "routed experts per token (default 8)"),
+    knob("--expert-ffn", int, "SwiGLU width of one expert (default --ffn)"),
+    knob("--dense-layers", 0, "leading layers with a dense MLP of --ffn (default 0; "
+         "DeepSeek-V3: 3)"),
+    knob("--ep", 1, "expert parallelism inside the dp·cp ranks (default 1); with experts the "
+         "search tries TP last"),
+    knob("--kv-lora-rank", 0, "MLA latent d_c (default 0: GQA)"),
+    knob("--q-lora-rank", 0, "MLA query latent (default 0)"),
+    knob("--qk-rope-dim", 64, "MLA rope part d_R (default 64)"),
+    knob("--qk-nope-dim", 128, "MLA position-free part of a query/key head (default 128)"),
+    knob("--v-head-dim", 128, "MLA value head (default 128)"),
+]
+
+
+def add_plan_arguments(parser):
+    add_knobs(parser, PLAN_KNOBS)
+    add_knobs(parser, MOE_PLAN_KNOBS, "mixture of experts (DeepSeekMoE) and latent attention")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
 """
-parallelism/tensor_parallel.py -- split inside a layer: Megatron-LM tensor parallelism and, on top
-of
-it, sequence parallelism, by hand. A part of parallel.py: the
-layer-internal split (parallel.py composes it with data, context, pipeline and expert
-parallelism on one DeviceMesh and checks it against one process;
-parallelism/parallel_check.py compares it with PyTorch's DTensor TP).
+parallelism/tensor_parallel.py -- split inside a layer: Megatron-LM tensor parallelism and,
+on top of it, sequence parallelism, by hand. A part of parallel.py: the layer-internal
+split (parallel.py composes it with data, context, pipeline and expert parallelism on one
+DeviceMesh and checks it against one process; parallelism/parallel_check.py compares it
+with PyTorch's DTensor TP).
 
   tp  tensor parallelism (Megatron-LM, Shoeybi et al. 2019): wq/wk/wv and w1/w3 split by
       output columns (heads and KV heads per rank), wo and w2 by input rows, so each
