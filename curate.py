@@ -36,6 +36,7 @@ What it teaches, and what each step saves / adds / sacrifices
 """
 import argparse
 import ast
+import dataclasses
 import glob
 import hashlib
 import io
@@ -53,7 +54,7 @@ import numpy as np
 import torch
 
 from core import data
-from core.cli import ArgumentParser, fmt_bytes, fmt_count, HelpFormatter
+from core.cli import ArgumentParser, HelpFormatter, add_knobs, fmt_bytes, fmt_count, knob
 from core.errors import UserError
 from core.runtime import run_cli
 
@@ -813,66 +814,82 @@ def cmd_filter(args) -> None:
     print(f"filter in {time.perf_counter() - t0:.1f} s")
 
 
+# ---------------------------------------------------------------------------------------
+# The command line: every knob once, a row each (flag, default, help; core/cli.py makes
+# the flags, --help and the "did you mean" line from these tables), shared with
+# scripts/curate_mix.py and scripts/curate_sweep.py through add_flags.
+# ---------------------------------------------------------------------------------------
+CORPUS_KNOBS = [
+    knob("--data", None, "a folder of text files: one more domain, named after it (not "
+         "given: the built-in domains only)"),
+    knob("--arith-docs", 300, "documents of synthetic arithmetic"),
+    knob("--arith-lines", 64, "problems per arithmetic document"),
+    knob("--max-bytes-per-domain", 0, "keep a seeded subset of each domain (0 = everything)"),
+    knob("--seed", 0, "seeds subsets, hashes, sampling, training"),
+    knob("--threads", 1, "torch CPU threads (tiny matrices: a second thread mostly waits, "
+         "and on a shared box it spins)"),
+    knob("--show", 3, "examples / clusters to print"),
+    knob("--out-dir", OUT_DIR, "where mix.txt, mix.json, sweep.json go"),
+]
+
+# FineWeb's MinHash settings (Penedo et al. 2024): 5-word shingles, 14 bands × 8
+LSH_KNOBS = [
+    knob("--shingle", 5, "words per shingle (FineWeb: 5)"),
+    knob("--permutations", 112, "MinHash hashes (FineWeb: 112)"),
+    knob("--bands", 14, "LSH bands (FineWeb: 14)"),
+    knob("--rows", 8, "hashes per band (FineWeb: 8)"),
+    knob("--min-span-chars", 200, "shortest repeated line/paragraph removed"),
+]
+
+# min_words -> --min-words, defaulting to the paper's threshold; argparse stores it back
+# as args.min_words, which is how quality_filter finds it by rule.name. A threshold is a
+# float even where the paper's is whole (type=float; the default is shown as written).
+RULE_KNOBS = [knob(f"--{r.name.replace('_', '-')}", r.default,
+                   r.source.replace("%", "%%"), type=float)   # argparse formats help with %
+              for r in RULES] + [
+    knob("--skip-rules", "max_curly", "rules to turn off, comma-separated"),
+    # '37+45=82' has no letter: min_alpha_words alone would remove all the arithmetic
+    knob("--exempt", "arith", "domains the rules do not touch"),
+]
+
+# the mixture's stages (scripts/curate_mix.py)
+PIPELINE_KNOBS = [
+    knob("--filter", False, "apply the quality rules (written for web prose they remove "
+         "about half of the code: see `filter`)"),
+    knob("--dedup", "near", "drop copies: none, exact (normalized hash) or near (+ "
+         "MinHash/LSH)", choices=["none", "exact", "near"]),
+    knob("--spans", "none", "also drop repeated paragraphs/lines",
+         choices=["none", "paragraph", "line"]),
+]
+
+
 def add_flags(p: argparse.ArgumentParser, max_bytes: int, lsh=True, rules=False,
               pipeline=False) -> None:
     """The flags of every corpus tool, defined once: this file's modes, and the parsers of
     scripts/curate_mix.py (pipeline=True) and scripts/curate_sweep.py. lsh: the MinHash
     flags; rules: one threshold flag per rule; pipeline: the mixture's stage choices."""
-    p.add_argument("--data", default=None,
-                   help="a folder of text files: one more domain, named after it "
-                        "(not given: the built-in domains only)")
-    p.add_argument("--arith-docs", type=int, default=300, help="documents of synthetic arithmetic")
-    p.add_argument("--arith-lines", type=int, default=64, help="problems per arithmetic document")
-    p.add_argument("--max-bytes-per-domain", type=int, default=max_bytes,
-                   help="keep a seeded subset of each domain (0 = everything)")
-    p.add_argument("--seed", type=int, default=0, help="seeds subsets, hashes, sampling, training")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matrices: "
-                   "a second thread mostly waits, and on a shared box it spins)")
-    p.add_argument("--show", type=int, default=3, help="examples / clusters to print")
-    p.add_argument("--out-dir", default=OUT_DIR, help="where mix.txt, mix.json, sweep.json go")
-    if lsh:
-        # FineWeb's MinHash settings (Penedo et al. 2024): 5-word shingles, 14 bands × 8
-        p.add_argument("--shingle", type=int, default=5, help="words per shingle (FineWeb: 5)")
-        p.add_argument("--permutations", type=int, default=112,
-                       help="MinHash hashes (FineWeb: 112)")
-        p.add_argument("--bands", type=int, default=14, help="LSH bands (FineWeb: 14)")
-        p.add_argument("--rows", type=int, default=8, help="hashes per band (FineWeb: 8)")
-        p.add_argument("--min-span-chars", type=int, default=200,
-                       help="shortest repeated line/paragraph removed")
-    if rules:
-        # min_words -> --min-words, defaulting to the paper's threshold; argparse stores
-        # it back as args.min_words, which is how quality_filter finds it by rule.name
-        for r in RULES:
-            p.add_argument(f"--{r.name.replace('_', '-')}", type=float, default=r.default,
-                           help=r.source.replace("%", "%%"))  # argparse formats help with %
-        p.add_argument("--skip-rules", default="max_curly",
-                       help="rules to turn off, comma-separated")
-        # '37+45=82' has no letter: min_alpha_words alone would remove all the arithmetic
-        p.add_argument("--exempt", default="arith", help="domains the rules do not touch")
-    if pipeline:
-        p.add_argument("--filter", action="store_true",
-                       help="apply the quality rules (written for web "
-                            "prose they remove about half of the code: see `filter`)")
-        p.add_argument("--dedup", default="near", choices=["none", "exact", "near"],
-                       help="drop copies: none, exact (normalized hash) or near (+ MinHash/LSH)")
-        p.add_argument("--spans", default="none", choices=["none", "paragraph", "line"],
-                       help="also drop repeated paragraphs/lines")
+    add_knobs(p, [dataclasses.replace(k, default=max_bytes)
+                  if k.dest == "max_bytes_per_domain" else k for k in CORPUS_KNOBS])
+    for wanted, knobs in ((lsh, LSH_KNOBS), (rules, RULE_KNOBS), (pipeline, PIPELINE_KNOBS)):
+        if wanted:
+            add_knobs(p, knobs)
+
+
+# mode: (command, help, which of add_flags' groups it takes)
+MODES = {"stats": (cmd_stats, "documents, bytes, tokens; dups; rules", dict(rules=True)),
+         "dedup": (cmd_dedup, "exact + MinHash/LSH near-duplicates, S-curve", {}),
+         "filter": (cmd_filter, "quality rules: removals and examples",
+                    dict(lsh=False, rules=True))}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    fmt = HelpFormatter
     p = ArgumentParser(description="Curate the corpus: domains, dedup, filters. The mixture "
                        "and the sweep run on their own: python -m scripts.curate_mix | "
                        "scripts.curate_sweep.",
-                       formatter_class=fmt)
+                       formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="mode", required=True)
-    q = sub.add_parser("stats", help="documents, bytes, tokens; dups; rules", formatter_class=fmt)
-    add_flags(q, 0, rules=True)
-    q = sub.add_parser("dedup", help="exact + MinHash/LSH near-duplicates, S-curve",
-                       formatter_class=fmt)
-    add_flags(q, 0)
-    q = sub.add_parser("filter", help="quality rules: removals and examples", formatter_class=fmt)
-    add_flags(q, 0, lsh=False, rules=True)
+    for mode, (_, help, groups) in MODES.items():
+        add_flags(sub.add_parser(mode, help=help, formatter_class=HelpFormatter), 0, **groups)
     return p.parse_args(argv)
 
 
@@ -906,8 +923,7 @@ def main(argv=None) -> None:
     # torch's threads only: this file's own work is numpy, hashlib and tiktoken; the
     # flag matters to the sweep, which trains models on the shared flags
     torch.set_num_threads(args.threads)
-    modes = {"stats": cmd_stats, "dedup": cmd_dedup, "filter": cmd_filter}
-    modes[args.mode](args)
+    MODES[args.mode][0](args)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ from core.scores import continuation_logprobs, greedy_answers, prompt_ids
 from core.checkpoint import load_model
 from model import GPT, GPTConfig, PRESETS, get_config
 from core.plots import svg_bar_chart, terminal_bars
-from core.cli import ArgumentParser, HelpFormatter
+from core.cli import ArgumentParser, HelpFormatter, add_knobs, knob
 from core.errors import UserError
 from core.files import atomic_save, load_checkpoint
 from core.runtime import print0, run_cli, seed_everything
@@ -357,202 +357,6 @@ def text_bits_per_byte(model, enc, text, seq_len=None):
 
 
 # ----------------------------------------------------------------------------------------
-# The models: a base LM (the checkpoint, or a tiny one trained here in seconds) and a task
-# model fine-tuned on the arithmetic texts (cached: plain dicts, weights_only loads).
-
-def _save(path, model, enc, meta):
-    """The model with its config, tokenizer and the meta that made it, as plain dicts,
-    tensors and strings: torch.load(weights_only=True) reads that back without running
-    pickled code. atomic_save: a crash mid-write leaves the old file, not half a new one."""
-    atomic_save({"config": asdict(model.config), "model": model.state_dict(), "meta": meta,
-                 "tokenizer": data.encoding_to_state(enc)}, path)
-
-
-def _load_cached(path, meta, device):
-    """(model, tokenizer) if path holds a model made with exactly `meta`, else None (the
-    caller then trains and saves it)."""
-    if not os.path.exists(path):
-        return None
-    # weights_only=True: a cache file is data and is never allowed to run code; an
-    # unreadable one (a disk that filled mid-write by another tool) is one line, not a trace
-    ck = load_checkpoint(path, map_location=device, what="cached task model")
-    # any difference in what shaped it (steps, seed, data, ...): stale, retrain rather
-    # than silently reuse another experiment's model
-    if ck.get("meta") != meta:
-        return None
-    # seed=None skips the random init: load_state_dict overwrites every weight anyway
-    model = GPT(GPTConfig(**ck["config"]).validate(), seed=None).to(device)
-    model.load_state_dict(ck["model"])
-    return model, data.encoding_from_state(ck["tokenizer"])
-
-
-def adam_steps(model, batch_fn, steps, lr, label, log_every=0):
-    """AdamW on the next-token loss of batch_fn(step) -> (x, y); 5% warmup, then cosine to
-    10% of lr. Prints a progress line every log_every steps."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    warm, t0 = max(1, steps // 20), time.perf_counter()
-    model.train()
-    for step in range(steps):
-        # warmup: (step + 1) / warm, never 0 (a zero-lr first step is wasted); then
-        # 0.55 + 0.45·cos(π·t) for t from 0 to 1: 1.0 after the warmup down to 0.55 - 0.45
-        # = 0.1 at the end, the "cosine to 10% of lr" of the docstring
-        f = (step + 1) / warm if step < warm else \
-            0.55 + 0.45 * math.cos(math.pi * (step - warm) / max(1, steps - warm))
-        # AdamW reads g["lr"] at each step(), so setting it here is the whole scheduler
-        for g in opt.param_groups:
-            g["lr"] = lr * f
-        x, y = batch_fn(step)
-        # the next-token cross-entropy on every target but the -1 padding, in float32
-        loss = F.cross_entropy(model(x)[0].flatten(0, 1).float(), y.flatten(), ignore_index=-1)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        # global-norm clipping at 1.0 guards the first steps of a fresh model from a spike
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        # loss.item() only on log steps: on a GPU it is a host-device synchronisation
-        if log_every and ((step + 1) % log_every == 0 or step + 1 == steps):
-            print0(f"{label} step {step + 1}/{steps} | loss {loss.item():.4f} | "
-                   f"{time.perf_counter() - t0:.1f} s")
-    model.eval()
-    return model
-
-
-def text_batch(seqs, device):
-    """Rows of token lists, right-padded; targets -1 on the padding (the loss skips it)."""
-    # T = the longest row - 1: inputs are s[:-1], targets s[1:]. The input padding is
-    # token 0 (any id would do): attention is causal, so no real position sees the later
-    # padding, and its targets are -1 -- it costs compute, never loss.
-    T = max(len(s) for s in seqs) - 1
-    x = torch.zeros(len(seqs), T, dtype=torch.long)
-    y = torch.full((len(seqs), T), -1, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        x[i, :len(s) - 1] = torch.tensor(s[:-1])
-        y[i, :len(s) - 1] = torch.tensor(s[1:])
-    return x.to(device), y.to(device)
-
-
-def load_base(args, device):
-    """-> (model, tokenizer, description): the LM `ppl` measures. --checkpoint PATH: that
-    model; not given: train.py's out/ckpt.pt (the demo model) when it exists, else a tiny
-    LM trained here; --checkpoint none: a random tiny model (tests)."""
-    if args.checkpoint is None and os.path.exists(DEFAULT_CKPT):
-        return _checkpoint_base(DEFAULT_CKPT, device)
-    return task_base(args, device)
-
-
-def task_base(args, device):
-    """-> (model, tokenizer, description): the base LM the task modes score, whose
-    tokenizer the task model is trained on. Not given: the tiny LM trained here, even when
-    out/ckpt.pt exists -- the task figures are a property of the tokenizer (a 512-token BPE
-    spells a 2-digit number with one token per digit; the demo's 4096-token BPE merges
-    digits irregularly), so a base read implicitly would change what is measured."""
-    if args.checkpoint == "none":
-        return _random_base(args, device)
-    if args.checkpoint is not None:
-        model, enc, path = _checkpoint_base(args.checkpoint, device)
-        # asked for: then say what it changes (the task model learns this tokenizer)
-        print0(f"base LM {path}: the task model is trained on its {enc.n_vocab}-token "
-               "tokenizer (docs/evaluate.md's figures are for the tiny LM's 512-token BPE)")
-        return model, enc, path
-    if os.path.exists(DEFAULT_CKPT):
-        print0(f"not reading {DEFAULT_CKPT}: the task modes measure the tiny LM trained here "
-               f"(--checkpoint {DEFAULT_CKPT} scores the demo model and trains the task model "
-               "on its tokenizer)")
-    return _tiny_base(args, device)
-
-
-def _random_base(args, device):
-    """--checkpoint none: random weights and a byte-level tokenizer (256 bytes + EOT): no
-    corpus and no training, so the tests run in milliseconds."""
-    enc = data.make_encoding({bytes([i]): i for i in range(256)})
-    model = GPT(get_config("tiny", vocab_size=enc.n_vocab), seed=args.seed).to(device)
-    return model.eval(), enc, "random tiny (256-byte tokenizer)"
-
-
-def _checkpoint_base(path, device):
-    """A checkpoint file or a Hugging Face Llama folder (core/checkpoint.py); the tokenizer
-    comes from the checkpoint, so no corpus is read. Missing: UserError."""
-    model, ck = load_model(path, device)
-    return model.eval(), data.encoding_from_state(ck["tokenizer"]), path
-
-
-def _tiny_base(args, device):
-    """A tiny LM trained here once and cached: --base-steps (400) × 16 rows × 64 tokens ≈
-    410k tokens at lr 3e-3, on a BPE of the tiny preset's 512 entries."""
-    path = os.path.join(args.out, "base-tiny.pt")
-    meta = dict(data=args.data, steps=args.base_steps, seed=args.seed)
-    hit = _load_cached(path, meta, device)
-    if hit:
-        return hit[0], hit[1], f"{path} (tiny LM trained here)"
-    corpus = data.load_corpus(args.data, PRESETS["tiny"]["vocab_size"])
-    print0(f"training a tiny LM for {args.base_steps} steps on {corpus.name} -> {path}")
-    model = GPT(get_config("tiny", vocab_size=corpus.enc.n_vocab), seed=args.seed).to(device)
-    batch = lambda s: data.get_batch(corpus.train, 16, 64, args.seed, s, device=device)
-    adam_steps(model, batch, args.base_steps, 3e-3, "tiny LM", max(1, args.base_steps // 4))
-    _save(path, model, corpus.enc, meta)
-    return model, corpus.enc, f"{path} (tiny LM trained here)"
-
-
-def task_model(args, enc, device):
-    """A fresh --task-preset model taught the task by SFT on format_example texts (loss on
-    every token after the first), cached by everything that shapes it. Fresh rather than
-    the base: rl.py measured a Python-trained `small` learning this task no faster per step
-    than a fresh `draft`, at 3× the cost."""
-    # meta: everything that changes the trained weights. The tokenizer enters as a hash of
-    # its merge table, not its name: two corpora give two different BPEs.
-    meta = dict(tokenizer=hashlib.sha256(repr(sorted(enc._mergeable_ranks.items())).encode())
-                .hexdigest()[:16], preset=args.task_preset, steps=args.sft_steps,
-                batch=args.sft_batch, lr=args.sft_lr, digits=args.digits, ops=args.ops,
-                n_train=args.n_train, seed=args.seed)
-    # 10 hex digits of the meta's hash in the file name, so different settings are cached
-    # side by side; the full meta stored inside is compared on load, so a clash of names
-    # retrains instead of loading the wrong model
-    key = hashlib.sha256(repr(sorted(meta.items())).encode()).hexdigest()[:10]
-    path = os.path.join(args.out, f"task-{args.task_preset}-{key}.pt")
-    hit = _load_cached(path, meta, device)
-    if hit:
-        # the training problems are re-drawn, not stored: make_problems is seeded, so
-        # they are the same ones (scripts/contamination.py needs them)
-        return hit[0], train_problems(args)
-    problems = train_problems(args)
-    seqs = [enc.encode_ordinary(data.format_example(p)) for p in problems]
-    rng = np.random.default_rng([args.seed, 11])
-
-    # rows drawn with replacement every step: at the defaults 800 × 64 = 51,200 rows from
-    # 20,000 problems, ~2.6 epochs. The loss is on every token (prompt included), not
-    # only the answer as lora.py's mask does.
-    def batch(step):
-        rows = rng.integers(0, len(seqs), args.sft_batch)
-        return text_batch([seqs[i] for i in rows], device)
-    print0(f"SFT of a fresh {args.task_preset} on {len(seqs)} {args.digits}-digit '{args.ops}' "
-           f"problems, {args.sft_steps} steps (cached -> {path})")
-    model = GPT(get_config(args.task_preset, vocab_size=enc.n_vocab), seed=args.seed).to(device)
-    adam_steps(model, batch, args.sft_steps, args.sft_lr, "SFT", max(1, args.sft_steps // 5))
-    _save(path, model, enc, meta)
-    return model, problems
-
-
-def train_problems(args):
-    """The task model's training problems: core/data.py's "train" split, seeded."""
-    return data.make_problems(args.n_train, args.seed, args.digits, args.ops, "train")
-
-
-def eval_problems(args):
-    """Distinct held-out (test-split) problems in a seeded order: first half dev, second
-    half test."""
-    # "test": data.problem_split picks the split by a hash of the prompt, so no test problem
-    # can be a training one whatever the seeds -- held out by construction. seed + 1: a
-    # draw of its own, not a replay of the training draw's random stream.
-    drawn = data.make_problems(args.eval_problems, args.seed + 1, args.digits, args.ops, "test")
-    # drawn with replacement: a repeat would count twice in every accuracy and bootstrap;
-    # dict.fromkeys drops repeats and keeps the first-seen order (Problem is hashable)
-    probs = list(dict.fromkeys(drawn))
-    # dev (the first half) is what scripts/calibration.py fits T on; test is reported
-    random.Random(args.seed).shuffle(probs)
-    return probs[:len(probs) // 2], probs[len(probs) // 2:]
-
-
-# ----------------------------------------------------------------------------------------
 # ppl: loss, perplexity and bits per byte, with bootstrap intervals over windows
 
 def ppl_text(args, enc, desc):
@@ -780,46 +584,261 @@ def confidences(rec, temperature=1.0):
 
 
 # ----------------------------------------------------------------------------------------
-# calibration, uncertainty and contamination: scripts/calibration.py, scripts/uncertainty.py and
-# scripts/contamination.py (split out by concept) run those experiments with this file's metrics
-# and models; imported at the mode's call, because they import this file.
+# The models: a base LM (the checkpoint, or a tiny one trained here in seconds) and a task
+# model fine-tuned on the arithmetic texts (cached: plain dicts, weights_only loads).
+
+def _save(path, model, enc, meta):
+    """The model with its config, tokenizer and the meta that made it, as plain dicts,
+    tensors and strings: torch.load(weights_only=True) reads that back without running
+    pickled code. atomic_save: a crash mid-write leaves the old file, not half a new one."""
+    atomic_save({"config": asdict(model.config), "model": model.state_dict(), "meta": meta,
+                 "tokenizer": data.encoding_to_state(enc)}, path)
+
+
+def _load_cached(path, meta, device):
+    """(model, tokenizer) if path holds a model made with exactly `meta`, else None (the
+    caller then trains and saves it)."""
+    if not os.path.exists(path):
+        return None
+    # weights_only=True: a cache file is data and is never allowed to run code; an
+    # unreadable one (a disk that filled mid-write by another tool) is one line, not a trace
+    ck = load_checkpoint(path, map_location=device, what="cached task model")
+    # any difference in what shaped it (steps, seed, data, ...): stale, retrain rather
+    # than silently reuse another experiment's model
+    if ck.get("meta") != meta:
+        return None
+    # seed=None skips the random init: load_state_dict overwrites every weight anyway
+    model = GPT(GPTConfig(**ck["config"]).validate(), seed=None).to(device)
+    model.load_state_dict(ck["model"])
+    return model, data.encoding_from_state(ck["tokenizer"])
+
+
+def adam_steps(model, batch_fn, steps, lr, label, log_every=0):
+    """AdamW on the next-token loss of batch_fn(step) -> (x, y); 5% warmup, then cosine to
+    10% of lr. Prints a progress line every log_every steps."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warm, t0 = max(1, steps // 20), time.perf_counter()
+    model.train()
+    for step in range(steps):
+        # warmup: (step + 1) / warm, never 0 (a zero-lr first step is wasted); then
+        # 0.55 + 0.45·cos(π·t) for t from 0 to 1: 1.0 after the warmup down to 0.55 - 0.45
+        # = 0.1 at the end, the "cosine to 10% of lr" of the docstring
+        f = (step + 1) / warm if step < warm else \
+            0.55 + 0.45 * math.cos(math.pi * (step - warm) / max(1, steps - warm))
+        # AdamW reads g["lr"] at each step(), so setting it here is the whole scheduler
+        for g in opt.param_groups:
+            g["lr"] = lr * f
+        x, y = batch_fn(step)
+        # the next-token cross-entropy on every target but the -1 padding, in float32
+        loss = F.cross_entropy(model(x)[0].flatten(0, 1).float(), y.flatten(), ignore_index=-1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        # global-norm clipping at 1.0 guards the first steps of a fresh model from a spike
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        # loss.item() only on log steps: on a GPU it is a host-device synchronisation
+        if log_every and ((step + 1) % log_every == 0 or step + 1 == steps):
+            print0(f"{label} step {step + 1}/{steps} | loss {loss.item():.4f} | "
+                   f"{time.perf_counter() - t0:.1f} s")
+    model.eval()
+    return model
+
+
+def text_batch(seqs, device):
+    """Rows of token lists, right-padded; targets -1 on the padding (the loss skips it)."""
+    # T = the longest row - 1: inputs are s[:-1], targets s[1:]. The input padding is
+    # token 0 (any id would do): attention is causal, so no real position sees the later
+    # padding, and its targets are -1 -- it costs compute, never loss.
+    T = max(len(s) for s in seqs) - 1
+    x = torch.zeros(len(seqs), T, dtype=torch.long)
+    y = torch.full((len(seqs), T), -1, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        x[i, :len(s) - 1] = torch.tensor(s[:-1])
+        y[i, :len(s) - 1] = torch.tensor(s[1:])
+    return x.to(device), y.to(device)
+
+
+def load_base(args, device):
+    """-> (model, tokenizer, description): the LM `ppl` measures. --checkpoint PATH: that
+    model; not given: train.py's out/ckpt.pt (the demo model) when it exists, else a tiny
+    LM trained here; --checkpoint none: a random tiny model (tests)."""
+    if args.checkpoint is None and os.path.exists(DEFAULT_CKPT):
+        return _checkpoint_base(DEFAULT_CKPT, device)
+    return task_base(args, device)
+
+
+def task_base(args, device):
+    """-> (model, tokenizer, description): the base LM the task modes score, whose
+    tokenizer the task model is trained on. Not given: the tiny LM trained here, even when
+    out/ckpt.pt exists -- the task figures are a property of the tokenizer (a 512-token BPE
+    spells a 2-digit number with one token per digit; the demo's 4096-token BPE merges
+    digits irregularly), so a base read implicitly would change what is measured."""
+    if args.checkpoint == "none":
+        return _random_base(args, device)
+    if args.checkpoint is not None:
+        model, enc, path = _checkpoint_base(args.checkpoint, device)
+        # asked for: then say what it changes (the task model learns this tokenizer)
+        print0(f"base LM {path}: the task model is trained on its {enc.n_vocab}-token "
+               "tokenizer (docs/evaluate.md's figures are for the tiny LM's 512-token BPE)")
+        return model, enc, path
+    if os.path.exists(DEFAULT_CKPT):
+        print0(f"not reading {DEFAULT_CKPT}: the task modes measure the tiny LM trained here "
+               f"(--checkpoint {DEFAULT_CKPT} scores the demo model and trains the task model "
+               "on its tokenizer)")
+    return _tiny_base(args, device)
+
+
+def _random_base(args, device):
+    """--checkpoint none: random weights and a byte-level tokenizer (256 bytes + EOT): no
+    corpus and no training, so the tests run in milliseconds."""
+    enc = data.make_encoding({bytes([i]): i for i in range(256)})
+    model = GPT(get_config("tiny", vocab_size=enc.n_vocab), seed=args.seed).to(device)
+    return model.eval(), enc, "random tiny (256-byte tokenizer)"
+
+
+def _checkpoint_base(path, device):
+    """A checkpoint file or a Hugging Face Llama folder (core/checkpoint.py); the tokenizer
+    comes from the checkpoint, so no corpus is read. Missing: UserError."""
+    model, ck = load_model(path, device)
+    return model.eval(), data.encoding_from_state(ck["tokenizer"]), path
+
+
+def _tiny_base(args, device):
+    """A tiny LM trained here once and cached: --base-steps (400) × 16 rows × 64 tokens ≈
+    410k tokens at lr 3e-3, on a BPE of the tiny preset's 512 entries."""
+    path = os.path.join(args.out, "base-tiny.pt")
+    meta = dict(data=args.data, steps=args.base_steps, seed=args.seed)
+    hit = _load_cached(path, meta, device)
+    if hit:
+        return hit[0], hit[1], f"{path} (tiny LM trained here)"
+    corpus = data.load_corpus(args.data, PRESETS["tiny"]["vocab_size"])
+    print0(f"training a tiny LM for {args.base_steps} steps on {corpus.name} -> {path}")
+    model = GPT(get_config("tiny", vocab_size=corpus.enc.n_vocab), seed=args.seed).to(device)
+    batch = lambda s: data.get_batch(corpus.train, 16, 64, args.seed, s, device=device)
+    adam_steps(model, batch, args.base_steps, 3e-3, "tiny LM", max(1, args.base_steps // 4))
+    _save(path, model, corpus.enc, meta)
+    return model, corpus.enc, f"{path} (tiny LM trained here)"
+
+
+def task_model(args, enc, device):
+    """A fresh --task-preset model taught the task by SFT on format_example texts (loss on
+    every token after the first), cached by everything that shapes it. Fresh rather than
+    the base: rl.py measured a Python-trained `small` learning this task no faster per step
+    than a fresh `draft`, at 3× the cost."""
+    # meta: everything that changes the trained weights. The tokenizer enters as a hash of
+    # its merge table, not its name: two corpora give two different BPEs.
+    meta = dict(tokenizer=hashlib.sha256(repr(sorted(enc._mergeable_ranks.items())).encode())
+                .hexdigest()[:16], preset=args.task_preset, steps=args.sft_steps,
+                batch=args.sft_batch, lr=args.sft_lr, digits=args.digits, ops=args.ops,
+                n_train=args.n_train, seed=args.seed)
+    # 10 hex digits of the meta's hash in the file name, so different settings are cached
+    # side by side; the full meta stored inside is compared on load, so a clash of names
+    # retrains instead of loading the wrong model
+    key = hashlib.sha256(repr(sorted(meta.items())).encode()).hexdigest()[:10]
+    path = os.path.join(args.out, f"task-{args.task_preset}-{key}.pt")
+    hit = _load_cached(path, meta, device)
+    if hit:
+        # the training problems are re-drawn, not stored: make_problems is seeded, so
+        # they are the same ones (scripts/contamination.py needs them)
+        return hit[0], train_problems(args)
+    problems = train_problems(args)
+    seqs = [enc.encode_ordinary(data.format_example(p)) for p in problems]
+    rng = np.random.default_rng([args.seed, 11])
+
+    # rows drawn with replacement every step: at the defaults 800 × 64 = 51,200 rows from
+    # 20,000 problems, ~2.6 epochs. The loss is on every token (prompt included), not
+    # only the answer as lora.py's mask does.
+    def batch(step):
+        rows = rng.integers(0, len(seqs), args.sft_batch)
+        return text_batch([seqs[i] for i in rows], device)
+    print0(f"SFT of a fresh {args.task_preset} on {len(seqs)} {args.digits}-digit '{args.ops}' "
+           f"problems, {args.sft_steps} steps (cached -> {path})")
+    model = GPT(get_config(args.task_preset, vocab_size=enc.n_vocab), seed=args.seed).to(device)
+    adam_steps(model, batch, args.sft_steps, args.sft_lr, "SFT", max(1, args.sft_steps // 5))
+    _save(path, model, enc, meta)
+    return model, problems
+
+
+def train_problems(args):
+    """The task model's training problems: core/data.py's "train" split, seeded."""
+    return data.make_problems(args.n_train, args.seed, args.digits, args.ops, "train")
+
+
+def eval_problems(args):
+    """Distinct held-out (test-split) problems in a seeded order: first half dev, second
+    half test."""
+    # "test": data.problem_split picks the split by a hash of the prompt, so no test problem
+    # can be a training one whatever the seeds -- held out by construction. seed + 1: a
+    # draw of its own, not a replay of the training draw's random stream.
+    drawn = data.make_problems(args.eval_problems, args.seed + 1, args.digits, args.ops, "test")
+    # drawn with replacement: a repeat would count twice in every accuracy and bootstrap;
+    # dict.fromkeys drops repeats and keeps the first-seen order (Problem is hashable)
+    probs = list(dict.fromkeys(drawn))
+    # dev (the first half) is what scripts/calibration.py fits T on; test is reported
+    random.Random(args.seed).shuffle(probs)
+    return probs[:len(probs) // 2], probs[len(probs) // 2:]
+
 
 # ----------------------------------------------------------------------------------------
-# The command line
+# The command line: every knob once, a row each (flag, default, help; core/cli.py makes
+# the flags, --help and the "did you mean" line from these tables). Calibration, uncertainty
+# and contamination: scripts/calibration.py, uncertainty.py and contamination.py (split out
+# by concept) run those experiments with this file's metrics, models and first two knob
+# groups (parent_parsers); they import this file, never the other way.
+
+COMMON_KNOBS = [
+    knob("--checkpoint", None, f"model checkpoint; not given: ppl reads {DEFAULT_CKPT} (a tiny "
+         "LM trained here in seconds when it is absent), the task modes always the tiny LM "
+         "(its 512-token BPE); 'none' = random tiny"),
+    knob("--data", None, "corpus text file (not given: the built-in corpus)"),
+    knob("--base-steps", 400, "training steps of the tiny LM trained here (cached by them)"),
+    knob("--device", "cpu", "cpu or cuda"),
+    knob("--seed", 0, "problems, splits, sampling, bootstrap"),
+    knob("--threads", 1, "torch CPU threads (small matmuls)"),
+    knob("--bootstrap", 1000, "bootstrap resamples for the CIs"),
+    knob("--out", OUT_DIR, "where task models are cached"),
+    knob("--plots", os.path.join("out", "plots"), "where SVG plots go"),
+]
+
+TASK_KNOBS = [
+    knob("--digits", 2, "digits per operand"),
+    knob("--ops", "+", "operators, from '+-*'"),
+    knob("--task-preset", "draft", f"one of {', '.join(PRESETS)}"),
+    knob("--sft-steps", 800, "SFT steps"),
+    knob("--sft-batch", 64, "SFT rows per step"),
+    knob("--sft-lr", 1e-3, "SFT peak learning rate"),
+    knob("--n-train", 20000, "training problems (drawn)"),
+    knob("--eval-problems", 600, "held-out draws (deduplicated; half dev, half test)"),
+    knob("--max-new", 8, "most answer tokens generated"),
+]
+
+# Each mode's own knobs, listed under its "options"
+PPL_KNOBS = [
+    knob("--text", None, "score this UTF-8 file (not given: the val split)"),
+    knob("--seq-len", 0, "window length (0 = block size)"),
+    knob("--batch-size", 8, "windows per forward"),
+    knob("--max-tokens", 65536, "val tokens scored"),
+]
+RANKING_KNOBS = [knob("--choices", 4, "candidate answers per problem")]
+
+# --help groups: (heading, knobs); None = the mode's own "options"
+COMMON_GROUP = ("model and run", COMMON_KNOBS)
+TASK_GROUP = ("task model (core/data.py's arithmetic, SFT cached)", TASK_KNOBS)
+# the two modes of this file: (run, help, groups). Calibration, uncertainty and
+# contamination are separate entry points under scripts/ (python -m scripts.<name>).
+MODES = {"ppl": (run_ppl, "val loss, perplexity, bits/byte with bootstrap CIs",
+                 [COMMON_GROUP, (None, PPL_KNOBS)]),
+         "task": (run_task, "generative exact match vs log-likelihood ranking",
+                  [COMMON_GROUP, TASK_GROUP, (None, RANKING_KNOBS)])}
+
 
 def parent_parsers():
-    """Flags every mode takes, and those of the modes that use the task model."""
+    """The two shared groups as parent parsers: (common, task), for the scripts/
+    experiments' ArgumentParser(parents=[...])."""
     # add_help=False: a parent parser must not define -h, or every child that includes it
-    # would define it twice (argparse's conflict error). scripts/calibration.py,
-    # uncertainty.py and contamination.py build their parsers from these two as well.
-    common = argparse.ArgumentParser(add_help=False)
-    g = common.add_argument_group("model and run")
-    g.add_argument("--checkpoint", default=None,
-                   help=f"model checkpoint; not given: ppl reads {DEFAULT_CKPT} (a tiny LM "
-                        "trained here in seconds when it is absent), the task modes always the "
-                        "tiny LM (its 512-token BPE); 'none' = random tiny")
-    g.add_argument("--data", default=None, help="corpus text file (not given: the built-in corpus)")
-    g.add_argument("--base-steps", type=int, default=400,
-                   help="training steps of the tiny LM trained here (cached by them)")
-    g.add_argument("--device", default="cpu", help="cpu or cuda")
-    g.add_argument("--seed", type=int, default=0, help="problems, splits, sampling, bootstrap")
-    g.add_argument("--threads", type=int, default=1, help="torch CPU threads (small matmuls)")
-    g.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the CIs")
-    g.add_argument("--out", default=OUT_DIR, help="where task models are cached")
-    g.add_argument("--plots", default=os.path.join("out", "plots"), help="where SVG plots go")
-    task = argparse.ArgumentParser(add_help=False)
-    g = task.add_argument_group("task model (core/data.py's arithmetic, SFT cached)")
-    g.add_argument("--digits", type=int, default=2, help="digits per operand")
-    g.add_argument("--ops", default="+", help="operators, from '+-*'")
-    g.add_argument("--task-preset", default="draft", help=f"one of {', '.join(PRESETS)}")
-    g.add_argument("--sft-steps", type=int, default=800, help="SFT steps")
-    g.add_argument("--sft-batch", type=int, default=64, help="SFT rows per step")
-    g.add_argument("--sft-lr", type=float, default=1e-3, help="SFT peak learning rate")
-    g.add_argument("--n-train", type=int, default=20000, help="training problems (drawn)")
-    g.add_argument("--eval-problems", type=int, default=600, help="held-out draws (deduplicated; "
-                   "half dev, half test)")
-    g.add_argument("--max-new", type=int, default=8, help="most answer tokens generated")
-    return common, task
+    # would define it twice (argparse's conflict error)
+    return tuple(add_knobs(argparse.ArgumentParser(add_help=False), knobs, title)
+                 for title, knobs in (COMMON_GROUP, TASK_GROUP))
 
 
 def check_args(args):
@@ -853,30 +872,18 @@ def check_args(args):
 
 
 def parse_args(argv=None):
-    fmt = HelpFormatter
-    common, task = parent_parsers()
     p = ArgumentParser(description="Evaluate the shared GPT: perplexity and task scoring. "
                                    "The experiments built on these scores run on their own: "
                                    "python -m scripts.calibration | scripts.uncertainty | "
                                    "scripts.contamination.",
-                       formatter_class=fmt)
+                       formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="mode", required=True)
-    s = sub.add_parser("ppl", parents=[common], formatter_class=fmt,
-                       help="val loss, perplexity, bits/byte with bootstrap CIs")
-    s.add_argument("--text", default=None, help="score this UTF-8 file (not given: the val split)")
-    s.add_argument("--seq-len", type=int, default=0, help="window length (0 = block size)")
-    s.add_argument("--batch-size", type=int, default=8, help="windows per forward")
-    s.add_argument("--max-tokens", type=int, default=65536, help="val tokens scored")
-    s = sub.add_parser("task", parents=[common, task], formatter_class=fmt,
-                       help="generative exact match vs log-likelihood ranking")
-    s.add_argument("--choices", type=int, default=4, help="candidate answers per problem")
+    for mode, (_, help, groups) in MODES.items():
+        s = sub.add_parser(mode, formatter_class=HelpFormatter, help=help)
+        for title, knobs in groups:
+            add_knobs(s, knobs, title)
     # validated inside parse_args: every caller gets arguments that check_args accepted
     return check_args(p.parse_args(argv))
-
-
-# the two modes of this file; calibration, uncertainty and contamination are separate
-# entry points under scripts/ (python -m scripts.<name>), not modes here
-MODES = {"ppl": run_ppl, "task": run_task}
 
 
 def run_timed(run, args, label):
@@ -893,7 +900,7 @@ def run_timed(run, args, label):
 
 def main(argv=None):
     args = parse_args(argv)
-    return run_timed(MODES[args.mode], args, args.mode)
+    return run_timed(MODES[args.mode][0], args, args.mode)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ import sys
 import tempfile
 import time
 
-from core.cli import ArgumentParser, HelpFormatter
+from core.cli import ArgumentParser, HelpFormatter, add_knobs, knob
 from core.errors import UserError
 from core.runtime import run_cli
 
@@ -68,7 +68,7 @@ SKIP = {".git", "out", ".cache", "__pycache__", ".pytest_cache"}
 
 
 # ----------------------------------------------------------------------------------------
-# A lab and the files that hold them
+# A lab
 
 @dataclasses.dataclass
 class Lab:
@@ -92,244 +92,9 @@ class Lab:
 FIELDS = {f.name for f in dataclasses.fields(Lab)} - {"name", "topic", "patch", "text"}
 
 
-def parse_labs(path):
-    """-> [Lab] of one labs/<topic>.md. Sections start with '## NAME'; inside one,
-    'key: value' lines set the fields and a ```diff block is the patch. Anything else
-    (prose, other headings) is the reader's and is kept only in `text`."""
-    topic = os.path.splitext(os.path.basename(path))[0]
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    # A tiny line-by-line state machine rather than a Markdown parser: the format is ours,
-    # and a reader editing a lab should be able to predict exactly what is read. Two
-    # states: inside a ```diff block (every line belongs to the patch, verbatim -- a patch
-    # line may well look like "key: value") or outside (fields, prose, headings).
-    labs, current, in_diff = [], None, False
-    for line in lines:
-        if in_diff:                         # inside the patch: everything verbatim
-            if line.strip() == "```":
-                in_diff = False
-            else:
-                current["patch"] += line + "\n"
-            current["text"] += line + "\n"
-            continue
-        if line.startswith("## "):
-            current = {"name": line[3:].strip(), "topic": topic, "patch": "", "text": ""}
-            labs.append(current)
-        if current is None:                 # the file's intro, before the first lab
-            continue
-        current["text"] += line + "\n"
-        if line.strip() == "```diff":
-            in_diff = True
-            continue
-        # Only known keys at the start of a line are fields: prose such as "Note: ..." or
-        # an indented example stays prose. The last value of a key wins.
-        key, sep, value = line.partition(":")
-        if sep and key.strip() in FIELDS and not line.startswith(" "):
-            current[key.strip()] = value.strip()
-    return [make_lab(d, path) for d in labs]
-
-
-def make_lab(fields, path):
-    """A Lab from its fields, checked: a lab that cannot run is one line naming it."""
-    lab = Lab(**{**fields, "tests": tuple(fields.get("tests", "").split())})
-    where = f"{os.path.relpath(path, ROOT)}: lab {lab.name!r}"
-    # Everything a later command needs is checked here, when the file is read: a lab with
-    # a missing field fails `list` (and the suite, tests/test_labs.py) with its name, not
-    # minutes into a `check` run with a KeyError.
-    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", lab.name):
-        raise UserError(f"{where}: a name is lowercase words joined by '-'")
-    if lab.kind not in KINDS:
-        raise UserError(f"{where}: kind must be one of {', '.join(KINDS)}, got {lab.kind!r}")
-    if not lab.question:
-        raise UserError(f"{where}: no question")
-    # A break lab without `fires` could be "caught" by any failure at all -- an import
-    # error in the patch, a typo -- and prove nothing about the assertion it names.
-    if lab.kind == "break" and not (lab.patch and lab.tests and lab.fires):
-        raise UserError(f"{where}: a break lab needs a patch, tests and fires")
-    if lab.kind == "knob":
-        missing = [k for k in ("command", "figure", "before", "after", "spread", "why")
-                   if not getattr(lab, k)]
-        if missing or not (lab.patch or lab.flags):
-            raise UserError(f"{where}: a knob lab needs {', '.join(missing) or 'a change'} "
-                            "(a patch or flags)")
-    return lab
-
-
-def all_labs():
-    """Every lab of labs/*.md, in file then section order; names are unique."""
-    if not os.path.isdir(LABS_DIR):
-        raise UserError(f"no labs folder at {LABS_DIR}")
-    # sorted: `list` and `check` walk the topics in the same order on every machine
-    labs = [lab for name in sorted(os.listdir(LABS_DIR)) if name.endswith(".md")
-            for lab in parse_labs(os.path.join(LABS_DIR, name))]
-    seen = set()                  # a name is how a reader asks for a lab: one lab each
-    for lab in labs:
-        if lab.name in seen:
-            raise UserError(f"two labs are named {lab.name!r}")
-        seen.add(lab.name)
-    return labs
-
-
-def select(labs, which):
-    """None or []: all; a topic: its labs; a name: that lab; a list: the union, in the
-    catalogue's order. Unknown: one line with the choices."""
-    if not which:
-        return labs
-    asked = [which] if isinstance(which, str) else list(which)
-    topics = sorted({lab.topic for lab in labs})
-    for one in asked:
-        if not any(one in (lab.name, lab.topic) for lab in labs):
-            raise UserError(f"no lab or topic {one!r}: topics are {', '.join(topics)} "
-                            "(python labs.py list shows every name)")
-    return [lab for lab in labs if lab.name in asked or lab.topic in asked]
-
-
 # ----------------------------------------------------------------------------------------
-# Patches: a unified diff applied by hand, exactly (the context must match)
-
-def parse_patch(patch):
-    """-> {path: [(old_start, old_lines, new_lines)]} from a unified diff."""
-    # Written here rather than calling `patch` or `git apply`: neither is guaranteed on a
-    # reader's machine (Windows, a bare container), and the format is 30 lines to read.
-    # A hunk is its old lines (context + "-") and its new lines (context + "+").
-    files, path, hunk = {}, None, None
-    for line in patch.splitlines():
-        if line.startswith("--- "):
-            continue
-        if line.startswith("+++ "):       # the file the hunks below change (git's b/ prefix)
-            path = line[4:].split("\t")[0].strip()
-            path = path[2:] if path.startswith("b/") else path
-            files[path] = []
-            continue
-        m = re.match(r"@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@", line)
-        if m:
-            hunk = (int(m.group(1)), [], [])
-            files[path].append(hunk)
-            continue
-        # "\ No newline at end of file" and anything outside a hunk: not content
-        if hunk is None or line[:1] not in (" ", "-", "+", ""):
-            continue
-        body = line[1:]
-        if line.startswith("-"):          # only in the old file
-            hunk[1].append(body)
-        elif line.startswith("+"):        # only in the new one
-            hunk[2].append(body)
-        else:                             # context (an empty line: an empty context line)
-            hunk[1].append(body)
-            hunk[2].append(body)
-    return files
-
-
-def apply_patch(patch, root, name="lab"):
-    """Apply the diff to the files under root. A hunk whose old lines are not found --
-    within a few lines of where the diff says, or anywhere if they occur once -- is one
-    UserError naming the lab and the file: the lab no longer fits the code."""
-    for path, hunks in parse_patch(patch).items():
-        full = os.path.join(root, path)
-        if not os.path.isfile(full):
-            raise UserError(f"lab {name}: its patch changes {path}, which does not exist")
-        # split("\n"), not splitlines(): the file's last newline (or its absence) survives
-        # the round trip, so an untouched line ending is not a change
-        with open(full, encoding="utf-8") as f:
-            lines = f.read().split("\n")
-        offset = 0            # how far earlier hunks of this file moved the later ones
-        for start, old, new in hunks:
-            at = find_hunk(lines, old, start - 1 + offset)
-            if at is None:
-                raise UserError(f"lab {name}: its patch no longer applies to {path} "
-                                f"(near line {start}: {old[0].strip() if old else ''!r})")
-            lines[at:at + len(old)] = new
-            offset += len(new) - len(old)
-        with open(full, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines))
-
-
-def find_hunk(lines, old, guess):
-    """The index where `old` (a list of lines) starts: the nearest to `guess` (the file
-    may have moved by a few lines since the lab was written), or None."""
-    # Exact text, anywhere in the file: a lab keeps applying while the code around it
-    # grows comments or moves (labs are read next to a living repo), but not once the
-    # lines it changes are themselves different -- then it must be rewritten, and the
-    # suite says so. Several matches: the one nearest the line the diff was made at.
-    n = len(old)
-    hits = [i for i in range(len(lines) - n + 1) if lines[i:i + n] == old]
-    if not hits:
-        return None
-    return min(hits, key=lambda i: abs(i - guess))
-
-
-# ----------------------------------------------------------------------------------------
-# Copies of the repo, and running things in them
-
-def copy_repo(dest):
-    """The repo's files (not SKIP) into dest. -> dest."""
-    # A copy, not a git worktree: a reader's uncommitted edits are part of what they want
-    # to try the lab on, and a tarball download has no .git at all.
-    def ignore(folder, names):
-        return [n for n in names if n in SKIP or n.endswith(".pyc")]
-    shutil.copytree(ROOT, dest, ignore=ignore)
-    return dest
-
-
-def run_in(copy, command, cache, timeout):
-    """Run a shell command in the copy's root, its caches in `cache`. -> (status, output)."""
-    # PYTHONPATH = the copy: `python -c "import optim"` and `python -m scripts.X` must import
-    # the PATCHED files, not the reader's; GLOO_SOCKET_IFNAME=lo as tests/harness.py does,
-    # for a lab that starts torchrun in a sandbox; one thread keeps timings comparable.
-    env = {**os.environ, "NANOSCALE_CACHE": cache, "PYTHONPATH": copy,
-           "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
-                                                                         "1")}
-    # the reader's `python` is this interpreter (its packages): spelled out so a venv works
-    command = re.sub(r"^python(3)?\b", lambda _: sys.executable, command)
-    try:
-        r = subprocess.run(command, shell=True, cwd=copy, env=env, capture_output=True,
-                           text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return 124, f"timed out after {timeout} s: {command}"
-    return r.returncode, r.stdout + r.stderr
-
-
-def figure_of(lab, output):
-    """The number the lab's figure regex finds (its first group), or None."""
-    # the first match: a command that prints a table prints the row asked for first, or
-    # the lab's regex is made specific enough (e.g. anchored on the row's label)
-    m = re.search(lab.figure, output)
-    if not m:
-        return None
-    try:
-        return float(m.group(1).rstrip("%x,"))
-    except (ValueError, IndexError):
-        return None
-
-
-class Workspace:
-    """One untouched copy (reused by every lab of an invocation), a patched copy per lab,
-    one shared data cache; everything under one temporary folder, removed at the end."""
-
-    def __init__(self):
-        self.root = tempfile.mkdtemp(prefix="nanoscale-labs-")
-        self.cache = os.path.join(self.root, "cache")
-        self.clean = None
-
-    def untouched(self):
-        if self.clean is None:
-            self.clean = copy_repo(os.path.join(self.root, "untouched"))
-        return self.clean
-
-    def patched(self, lab):
-        # a fresh copy per lab: two labs' patches never meet, and a lab whose command
-        # writes files (a checkpoint under out/) cannot change the next lab's start
-        copy = copy_repo(os.path.join(self.root, f"lab-{lab.name}"))
-        if lab.patch:
-            apply_patch(lab.patch, copy, lab.name)
-        return copy
-
-    def close(self):
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------------------
-# The commands
+# The commands: a knob lab measured before and after its change, a break lab's tests run
+# on the changed copy (they must fail) and on an untouched one (they must pass)
 
 def cmd_list(labs):
     print(f"{'lab':<40} {'kind':<6} question")
@@ -435,27 +200,273 @@ def cmd_check(labs, ws, timeout, jobs=1):
         raise UserError(f"{failed} break lab(s) not caught (see the FAIL lines above)")
 
 
+# ----------------------------------------------------------------------------------------
+# Copies of the repo, and running things in them
+
+def copy_repo(dest):
+    """The repo's files (not SKIP) into dest. -> dest."""
+    # A copy, not a git worktree: a reader's uncommitted edits are part of what they want
+    # to try the lab on, and a tarball download has no .git at all.
+    def ignore(folder, names):
+        return [n for n in names if n in SKIP or n.endswith(".pyc")]
+    shutil.copytree(ROOT, dest, ignore=ignore)
+    return dest
+
+
+def run_in(copy, command, cache, timeout):
+    """Run a shell command in the copy's root, its caches in `cache`. -> (status, output)."""
+    # PYTHONPATH = the copy: `python -c "import optim"` and `python -m scripts.X` must import
+    # the PATCHED files, not the reader's; GLOO_SOCKET_IFNAME=lo as tests/harness.py does,
+    # for a lab that starts torchrun in a sandbox; one thread keeps timings comparable.
+    env = {**os.environ, "NANOSCALE_CACHE": cache, "PYTHONPATH": copy,
+           "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
+                                                                         "1")}
+    # the reader's `python` is this interpreter (its packages): spelled out so a venv works
+    command = re.sub(r"^python(3)?\b", lambda _: sys.executable, command)
+    try:
+        r = subprocess.run(command, shell=True, cwd=copy, env=env, capture_output=True,
+                           text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return 124, f"timed out after {timeout} s: {command}"
+    return r.returncode, r.stdout + r.stderr
+
+
+def figure_of(lab, output):
+    """The number the lab's figure regex finds (its first group), or None."""
+    # the first match: a command that prints a table prints the row asked for first, or
+    # the lab's regex is made specific enough (e.g. anchored on the row's label)
+    m = re.search(lab.figure, output)
+    if not m:
+        return None
+    try:
+        return float(m.group(1).rstrip("%x,"))
+    except (ValueError, IndexError):
+        return None
+
+
+class Workspace:
+    """One untouched copy (reused by every lab of an invocation), a patched copy per lab,
+    one shared data cache; everything under one temporary folder, removed at the end."""
+
+    def __init__(self):
+        self.root = tempfile.mkdtemp(prefix="nanoscale-labs-")
+        self.cache = os.path.join(self.root, "cache")
+        self.clean = None
+
+    def untouched(self):
+        if self.clean is None:
+            self.clean = copy_repo(os.path.join(self.root, "untouched"))
+        return self.clean
+
+    def patched(self, lab):
+        # a fresh copy per lab: two labs' patches never meet, and a lab whose command
+        # writes files (a checkpoint under out/) cannot change the next lab's start
+        copy = copy_repo(os.path.join(self.root, f"lab-{lab.name}"))
+        if lab.patch:
+            apply_patch(lab.patch, copy, lab.name)
+        return copy
+
+    def close(self):
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------
+# Patches: a unified diff applied by hand, exactly (the context must match)
+
+def parse_patch(patch):
+    """-> {path: [(old_start, old_lines, new_lines)]} from a unified diff."""
+    # Written here rather than calling `patch` or `git apply`: neither is guaranteed on a
+    # reader's machine (Windows, a bare container), and the format is 30 lines to read.
+    # A hunk is its old lines (context + "-") and its new lines (context + "+").
+    files, path, hunk = {}, None, None
+    for line in patch.splitlines():
+        if line.startswith("--- "):
+            continue
+        if line.startswith("+++ "):       # the file the hunks below change (git's b/ prefix)
+            path = line[4:].split("\t")[0].strip()
+            path = path[2:] if path.startswith("b/") else path
+            files[path] = []
+            continue
+        m = re.match(r"@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@", line)
+        if m:
+            hunk = (int(m.group(1)), [], [])
+            files[path].append(hunk)
+            continue
+        # "\ No newline at end of file" and anything outside a hunk: not content
+        if hunk is None or line[:1] not in (" ", "-", "+", ""):
+            continue
+        body = line[1:]
+        if line.startswith("-"):          # only in the old file
+            hunk[1].append(body)
+        elif line.startswith("+"):        # only in the new one
+            hunk[2].append(body)
+        else:                             # context (an empty line: an empty context line)
+            hunk[1].append(body)
+            hunk[2].append(body)
+    return files
+
+
+def apply_patch(patch, root, name="lab"):
+    """Apply the diff to the files under root. A hunk whose old lines are not found --
+    within a few lines of where the diff says, or anywhere if they occur once -- is one
+    UserError naming the lab and the file: the lab no longer fits the code."""
+    for path, hunks in parse_patch(patch).items():
+        full = os.path.join(root, path)
+        if not os.path.isfile(full):
+            raise UserError(f"lab {name}: its patch changes {path}, which does not exist")
+        # split("\n"), not splitlines(): the file's last newline (or its absence) survives
+        # the round trip, so an untouched line ending is not a change
+        with open(full, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        offset = 0            # how far earlier hunks of this file moved the later ones
+        for start, old, new in hunks:
+            at = find_hunk(lines, old, start - 1 + offset)
+            if at is None:
+                raise UserError(f"lab {name}: its patch no longer applies to {path} "
+                                f"(near line {start}: {old[0].strip() if old else ''!r})")
+            lines[at:at + len(old)] = new
+            offset += len(new) - len(old)
+        with open(full, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines))
+
+
+def find_hunk(lines, old, guess):
+    """The index where `old` (a list of lines) starts: the nearest to `guess` (the file
+    may have moved by a few lines since the lab was written), or None."""
+    # Exact text, anywhere in the file: a lab keeps applying while the code around it
+    # grows comments or moves (labs are read next to a living repo), but not once the
+    # lines it changes are themselves different -- then it must be rewritten, and the
+    # suite says so. Several matches: the one nearest the line the diff was made at.
+    n = len(old)
+    hits = [i for i in range(len(lines) - n + 1) if lines[i:i + n] == old]
+    if not hits:
+        return None
+    return min(hits, key=lambda i: abs(i - guess))
+
+
+# ----------------------------------------------------------------------------------------
+# The files that hold the labs: labs/<topic>.md, read line by line
+
+def parse_labs(path):
+    """-> [Lab] of one labs/<topic>.md. Sections start with '## NAME'; inside one,
+    'key: value' lines set the fields and a ```diff block is the patch. Anything else
+    (prose, other headings) is the reader's and is kept only in `text`."""
+    topic = os.path.splitext(os.path.basename(path))[0]
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    # A tiny line-by-line state machine rather than a Markdown parser: the format is ours,
+    # and a reader editing a lab should be able to predict exactly what is read. Two
+    # states: inside a ```diff block (every line belongs to the patch, verbatim -- a patch
+    # line may well look like "key: value") or outside (fields, prose, headings).
+    labs, current, in_diff = [], None, False
+    for line in lines:
+        if in_diff:                         # inside the patch: everything verbatim
+            if line.strip() == "```":
+                in_diff = False
+            else:
+                current["patch"] += line + "\n"
+            current["text"] += line + "\n"
+            continue
+        if line.startswith("## "):
+            current = {"name": line[3:].strip(), "topic": topic, "patch": "", "text": ""}
+            labs.append(current)
+        if current is None:                 # the file's intro, before the first lab
+            continue
+        current["text"] += line + "\n"
+        if line.strip() == "```diff":
+            in_diff = True
+            continue
+        # Only known keys at the start of a line are fields: prose such as "Note: ..." or
+        # an indented example stays prose. The last value of a key wins.
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in FIELDS and not line.startswith(" "):
+            current[key.strip()] = value.strip()
+    return [make_lab(d, path) for d in labs]
+
+
+def make_lab(fields, path):
+    """A Lab from its fields, checked: a lab that cannot run is one line naming it."""
+    lab = Lab(**{**fields, "tests": tuple(fields.get("tests", "").split())})
+    where = f"{os.path.relpath(path, ROOT)}: lab {lab.name!r}"
+    # Everything a later command needs is checked here, when the file is read: a lab with
+    # a missing field fails `list` (and the suite, tests/test_labs.py) with its name, not
+    # minutes into a `check` run with a KeyError.
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", lab.name):
+        raise UserError(f"{where}: a name is lowercase words joined by '-'")
+    if lab.kind not in KINDS:
+        raise UserError(f"{where}: kind must be one of {', '.join(KINDS)}, got {lab.kind!r}")
+    if not lab.question:
+        raise UserError(f"{where}: no question")
+    # A break lab without `fires` could be "caught" by any failure at all -- an import
+    # error in the patch, a typo -- and prove nothing about the assertion it names.
+    if lab.kind == "break" and not (lab.patch and lab.tests and lab.fires):
+        raise UserError(f"{where}: a break lab needs a patch, tests and fires")
+    if lab.kind == "knob":
+        missing = [k for k in ("command", "figure", "before", "after", "spread", "why")
+                   if not getattr(lab, k)]
+        if missing or not (lab.patch or lab.flags):
+            raise UserError(f"{where}: a knob lab needs {', '.join(missing) or 'a change'} "
+                            "(a patch or flags)")
+    return lab
+
+
+def all_labs():
+    """Every lab of labs/*.md, in file then section order; names are unique."""
+    if not os.path.isdir(LABS_DIR):
+        raise UserError(f"no labs folder at {LABS_DIR}")
+    # sorted: `list` and `check` walk the topics in the same order on every machine
+    labs = [lab for name in sorted(os.listdir(LABS_DIR)) if name.endswith(".md")
+            for lab in parse_labs(os.path.join(LABS_DIR, name))]
+    seen = set()                  # a name is how a reader asks for a lab: one lab each
+    for lab in labs:
+        if lab.name in seen:
+            raise UserError(f"two labs are named {lab.name!r}")
+        seen.add(lab.name)
+    return labs
+
+
+def select(labs, which):
+    """None or []: all; a topic: its labs; a name: that lab; a list: the union, in the
+    catalogue's order. Unknown: one line with the choices."""
+    if not which:
+        return labs
+    asked = [which] if isinstance(which, str) else list(which)
+    topics = sorted({lab.topic for lab in labs})
+    for one in asked:
+        if not any(one in (lab.name, lab.topic) for lab in labs):
+            raise UserError(f"no lab or topic {one!r}: topics are {', '.join(topics)} "
+                            "(python labs.py list shows every name)")
+    return [lab for lab in labs if lab.name in asked or lab.topic in asked]
+
+
+# ----------------------------------------------------------------------------------------
+# The command line: every knob once, a row each (flag or positional, default, help;
+# core/cli.py makes the flags, --help and the "did you mean" line from these tables)
+
+TIMEOUT = knob("--timeout", 600, "seconds one command or test run may take", type=float)
+# mode: (help, its knobs)
+MODES = {
+    "list": ("every lab (or one topic's)",
+             [knob("which", None, "a topic (not given: all)", nargs="?")]),
+    "show": ("one lab, whole", [knob("which", None, "the lab's name")]),
+    "run": ("measure a lab before and after", [knob("which", None, "a lab's name"), TIMEOUT]),
+    "check": ("break labs: their tests fail patched, pass untouched", [
+        knob("which", None, "a lab's names or topics (none given: every break lab)",
+             nargs="*"),
+        TIMEOUT,
+        knob("--jobs", 1, "break labs checked at once (each in its own copy and pytest "
+             "process; the verdicts do not depend on it)"),
+    ]),
+}
+
+
 def parse_args(argv=None):
     p = ArgumentParser(description="Labs: change a line of a technique in a temporary copy "
                        "of the repo, measure what moves (knob labs) or check that the tests "
                        "catch it (break labs).", formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="mode", required=True)
-    q = sub.add_parser("list", help="every lab (or one topic's)", formatter_class=HelpFormatter)
-    q.add_argument("which", nargs="?", default=None, help="a topic (not given: all)")
-    q = sub.add_parser("show", help="one lab, whole", formatter_class=HelpFormatter)
-    q.add_argument("which", help="the lab's name")
-    for mode, what in (("run", "measure a lab before and after"),
-                       ("check", "break labs: their tests fail patched, pass untouched")):
-        q = sub.add_parser(mode, help=what, formatter_class=HelpFormatter)
-        q.add_argument("which", nargs=None if mode == "run" else "*", default=None,
-                       help="a lab's name" + ("" if mode == "run" else
-                                              "s or topics (none given: every break lab)"))
-        q.add_argument("--timeout", type=float, default=600,
-                       help="seconds one command or test run may take")
-        if mode == "check":
-            q.add_argument("--jobs", type=int, default=1,
-                           help="break labs checked at once (each in its own copy and "
-                                "pytest process; the verdicts do not depend on it)")
+    for mode, (help, knobs) in MODES.items():
+        add_knobs(sub.add_parser(mode, help=help, formatter_class=HelpFormatter), knobs)
     args = p.parse_args(argv)
     if getattr(args, "jobs", 1) < 1:
         raise UserError(f"--jobs must be at least 1, got {args.jobs}")

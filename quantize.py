@@ -62,7 +62,8 @@ from core.quant_format import (FORMAT_VERSION, SUPPORTED_BITS, QuantLinear, chec
                                default_group, fmt_name,
                                quantize_model, stored_nbytes, target_linears)
 from model import GPT, get_config
-from core.cli import ArgumentParser, fmt_bytes, HelpFormatter, require_at_least_one
+from core.cli import (ArgumentParser, HelpFormatter, add_knobs, fmt_bytes, knob,
+                      require_at_least_one)
 from core.errors import UserError
 from core.meters import tensor_bytes
 from core.runtime import print0, run_cli, seed_everything
@@ -70,10 +71,78 @@ from core.runtime import print0, run_cli, seed_everything
 # train.py's default output. Absent on a clean clone: load_base then trains a fresh tiny
 # model, so every mode runs with no setup (the tests pass --checkpoint to a fixture instead).
 DEFAULT_CKPT = "out/ckpt.pt"
+
+
 # ----------------------------------------------------------------------------------------
+# The methods: round-to-nearest, GPTQ, AWQ and SmoothQuant on a copy of the fp32 model.
 # The stored format (codes, scales, zeros; QuantLinear, which dequantizes them in every
-# forward) lives in core/quant_format.py, which core/checkpoint.py reads too. What follows
-# measures the int8 matmul that SmoothQuant's W8A8 layers may use.
+# forward) lives in core/quant_format.py, which core/checkpoint.py reads too; what
+# calibration buys, in compression/calibrated.py.
+
+def ptq(base, method, bits, group_size, calib, args, int_mm_rows=None):
+    """Post-training quantization of a copy of base. -> (model, calibration passes, note).
+    The calibrated methods live in compression/calibrated.py."""
+    # A copy: every method edits in place (replace_module, fold_scales), and compare
+    # quantizes the same base a dozen times.
+    model = copy.deepcopy(base)
+    for _, lin in target_linears(model):            # bad formats fail before any work
+        check_format(bits, group_size, lin.in_features)
+    if method == "rtn":
+        return quantize_model(model, bits, group_size), 0, ""
+    if method == "gptq":
+        # sequential: one calibration forward per stage (q/k/v, o, gate/up, down), i.e.
+        # 4·n_layer passes, each on the outputs of the stages already quantized, so a
+        # layer's Hessian H = 2XX^T is taken on the inputs it will see when deployed.
+        # errors collects each layer's output error and RTN's on the same inputs.
+        errors = []
+        transform = calibrated.gptq_transform(bits, group_size, errors,
+                                              block_size=args.block_size, damp=args.damp,
+                                              act_order=args.act_order,
+                                              group_fit=args.gptq_group_fit)
+        passes = calibrated.sequential(model, calib, transform)
+        return model, passes, gptq_note(args, errors)
+    if method == "awq":
+        # AWQ's statistic is mean|x_j| per input channel (Lin et al. 2023, "searching to
+        # scale"); the grid search scores each α by --awq-objective on the first
+        # --awq-tokens tokens (0: all): cost = grid · (quantize + the scored module's run).
+        # One forward serves every group: W·diag(s) with 1/s folded into the producer is an
+        # identity in fp32, so earlier scalings do not change later statistics. Then RTN.
+        alphas = calibrated.awq_scale(model, calib, bits, group_size, args.grid,
+                                      args.awq_objective, args.awq_quantizer, args.awq_tokens)
+        return quantize_model(model, bits, group_size), 1, awq_note(args, alphas)
+
+    # Anything else falls through to SmoothQuant: only cmd_ptq and cmd_compare call this,
+    # with known names -- a method added by hand needs its own branch above this line.
+    # SmoothQuant's statistic is max|X_j|, not the mean: int8 activations clip at the max.
+    # W8A8 ignores bits/group_size: int8 weights, one scale per output row.
+    def smooth(stats, weights):
+        return calibrated.smooth_scales(stats.abs_max, weights, args.alpha), args.alpha
+    calibrated.scale_model(model, calib, smooth)
+    return calibrated.w8a8_model(model, int_mm_rows), 1, f"alpha {args.alpha}"
+
+
+def gptq_note(args, errors):
+    """The ledger's note for a GPTQ row: its non-default options, then the layer error,
+    Σ over layers of E||(W - Ŵ)x||² on the calibration inputs, and the ratio to RTN's."""
+    opts = ["act-order"] if args.act_order else []
+    if args.gptq_group_fit != "block-start":
+        opts.append(f"--gptq-group-fit {args.gptq_group_fit}")
+    ours, rtn = sum(e for e, _ in errors), sum(r for _, r in errors)
+    err = f"layer err {ours:.4g} ({ours / rtn:.3f}× rtn)" if rtn > 0 else ""
+    return "; ".join(opts + [err] if err else opts)
+
+
+def awq_note(args, alphas):
+    """The ledger's note for an AWQ row: its non-default options and the α range chosen."""
+    opts = [f"--awq-objective {args.awq_objective}"] if args.awq_objective != "module" else []
+    if args.awq_quantizer != "llm-awq":
+        opts.append(f"--awq-quantizer {args.awq_quantizer}")
+    return "; ".join(opts + [f"alpha {min(alphas)}..{max(alphas)}"])
+
+
+
+# ----------------------------------------------------------------------------------------
+# The int8 matmul that SmoothQuant's W8A8 layers may use: measured, then chosen
 
 def measure_int_mm(in_features, out_features, rows=(1, 16, 64, 256), repeats=20):
     """Time torch._int_mm (int8 x int8 -> int32) against the fp32 matmul it would replace.
@@ -122,6 +191,27 @@ def _best_time(fn, repeats):
     return best
 
 
+
+def int_mm_decision(base):
+    """Measure torch._int_mm on the widest block linear; -> rows from which to use it."""
+    # One decision for every layer, from the largest weight (an MLP linear, ffn_hidden ×
+    # dim): a simplification -- a per-shape table would suit a model of mixed widths better.
+    widest = max((lin for _, lin in target_linears(base)), key=lambda m: m.weight.numel())
+    rows, lines = measure_int_mm(widest.in_features, widest.out_features)
+    print0("int8 x int8 -> int32 matmul (torch._int_mm) vs fp32, best of 20:")
+    for line in lines:
+        print0(line)
+    # the fp32 fallback is exact too: |sum x_q·w_q| <= 127^2·in < 2^24 (in <= 1040), the
+    # integers fp32 holds exactly (QuantLinear.w8a8): the choice changes speed, not numbers
+    print0(f"  -> W8A8 uses torch._int_mm from {rows} rows on" if rows is not None else
+           "  -> W8A8 uses the fp32 matmul on integer values (exact, and faster here)")
+    return rows
+
+
+
+# ----------------------------------------------------------------------------------------
+# The ledger: every row measured against the fp32 model in the same run
+
 def model_bytes(model):
     """-> (stored bytes of the quantized linears, their weights' count, all bytes). Counted
     from the tensors the model holds: parameters and stored buffers (the state_dict)."""
@@ -140,8 +230,6 @@ def model_bytes(model):
 
 
 
-# ----------------------------------------------------------------------------------------
-# The ledger: every row measured against the fp32 model in the same run
 
 class Evaluator:
     """The fp32 reference, measured once: validation batches, next-token argmax, greedy
@@ -247,8 +335,59 @@ def ledger_lines(rows):
     return lines
 
 
+
+class Table:
+    """Prints the ledger row by row as the rows come (a long compare shows progress)."""
+
+    def __init__(self, title):
+        print0(f"\n{title}")
+        # no rows: just the head and its separator, so the printed lines paste as markdown
+        print0("\n".join(ledger_lines([])))
+        self.rows = []
+
+    def add(self, row):
+        self.rows.append(row)
+        # [-1]: the row's line without the head again
+        print0(ledger_lines([row])[-1])
+
+
+
 # ----------------------------------------------------------------------------------------
-# Checkpoints: codes, scales and zeros as integer/fp16 tensors, the rest as plain tensors
+# The base model in, the result out: codes, scales and zeros as integer/fp16 tensors, the
+# rest as plain tensors
+
+def load_base(args):
+    """-> (fp32 model, corpus, description). No --checkpoint and no out/ckpt.pt: a fresh tiny
+    model, trained for --base-steps steps right here."""
+    if args.ckpt is None and not os.path.exists(DEFAULT_CKPT):
+        cfg = get_config("tiny")
+        corpus = data.load_corpus(args.data, cfg.vocab_size)
+        model = GPT(cfg, seed=args.seed)
+        t0 = time.perf_counter()
+        # lr 3e-3, 10x the QAT default: this trains from scratch, not a few steps of a
+        # trained model. A barely trained model says little about what rounding costs.
+        loss = finetune(model, corpus, args.base_steps, 3e-3, 16, cfg.block_size, args.seed)
+        print0(f"no {DEFAULT_CKPT}: trained a fresh tiny model instead ({args.base_steps} steps"
+               f" in {time.perf_counter() - t0:.0f} s, train loss {loss:.3f})")
+        return model, corpus, f"fresh tiny model ({args.base_steps} steps)"
+    path = args.ckpt or DEFAULT_CKPT
+    model, ckpt = load_model(path, "cpu")          # a missing file: one clear UserError
+    # load_model would hand back the dequantized weights: quantizing them again measures
+    # the second rounding against a reference that is itself already quantized.
+    if "quantization" in ckpt:
+        raise UserError(f"{path} is already quantized: start from an fp32 checkpoint")
+    data_path = args.data or (ckpt.get("args") or {}).get("data")
+    corpus = data.load_corpus(data_path, model.config.vocab_size)
+    # Another corpus gives another BPE: the ids would be tokens the model never learned,
+    # and every loss in the ledger would be silently meaningless. Compare the merges.
+    if data.encoding_from_state(ckpt["tokenizer"])._mergeable_ranks != corpus.enc._mergeable_ranks:
+        raise UserError(f"{path}'s tokenizer is not the one of corpus "
+                        f"{data_path or 'stdlib'}: pass the --data it was trained on")
+    # whatever dtype the checkpoint holds, the reference every row is measured against is
+    # fp32 (the GPT has no dropout, so eval() changes nothing today; it stays for safety)
+    return model.float().eval(), corpus, path
+
+
 
 def save_checkpoint(path, model, enc, meta, data_path):
     """A file torch.load(weights_only=True) reads: plain dicts, strings, numbers, tensors.
@@ -284,132 +423,9 @@ def save_checkpoint(path, model, enc, meta, data_path):
     os.replace(path + ".tmp", path)
 
 
+
 # ----------------------------------------------------------------------------------------
-# The base model, the data, and the methods
-
-def load_base(args):
-    """-> (fp32 model, corpus, description). No --checkpoint and no out/ckpt.pt: a fresh tiny
-    model, trained for --base-steps steps right here."""
-    if args.ckpt is None and not os.path.exists(DEFAULT_CKPT):
-        cfg = get_config("tiny")
-        corpus = data.load_corpus(args.data, cfg.vocab_size)
-        model = GPT(cfg, seed=args.seed)
-        t0 = time.perf_counter()
-        # lr 3e-3, 10x the QAT default: this trains from scratch, not a few steps of a
-        # trained model. A barely trained model says little about what rounding costs.
-        loss = finetune(model, corpus, args.base_steps, 3e-3, 16, cfg.block_size, args.seed)
-        print0(f"no {DEFAULT_CKPT}: trained a fresh tiny model instead ({args.base_steps} steps"
-               f" in {time.perf_counter() - t0:.0f} s, train loss {loss:.3f})")
-        return model, corpus, f"fresh tiny model ({args.base_steps} steps)"
-    path = args.ckpt or DEFAULT_CKPT
-    model, ckpt = load_model(path, "cpu")          # a missing file: one clear UserError
-    # load_model would hand back the dequantized weights: quantizing them again measures
-    # the second rounding against a reference that is itself already quantized.
-    if "quantization" in ckpt:
-        raise UserError(f"{path} is already quantized: start from an fp32 checkpoint")
-    data_path = args.data or (ckpt.get("args") or {}).get("data")
-    corpus = data.load_corpus(data_path, model.config.vocab_size)
-    # Another corpus gives another BPE: the ids would be tokens the model never learned,
-    # and every loss in the ledger would be silently meaningless. Compare the merges.
-    if data.encoding_from_state(ckpt["tokenizer"])._mergeable_ranks != corpus.enc._mergeable_ranks:
-        raise UserError(f"{path}'s tokenizer is not the one of corpus "
-                        f"{data_path or 'stdlib'}: pass the --data it was trained on")
-    # whatever dtype the checkpoint holds, the reference every row is measured against is
-    # fp32 (the GPT has no dropout, so eval() changes nothing today; it stays for safety)
-    return model.float().eval(), corpus, path
-
-
-def ptq(base, method, bits, group_size, calib, args, int_mm_rows=None):
-    """Post-training quantization of a copy of base. -> (model, calibration passes, note).
-    The calibrated methods live in compression/calibrated.py."""
-    # A copy: every method edits in place (replace_module, fold_scales), and compare
-    # quantizes the same base a dozen times.
-    model = copy.deepcopy(base)
-    for _, lin in target_linears(model):            # bad formats fail before any work
-        check_format(bits, group_size, lin.in_features)
-    if method == "rtn":
-        return quantize_model(model, bits, group_size), 0, ""
-    if method == "gptq":
-        # sequential: one calibration forward per stage (q/k/v, o, gate/up, down), i.e.
-        # 4·n_layer passes, each on the outputs of the stages already quantized, so a
-        # layer's Hessian H = 2XX^T is taken on the inputs it will see when deployed.
-        # errors collects each layer's output error and RTN's on the same inputs.
-        errors = []
-        transform = calibrated.gptq_transform(bits, group_size, errors,
-                                              block_size=args.block_size, damp=args.damp,
-                                              act_order=args.act_order,
-                                              group_fit=args.gptq_group_fit)
-        passes = calibrated.sequential(model, calib, transform)
-        return model, passes, gptq_note(args, errors)
-    if method == "awq":
-        # AWQ's statistic is mean|x_j| per input channel (Lin et al. 2023, "searching to
-        # scale"); the grid search scores each α by --awq-objective on the first
-        # --awq-tokens tokens (0: all): cost = grid · (quantize + the scored module's run).
-        # One forward serves every group: W·diag(s) with 1/s folded into the producer is an
-        # identity in fp32, so earlier scalings do not change later statistics. Then RTN.
-        alphas = calibrated.awq_scale(model, calib, bits, group_size, args.grid,
-                                      args.awq_objective, args.awq_quantizer, args.awq_tokens)
-        return quantize_model(model, bits, group_size), 1, awq_note(args, alphas)
-
-    # Anything else falls through to SmoothQuant: only cmd_ptq and cmd_compare call this,
-    # with known names -- a method added by hand needs its own branch above this line.
-    # SmoothQuant's statistic is max|X_j|, not the mean: int8 activations clip at the max.
-    # W8A8 ignores bits/group_size: int8 weights, one scale per output row.
-    def smooth(stats, weights):
-        return calibrated.smooth_scales(stats.abs_max, weights, args.alpha), args.alpha
-    calibrated.scale_model(model, calib, smooth)
-    return calibrated.w8a8_model(model, int_mm_rows), 1, f"alpha {args.alpha}"
-
-
-def gptq_note(args, errors):
-    """The ledger's note for a GPTQ row: its non-default options, then the layer error,
-    Σ over layers of E||(W - Ŵ)x||² on the calibration inputs, and the ratio to RTN's."""
-    opts = ["act-order"] if args.act_order else []
-    if args.gptq_group_fit != "block-start":
-        opts.append(f"--gptq-group-fit {args.gptq_group_fit}")
-    ours, rtn = sum(e for e, _ in errors), sum(r for _, r in errors)
-    err = f"layer err {ours:.4g} ({ours / rtn:.3f}× rtn)" if rtn > 0 else ""
-    return "; ".join(opts + [err] if err else opts)
-
-
-def awq_note(args, alphas):
-    """The ledger's note for an AWQ row: its non-default options and the α range chosen."""
-    opts = [f"--awq-objective {args.awq_objective}"] if args.awq_objective != "module" else []
-    if args.awq_quantizer != "llm-awq":
-        opts.append(f"--awq-quantizer {args.awq_quantizer}")
-    return "; ".join(opts + [f"alpha {min(alphas)}..{max(alphas)}"])
-
-
-def int_mm_decision(base):
-    """Measure torch._int_mm on the widest block linear; -> rows from which to use it."""
-    # One decision for every layer, from the largest weight (an MLP linear, ffn_hidden ×
-    # dim): a simplification -- a per-shape table would suit a model of mixed widths better.
-    widest = max((lin for _, lin in target_linears(base)), key=lambda m: m.weight.numel())
-    rows, lines = measure_int_mm(widest.in_features, widest.out_features)
-    print0("int8 x int8 -> int32 matmul (torch._int_mm) vs fp32, best of 20:")
-    for line in lines:
-        print0(line)
-    # the fp32 fallback is exact too: |sum x_q·w_q| <= 127^2·in < 2^24 (in <= 1040), the
-    # integers fp32 holds exactly (QuantLinear.w8a8): the choice changes speed, not numbers
-    print0(f"  -> W8A8 uses torch._int_mm from {rows} rows on" if rows is not None else
-           "  -> W8A8 uses the fp32 matmul on integer values (exact, and faster here)")
-    return rows
-
-
-class Table:
-    """Prints the ledger row by row as the rows come (a long compare shows progress)."""
-
-    def __init__(self, title):
-        print0(f"\n{title}")
-        # no rows: just the head and its separator, so the printed lines paste as markdown
-        print0("\n".join(ledger_lines([])))
-        self.rows = []
-
-    def add(self, row):
-        self.rows.append(row)
-        # [-1]: the row's line without the head again
-        print0(ledger_lines([row])[-1])
-
+# The modes' commands (QAT and pruning: compression/qat.py, compression/prune.py)
 
 def cmd_ptq(args, base, corpus, ev, table, int_mm_rows):
     """One PTQ method (rtn, gptq, awq, smoothquant): its ledger row; -> the model."""
@@ -418,13 +434,20 @@ def cmd_ptq(args, base, corpus, ev, table, int_mm_rows):
     g = default_group(bits, args.group_size)
     # RTN looks at the weights only: no calibration data, zero passes in the ledger
     calib = calibration(corpus, base, args, args.mode) if args.mode != "rtn" else []
-    # the clock starts after the batches are drawn: "s" is the method's own time
-    t0 = time.perf_counter()
-    model, passes, note = ptq(base, args.mode, bits, g, calib, args, int_mm_rows)
-    # smoothquant: main set bits, group_size = 8, 0 (its subcommand has no format flags)
-    fmt = fmt_name(bits, g, 8 if args.mode == "smoothquant" else 0)
-    table.add(ev.row(model, args.mode, fmt, time.perf_counter() - t0, passes, note))
+    # smoothquant: its parser fixes bits, group_size = 8, 0 (it has no format flags)
+    model, row = ptq_row(ev, base, args.mode, bits, g, calib, args, int_mm_rows)
+    table.add(row)
     return model
+
+
+def ptq_row(ev, base, method, bits, g, calib, opts, int_mm_rows=None):
+    """ptq, then its ledger row. -> (model, row). The clock starts after the calibration
+    batches are drawn: "s" is the method's own time."""
+    t0 = time.perf_counter()
+    model, passes, note = ptq(base, method, bits, g, calib, opts, int_mm_rows)
+    # W8A8 (smoothquant) quantizes the activations too: "int8 per-row + int8 act"
+    fmt = fmt_name(bits, g, 8 if method == "smoothquant" else 0)
+    return model, ev.row(model, method, fmt, time.perf_counter() - t0, passes, note)
 
 
 def cmd_compare(args, base, corpus, ev, table, int_mm_rows):
@@ -453,16 +476,10 @@ def cmd_compare(args, base, corpus, ev, table, int_mm_rows):
                                      or (opts is fit and not fits_differ(args, bits, g))
                                      or (opts is awq_ours and not awq_default(args))):
                 continue
-            t0 = time.perf_counter()
-            model, passes, note = ptq(base, method, bits, g, calib, opts)
-            table.add(ev.row(model, method, fmt_name(bits, g), time.perf_counter() - t0,
-                             passes, note))
+            table.add(ptq_row(ev, base, method, bits, g, calib, opts)[1])
     # W8A8 once, whatever --bits-list says: it is int8 by construction. Only this row
     # gets int_mm_rows; the rows above are weight-only and never multiply integers.
-    t0 = time.perf_counter()
-    model, passes, note = ptq(base, "smoothquant", 8, 0, calib, args, int_mm_rows)
-    table.add(ev.row(model, "smoothquant", fmt_name(8, 0, 8), time.perf_counter() - t0,
-                     passes, note))
+    table.add(ptq_row(ev, base, "smoothquant", 8, 0, calib, args, int_mm_rows)[1])
     # QAT at the low bit widths only (int8 RTN loses ~nothing: no loss to recover), each
     # with STE and with LSQ
     for row, _ in qat.qat_rows(base, corpus, ev, [b for b in bits_list if b != 8],
@@ -495,20 +512,144 @@ def awq_default(args):
     return args.awq_objective == "module" and args.awq_quantizer == "llm-awq"
 
 
-def run_mode(args, base, corpus, ev, table, int_mm_rows):
-    """The mode's command: RTN and the calibrated methods here, QAT and pruning in
-    compression/qat.py and compression/prune.py."""
-    # One signature for every command, so dispatch is a dict lookup; what each returns is
-    # the model --save writes (None for compare).
-    commands = {"rtn": cmd_ptq, "gptq": cmd_ptq, "awq": cmd_ptq, "smoothquant": cmd_ptq,
-                "qat": qat.cmd_qat, "prune": prune.cmd_prune, "compare": cmd_compare}
-    return commands[args.mode](args, base, corpus, ev, table, int_mm_rows)
+# ----------------------------------------------------------------------------------------
+# The command line: every knob once, a row each (flag, default, help; core/cli.py makes
+# the flags, --help and the "did you mean" line from these tables). Each mode takes the
+# groups it reads (MODES below), so a flag shared by several modes is stated once here.
+
+COMMON_KNOBS = [
+    # --checkpoint as every script spells it; --ckpt, the old spelling, kept as an alias
+    knob("--checkpoint --ckpt", None, f"fp32 checkpoint; not given: {DEFAULT_CKPT}, or a fresh "
+         "tiny model trained here when that file does not exist", dest="ckpt"),
+    knob("--data", None, "UTF-8 text the checkpoint was trained on (not given: what the "
+         "checkpoint records, else the built-in corpus)"),
+    knob("--base-steps", 600, "training steps of a fresh model"),
+    knob("--calib-batches", 4, "calibration batches (train split)"),
+    knob("--eval-batches", 8, "validation batches"),
+    knob("--batch-size", 8, "rows per batch"),
+    knob("--seq-len", 128, "tokens per row"),
+    knob("--prompts", 16, "held-out prompts, greedy agreement"),
+    knob("--prompt-len", 16, "tokens per prompt"),
+    knob("--new-tokens", 32, "greedy tokens per prompt"),
+    knob("--repeats", 3, "decode timing: best of this many"),
+    knob("--seed", 0, "batches, prompts, the fresh model"),
+    knob("--threads", 1, "torch CPU threads"),
+    knob("--save", "", "write the result to this checkpoint (read by "
+         "core.checkpoint.load_model, serve.py, spec_decode.py)"),
+    knob("--out-dir", "out/quantize", "compare: where the table goes"),
+]
+
+# --group-size has no default, not 0: 0 is a real choice (one group per row), and "not
+# given" must resolve by bits (default_group)
+FORMAT_KNOBS = [
+    knob("--bits", 4, f"one of {SUPPORTED_BITS}"),
+    knob("--group-size", int, "inputs per scale/zero; not given: 0 (one group per output "
+         "row) for int8, 32 for int3/int4"),
+]
+
+# GPTQ's knobs, defaults as in its reference code: λ = 1% of the mean diagonal of H
+# keeps the Cholesky factorisation defined when XX^T is singular (dead inputs, fewer
+# tokens than inputs); 128 columns per lazy batch, as in Frantar et al. 2022 ("lazy
+# batch-updates"). Raise --damp and GPTQ moves toward RTN (H toward a multiple of I).
+# --gptq-group-fit: which weights a group inside a lazy block is fitted on
+# (compression/calibrated.py, GROUP_FITS: the reference's block-start, or updated).
+GPTQ_KNOBS = [
+    knob("--damp", 0.01, "dampening λ = damp · mean(diag H)"),
+    knob("--block-size", 128, "columns per lazy batch"),
+    knob("--act-order", False, "columns by decreasing diag H"),
+    knob("--gptq-group-fit", "block-start", "a group's scale/zero from the weights at its "
+         "block's start (IST-DASLab/gptq) or as updated so far", choices=calibrated.GROUP_FITS),
+]
+
+# 20 grid points as llm-awq's auto_scale; α = 0 is plain RTN, so AWQ never scores worse
+# than RTN on its own calibration sample. Objective and quantizer of the search: llm-awq's
+# by default, this repo's earlier ones as options (calibrated.AWQ_OBJECTIVES).
+AWQ_KNOBS = [
+    knob("--grid", 20, "α grid points on [0, 1)"),
+    knob("--awq-tokens", 0, "calibration tokens the search scores (0: all, as llm-awq)"),
+    knob("--awq-objective", "module", "score α by the attention/MLP output (llm-awq) or by "
+         "each linear's own", choices=calibrated.AWQ_OBJECTIVES),
+    knob("--awq-quantizer", "llm-awq", "the search's rounding: llm-awq's min/max fp32, or the "
+         "stored format's", choices=list(calibrated.AWQ_QUANTIZERS)),
+]
+
+# α = 0.5, the paper's default: the difficulty split evenly between activations and
+# weights; α -> 1 moves more of the outliers into the weights
+SMOOTHQUANT_KNOBS = [knob("--alpha", 0.5, "migration strength α")]
+
+TRAINING_KNOBS = [knob("--lr", 3e-4, "QAT / fine-tuning learning rate")]
+
+# The groups, under their --help headings; every mode takes the first
+COMMON = "model, data and ledger"
+KNOBS = {COMMON: COMMON_KNOBS, "format": FORMAT_KNOBS, "GPTQ": GPTQ_KNOBS, "AWQ": AWQ_KNOBS,
+         "SmoothQuant": SMOOTHQUANT_KNOBS, "training": TRAINING_KNOBS}
+
+# A mode's own knobs, listed under its "options" (not a group of their own)
+QAT_KNOBS = [
+    knob("--steps", 100, "QAT (and control) steps"),
+    knob("--lsq", False, "learn the step sizes (LSQ)"),
+]
+# per-block: locuslab/wanda's prune_wanda (a block's statistics, then all of it pruned);
+# per-stage re-collects after each pruned stage (compression/prune.py, SCHEDULES)
+WANDA_SCHEDULE = knob("--wanda-schedule", "per-block", "Wanda's statistics: once a block, "
+                      "or again after each stage", choices=list(prune.SCHEDULES))
+PRUNE_KNOBS = [
+    knob("--sparsity", 0.5, "fraction of zeros"),
+    knob("--pattern", "unstructured", "per-row fraction, or 2 of every 4 inputs",
+         choices=["unstructured", "2:4"]),
+    knob("--criterion", "wanda", "|W|, or |W|·||X||", choices=["magnitude", "wanda"]),
+    knob("--finetune-steps", 0, "masked fine-tuning"),
+    WANDA_SCHEDULE,
+]
+# compare takes --bits-list instead of the format group's single --bits, so it states its
+# own --group-size (the same default rule)
+COMPARE_KNOBS = [
+    knob("--bits-list", "8,4,3", "weight bits to compare"),
+    knob("--group-size", int, "not given: 0 for int8, 32 for int3/int4"),
+    knob("--qat-steps", 100, "QAT and fine-tuning steps"),
+    WANDA_SCHEDULE,
+]
+
+
+# mode: (its command, its help, the KNOBS groups it reads besides COMMON, its own knobs).
+# One signature for every command, so dispatch is a dict lookup; what each returns is the
+# model --save writes (None for compare). RTN and the calibrated methods here, QAT and
+# pruning in compression/qat.py and compression/prune.py.
+MODES = {
+    "rtn": (cmd_ptq, "round-to-nearest", ["format"], []),
+    "gptq": (cmd_ptq, "GPTQ: column-by-column with error compensation", ["format", "GPTQ"], []),
+    "awq": (cmd_ptq, "AWQ: activation-aware scales, then RTN", ["format", "AWQ"], []),
+    # no format group: W8A8 fixes its format (int8, per row), set by build_parser
+    "smoothquant": (cmd_ptq, "SmoothQuant: W8A8 (int8 weights and per-token int8 activations)",
+                    ["SmoothQuant"], []),
+    "qat": (qat.cmd_qat, "quantization-aware training vs PTQ and fp32 fine-tuning",
+            ["format", "training"], QAT_KNOBS),
+    "prune": (prune.cmd_prune, "magnitude or Wanda pruning, unstructured or 2:4", ["training"],
+              PRUNE_KNOBS),
+    "compare": (cmd_compare, "every method at --bits-list, QAT, pruning: one table",
+                ["GPTQ", "AWQ", "SmoothQuant", "training"], COMPARE_KNOBS),
+}
+
+
+def build_parser():
+    """One subcommand per mode, each with only the knob groups that mode reads."""
+    p = ArgumentParser(description="Quantize or prune the GPT; a ledger of what each "
+                       "method saves and costs.")
+    sub = p.add_subparsers(dest="mode", required=True, metavar="MODE")
+    for name, (_, help, groups, own) in MODES.items():
+        s = sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+        for title in [COMMON] + groups:
+            add_knobs(s, KNOBS[title], title)
+        add_knobs(s, own)
+    # smoothquant's format is no flag: int8 weights, one scale per output row
+    sub.choices["smoothquant"].set_defaults(bits=8, group_size=0)
+    return p
 
 
 def bits_of(args):
     """The weight bit widths this run will use: --bits, --bits-list, or none at all."""
     # prune's subcommand has no --bits (it keeps fp32 weights): nothing to check.
-    # smoothquant has none either; main sets args.bits = 8 before calling this.
+    # smoothquant has none either; its parser fixes bits = 8 (build_parser).
     if args.mode != "compare":
         return [args.bits] if hasattr(args, "bits") else []
     try:
@@ -517,29 +658,12 @@ def bits_of(args):
         raise UserError(f"--bits-list wants comma-separated integers, got {args.bits_list!r}")
 
 
-def check_args(args, model):
-    """Everything that can be checked against the model's shapes, before any work."""
-    for bits in bits_of(args):
-        for _, lin in target_linears(model):
-            check_format(bits, default_group(bits, args.group_size), lin.in_features)
-    if args.mode == "prune":
-        prune.check_prune(model, args.sparsity, args.pattern)
-    # compare prunes 2:4 at 50% after minutes of other rows: check the shapes now
-    if args.mode == "compare":
-        prune.check_prune(model, 0.5, "2:4")
-
-
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    # kept for the ledger's title and compare.json: the command that made the numbers
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+def check_flags(args):
+    """The flags' own ranges, one line each, before anything is loaded or trained."""
     # A 0 here would end as a ZeroDivisionError deep in the Evaluator (a mean over no
     # batches, no prompts, no new tokens): one clear error instead.
     require_at_least_one(args, ("eval_batches", "batch_size", "seq_len", "prompts",
                                 "prompt_len", "new_tokens", "repeats", "base_steps"))
-    # before bits_of below: the smoothquant subcommand defines no --bits / --group-size
-    if args.mode == "smoothquant":
-        args.bits, args.group_size = 8, 0
     for bits in bits_of(args):
         if bits not in SUPPORTED_BITS:
             raise UserError(f"--bits {bits} is not supported: choose one of {SUPPORTED_BITS}")
@@ -552,161 +676,68 @@ def main(argv=None):
         raise UserError(f"--sparsity must be in [0, 1), got {args.sparsity}")
     if args.save and args.mode == "compare":
         raise UserError("compare writes its table to --out-dir; --save needs one method")
+
+
+def check_shapes(args, model):
+    """Everything that can be checked against the model's shapes, before any work."""
+    for bits in bits_of(args):
+        for _, lin in target_linears(model):
+            check_format(bits, default_group(bits, args.group_size), lin.in_features)
+    if args.mode == "prune":
+        prune.check_prune(model, args.sparsity, args.pattern)
+    # compare prunes 2:4 at 50% after minutes of other rows: check the shapes now
+    if args.mode == "compare":
+        prune.check_prune(model, 0.5, "2:4")
+
+
+def write_compare(out_dir, command, source, seconds, rows):
+    """compare's table: compare.json (every figure, the command, the base) and compare.md."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "compare.json"), "w") as f:
+        json.dump(dict(command=command, base=source, seconds=seconds, rows=rows), f, indent=1)
+    with open(os.path.join(out_dir, "compare.md"), "w") as f:
+        f.write("\n".join(ledger_lines(rows)) + "\n")
+    print0(f"wrote {out_dir}/compare.md and compare.json")
+
+
+def save_result(args, model, enc):
+    """--save: the mode's model, in the format core/checkpoint.py's load_model reads."""
+    # prune has no --bits: its checkpoint is plain fp32 with zeros, no "quantization"
+    # entry (save_checkpoint adds it only when there are QuantLinears)
+    meta = dict(method=args.mode, bits=getattr(args, "bits", 32))
+    save_checkpoint(args.save, model, enc, meta, args.data)
+    print0(f"wrote {args.save}" + (" (W8A8: loaders get the int8 weights; activation "
+           "quantization is quantize.py's own)" if args.mode == "smoothquant" else ""))
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    check_flags(args)
+    # the ledger's title and compare.json name the command that made the numbers
+    command = " ".join(["python quantize.py", *(sys.argv[1:] if argv is None else argv)])
     # One thread by default: the ms/token column is comparable across runs and machines,
     # and a shared CPU's other jobs disturb it less.
     torch.set_num_threads(args.threads)
     seed_everything(args.seed)
     t_start = time.perf_counter()
     base, corpus, source = load_base(args)
-    check_args(args, base)
+    check_shapes(args, base)
     print0(f"base: {source} | {base.num_params():,} params, {len(target_linears(base))} "
            f"block linears | corpus {corpus.name} | {torch.get_num_threads()} thread(s)")
     ev = Evaluator(base, corpus, args)
     int_mm_rows = int_mm_decision(base) if args.mode in ("smoothquant", "compare") else None
-    table = Table(f"ledger (python quantize.py {' '.join(args.argv)}):")
+    table = Table(f"ledger ({command}):")
     # The reference row checks the ledger itself: Δ loss 0, top-1 and greedy 100%,
     # × fp32 = 1.00. Anything else there means the Evaluator is not deterministic.
     table.add(ev.row(base, "fp32", "fp32"))
-    model = run_mode(args, base, corpus, ev, table, int_mm_rows)
-    rows = table.rows
+    model = MODES[args.mode][0](args, base, corpus, ev, table, int_mm_rows)
     seconds = time.perf_counter() - t_start
     print0(f"total {seconds:.0f} s; timings: wall clock on this (possibly shared) CPU")
     if args.mode == "compare":
-        os.makedirs(args.out_dir, exist_ok=True)
-        with open(os.path.join(args.out_dir, "compare.json"), "w") as f:
-            json.dump(dict(command=" ".join(["python quantize.py"] + args.argv), base=source,
-                           seconds=seconds, rows=rows), f, indent=1)
-        with open(os.path.join(args.out_dir, "compare.md"), "w") as f:
-            f.write("\n".join(ledger_lines(rows)) + "\n")
-        print0(f"wrote {args.out_dir}/compare.md and compare.json")
+        write_compare(args.out_dir, command, source, seconds, table.rows)
     if args.save:
-        # prune has no --bits: its checkpoint is plain fp32 with zeros, no "quantization"
-        # entry (save_checkpoint adds it only when there are QuantLinears)
-        meta = dict(method=args.mode, bits=getattr(args, "bits", 32))
-        save_checkpoint(args.save, model, corpus.enc, meta, args.data)
-        print0(f"wrote {args.save}" + (" (W8A8: loaders get the int8 weights; activation "
-               "quantization is quantize.py's own)" if args.mode == "smoothquant" else ""))
-    return rows
-
-
-def _parent(title, *flags):
-    """A parent parser holding one group of flags: (name, kwargs) pairs."""
-    # add_help=False: a parent's own -h would clash with each subcommand's. argparse
-    # copies a parent's groups into every subparser listing it: each flag is defined
-    # once and shared by every mode that takes it.
-    parser = argparse.ArgumentParser(add_help=False)
-    group = parser.add_argument_group(title)
-    for names, kwargs in flags:           # a name, or a tuple: the name and its aliases
-        group.add_argument(*(names if isinstance(names, tuple) else (names,)), **kwargs)
-    return parser
-
-
-def build_parser():
-    common = _parent(
-        "model, data and ledger",
-        # --checkpoint as every script spells it; --ckpt, the old spelling, kept as an alias
-        (("--checkpoint", "--ckpt"), dict(
-            dest="ckpt", default=None, help=f"fp32 checkpoint; not given: {DEFAULT_CKPT}, or a "
-            "fresh tiny model trained here when that file does not exist")),
-        ("--data", dict(default=None, help="UTF-8 text the checkpoint was trained on (not given: "
-                        "what the checkpoint records, else the built-in corpus)")),
-        ("--base-steps", dict(type=int, default=600, help="training steps of a fresh model")),
-        ("--calib-batches", dict(type=int, default=4, help="calibration batches (train split)")),
-        ("--eval-batches", dict(type=int, default=8, help="validation batches")),
-        ("--batch-size", dict(type=int, default=8, help="rows per batch")),
-        ("--seq-len", dict(type=int, default=128, help="tokens per row")),
-        ("--prompts", dict(type=int, default=16, help="held-out prompts, greedy agreement")),
-        ("--prompt-len", dict(type=int, default=16, help="tokens per prompt")),
-        ("--new-tokens", dict(type=int, default=32, help="greedy tokens per prompt")),
-        ("--repeats", dict(type=int, default=3, help="decode timing: best of this many")),
-        ("--seed", dict(type=int, default=0, help="batches, prompts, the fresh model")),
-        ("--threads", dict(type=int, default=1, help="torch CPU threads")),
-        ("--save", dict(default="", help="write the result to this checkpoint (read by "
-                        "core.checkpoint.load_model, serve.py, spec_decode.py)")),
-        ("--out-dir", dict(default="out/quantize", help="compare: where the table goes")))
-    # --group-size defaults to None, not 0: 0 is a real choice (one group per row), and
-    # "not given" must resolve by bits (default_group)
-    fmt = _parent(
-        "format",
-        ("--bits", dict(type=int, default=4, help=f"one of {SUPPORTED_BITS}")),
-        ("--group-size", dict(type=int, default=None, help="inputs per scale/zero; not given: 0 "
-                              "(one group per output row) for int8, 32 for int3/int4")))
-    # GPTQ's knobs, defaults as in its reference code: λ = 1% of the mean diagonal of H
-    # keeps the Cholesky factorisation defined when XX^T is singular (dead inputs, fewer
-    # tokens than inputs); 128 columns per lazy batch, as in Frantar et al. 2022 ("lazy
-    # batch-updates"). Raise --damp and GPTQ moves toward RTN (H toward a multiple of I).
-    # --gptq-group-fit: which weights a group inside a lazy block is fitted on
-    # (compression/calibrated.py, GROUP_FITS: the reference's block-start, or updated).
-    gptq_flags = _parent(
-        "GPTQ",
-        ("--damp", dict(type=float, default=0.01, help="dampening λ = damp · mean(diag H)")),
-        ("--block-size", dict(type=int, default=128, help="columns per lazy batch")),
-        ("--act-order", dict(action="store_true", help="columns by decreasing diag H")),
-        ("--gptq-group-fit", dict(default="block-start", choices=calibrated.GROUP_FITS,
-                                  help="a group's scale/zero from the weights at its block's "
-                                  "start (IST-DASLab/gptq) or as updated so far")))
-    # 20 grid points as llm-awq's auto_scale; α = 0 is plain RTN, so AWQ never scores
-    # worse than RTN on its own calibration sample. Objective and quantizer of the search:
-    # llm-awq's by default, this repo's earlier ones as options (calibrated.AWQ_OBJECTIVES).
-    awq_flags = _parent(
-        "AWQ",
-        ("--grid", dict(type=int, default=20, help="α grid points on [0, 1)")),
-        ("--awq-tokens", dict(type=int, default=0, help="calibration tokens the search scores "
-                              "(0: all, as llm-awq)")),
-        ("--awq-objective", dict(default="module", choices=calibrated.AWQ_OBJECTIVES,
-                                 help="score α by the attention/MLP output (llm-awq) or by "
-                                 "each linear's own")),
-        ("--awq-quantizer", dict(default="llm-awq", choices=list(calibrated.AWQ_QUANTIZERS),
-                                 help="the search's rounding: llm-awq's min/max fp32, or the "
-                                 "stored format's")))
-    # α = 0.5, the paper's default: the difficulty split evenly between activations and
-    # weights; α -> 1 moves more of the outliers into the weights
-    sq_flags = _parent("SmoothQuant", ("--alpha", dict(type=float, default=0.5,
-                                                         help="migration strength α")))
-    train = _parent("training", ("--lr", dict(type=float, default=3e-4,
-                                              help="QAT / fine-tuning learning rate")))
-    p = ArgumentParser(description="Quantize or prune the GPT; a ledger of what each "
-                                "method saves and costs.")
-    return _subcommands(p, common, fmt, gptq_flags, awq_flags, sq_flags, train)
-
-
-def _subcommands(p, common, fmt, gptq_flags, awq_flags, sq_flags, train):
-    """One subcommand per mode, each with only the flag groups that mode reads."""
-    sub = p.add_subparsers(dest="mode", required=True, metavar="MODE")
-    add = lambda name, help, *parents: sub.add_parser(
-        name, help=help, description=help, parents=[common, *parents],
-        formatter_class=HelpFormatter)
-    add("rtn", "round-to-nearest", fmt)
-    add("gptq", "GPTQ: column-by-column with error compensation", fmt, gptq_flags)
-    add("awq", "AWQ: activation-aware scales, then RTN", fmt, awq_flags)
-    # no `fmt`: W8A8 fixes its format (int8, per row), so main sets bits and group_size
-    add("smoothquant", "SmoothQuant: W8A8 (int8 weights and per-token int8 activations)",
-        sq_flags)
-    qat = add("qat", "quantization-aware training vs PTQ and fp32 fine-tuning", fmt, train)
-    qat.add_argument("--steps", type=int, default=100, help="QAT (and control) steps")
-    qat.add_argument("--lsq", action="store_true", help="learn the step sizes (LSQ)")
-    prune = add("prune", "magnitude or Wanda pruning, unstructured or 2:4", train)
-    prune.add_argument("--sparsity", type=float, default=0.5, help="fraction of zeros")
-    prune.add_argument("--pattern", default="unstructured", choices=["unstructured", "2:4"],
-                       help="per-row fraction, or 2 of every 4 inputs")
-    prune.add_argument("--criterion", default="wanda", choices=["magnitude", "wanda"],
-                       help="|W|, or |W|·||X||")
-    prune.add_argument("--finetune-steps", type=int, default=0, help="masked fine-tuning")
-    # per-block: locuslab/wanda's prune_wanda (a block's statistics, then all of it pruned);
-    # per-stage re-collects after each pruned stage (compression/prune.py, SCHEDULES)
-    wanda_schedule = dict(default="per-block", choices=["per-block", "per-stage"],
-                          help="Wanda's statistics: once a block, or again after each stage")
-    prune.add_argument("--wanda-schedule", **wanda_schedule)
-    # compare takes --bits-list instead of `fmt`'s single --bits, so it adds its own
-    # --group-size (the same default rule)
-    cmp = add("compare", "every method at --bits-list, QAT, pruning: one table",
-              gptq_flags, awq_flags, sq_flags, train)
-    cmp.add_argument("--bits-list", default="8,4,3", help="weight bits to compare")
-    cmp.add_argument("--group-size", type=int, default=None, help="not given: 0 for int8, 32 "
-                     "for int3/int4")
-    cmp.add_argument("--qat-steps", type=int, default=100, help="QAT and fine-tuning steps")
-    cmp.add_argument("--wanda-schedule", **wanda_schedule)
-    return p
+        save_result(args, model, corpus.enc)
+    return table.rows
 
 
 if __name__ == "__main__":

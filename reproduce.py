@@ -80,7 +80,7 @@ import time
 
 import torch
 
-from core.cli import ArgumentParser, fmt_duration, HelpFormatter
+from core.cli import ArgumentParser, HelpFormatter, add_knobs, fmt_duration, knob
 from core.errors import UserError
 from core.files import atomic_write
 from core.runtime import run_cli
@@ -316,43 +316,7 @@ def merge(folders, out):
 
 
 # ----------------------------------------------------------------------------------------
-# The command line
-
-def parse_args(argv=None):
-    p = ArgumentParser(description="Run every topic's headline command (README sizes, or "
-                       "tiny ones with --quick) and write the trade-off table from what "
-                       "they print, with the date, machine and commit.",
-                       formatter_class=HelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="tiny sizes: every command runs in seconds (a smoke test of the "
-                   "table's wiring; its figures mean nothing)")
-    # --only is for a reader who changed one topic: rerun its rows, keep the rest marked
-    # "not run" rather than stale (the page never mixes two runs' numbers silently)
-    p.add_argument("--only", default="", help="comma list of run names (--list shows "
-                   "them); their rows fill, the rest say which runs were not run")
-    p.add_argument("--out", default=None,
-                   help=f"the table to write (default: {os.path.relpath(TABLE, ROOT)}; "
-                   f"with --quick: {os.path.relpath(QUICK_TABLE, ROOT)}, so a smoke test "
-                   "never overwrites the measured table)")
-    p.add_argument("--workdir", default=None, help="where the commands run (their out/ "
-                   "is WORKDIR/out); default: out/reproduce, or a temporary folder with "
-                   "--quick (removed afterwards unless --keep)")
-    p.add_argument("--keep", action="store_true", help="keep the --quick workdir")
-    # an hour: the longest full run (quantize.py compare, ~9 min here) with room for a
-    # slower machine; a run past it is killed and its figures are marked missing
-    p.add_argument("--timeout", type=float, default=3600,
-                   help="seconds one command may take")
-    p.add_argument("--jobs", type=int, default=None,
-                   help="runs at a time (default: 1, so that timings are not contended; "
-                   "2 with --quick, whose timings mean nothing)")
-    p.add_argument("--assume", default="", help="comma list of runs whose files are "
-                   "already in WORKDIR/out (copied from another reproduction): not run, and "
-                   "the runs that need them go ahead")
-    p.add_argument("--merge", default="", help="comma list of workdirs: write one table from "
-                   "their figures.json (two reproductions that split the runs) and exit")
-    p.add_argument("--list", action="store_true", help="print the runs and exit")
-    return p.parse_args(argv)
-
+# Choosing the runs, and running them as their needs allow
 
 # --only keeps the README's order and adds what a chosen run reads: `--only spec` runs the
 # demo and the draft model first, as a reader following the README would have.
@@ -432,16 +396,53 @@ def report(run, status, output, seconds, results, count, t0, logs):
         print("    " + "\n    ".join(output.strip().splitlines()[-8:]), flush=True)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.list:
-        # which rows each run feeds: the count of rows whose templates name it
-        for r in RUNS:
-            rows = sum(f"{{{r.name}." in "".join(row) for row in ROWS)
-            print(f"{r.name:<12} {rows:>2} row(s)  {r.command}")
-        return None
-    if args.merge:              # no runs: one table from reproductions already made
-        return merge([d for d in args.merge.split(",") if d], args.out or TABLE)
+# ----------------------------------------------------------------------------------------
+# The command line: every knob once, a row each (flag, default, help; core/cli.py makes
+# the flags, --help and the "did you mean" line from this table)
+
+KNOBS = [
+    knob("--quick", False, "tiny sizes: every command runs in seconds (a smoke test of the "
+         "table's wiring; its figures mean nothing)"),
+    # --only is for a reader who changed one topic: rerun its rows, keep the rest marked
+    # "not run" rather than stale (the page never mixes two runs' numbers silently)
+    knob("--only", "", "comma list of run names (--list shows them); their rows fill, the "
+         "rest say which runs were not run"),
+    knob("--out", None, f"the table to write (default: {os.path.relpath(TABLE, ROOT)}; with "
+         f"--quick: {os.path.relpath(QUICK_TABLE, ROOT)}, so a smoke test never overwrites "
+         "the measured table)"),
+    knob("--workdir", None, "where the commands run (their out/ is WORKDIR/out); default: "
+         "out/reproduce, or a temporary folder with --quick (removed afterwards unless "
+         "--keep)"),
+    knob("--keep", False, "keep the --quick workdir"),
+    # an hour: the longest full run (quantize.py compare, ~9 min here) with room for a
+    # slower machine; a run past it is killed and its figures are marked missing
+    knob("--timeout", 3600, "seconds one command may take", type=float),
+    knob("--jobs", int, "runs at a time (default: 1, so that timings are not contended; 2 "
+         "with --quick, whose timings mean nothing)"),
+    knob("--assume", "", "comma list of runs whose files are already in WORKDIR/out (copied "
+         "from another reproduction): not run, and the runs that need them go ahead"),
+    knob("--merge", "", "comma list of workdirs: write one table from their figures.json "
+         "(two reproductions that split the runs) and exit"),
+    knob("--list", False, "print the runs and exit"),
+]
+
+
+def parse_args(argv=None):
+    return add_knobs(ArgumentParser(
+        description="Run every topic's headline command (README sizes, or tiny ones with "
+        "--quick) and write the trade-off table from what they print, with the date, "
+        "machine and commit.", formatter_class=HelpFormatter), KNOBS).parse_args(argv)
+
+
+def list_runs():
+    """--list: each run, the rows it feeds (the rows whose templates name it), its command."""
+    for r in RUNS:
+        rows = sum(f"{{{r.name}." in "".join(row) for row in ROWS)
+        print(f"{r.name:<12} {rows:>2} row(s)  {r.command}")
+
+
+def reproduce(args):
+    """The runs --only and --assume choose, in --workdir, and the table written after each."""
     runs = chosen_runs(args.only, args.assume)
     assumed = set(run_names(args.assume, "--assume"))
     args.jobs = args.jobs or (2 if args.quick else 1)
@@ -474,8 +475,13 @@ def main(argv=None):
             shutil.rmtree(workdir, ignore_errors=True)
     print(f"wrote {out}: {len(ROWS)} rows, {len(gaps)} with a missing figure "
           f"({fmt_duration(time.perf_counter() - t0)})")
-    # A failed run is a failed reproduction: the table is written (with its gaps marked)
-    # and the exit status says so, so that a script or CI running this notices.
+    check_outcome(demo, results, workdir)
+    return {"results": results, "gaps": gaps, "out": out}
+
+
+def check_outcome(demo, results, workdir):
+    """A failed run is a failed reproduction: the table is written (with its gaps marked)
+    and the exit status says so, so that a script or CI running this notices."""
     if demo.changed_by:
         raise UserError(f"out/ckpt.pt, the demo model every later run reads, changed during "
                         f"{demo.changed_by}: a command wrote over another's model")
@@ -484,7 +490,15 @@ def main(argv=None):
         kept = (f"; their logs: {os.path.join(workdir, 'logs')}" if os.path.isdir(workdir)
                 else " (rerun with --keep to keep their logs)")
         raise UserError(f"{len(failed)} run(s) failed: {', '.join(failed)}{kept}")
-    return {"results": results, "gaps": gaps, "out": out}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.list:
+        return list_runs()
+    if args.merge:              # no runs: one table from reproductions already made
+        return merge([d for d in args.merge.split(",") if d], args.out or TABLE)
+    return reproduce(args)
 
 
 if __name__ == "__main__":

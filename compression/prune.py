@@ -24,12 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compression import calibrated
-from compression.qat import finetune
+from compression.qat import finetune_as_flagged
 from core import quant_format as Q
 from core.cli import fmt_bytes
 from core.errors import UserError
 from core.runtime import print0
-
 
 
 class MaskedLinear(nn.Module):
@@ -189,16 +188,13 @@ def cmd_prune(args, base, corpus, ev, table, int_mm_rows):
     table.add(ev.row(model, name, fmt, time.perf_counter() - t0, passes))
     if args.finetune_steps:
         t0 = time.perf_counter()
-        seq = min(base.config.block_size, args.seq_len)
-        finetune(model, corpus, args.finetune_steps, args.lr, args.batch_size, seq, args.seed + 3)
+        finetune_as_flagged(model, corpus, args.finetune_steps, args)
         table.add(ev.row(model, f"{name} + {args.finetune_steps} steps", fmt,
                          time.perf_counter() - t0, passes))
     print0("sparsity after pruning" + (" and fine-tuning:" if args.finetune_steps else ":"))
     for line in sparsity_report(model, args.pattern):
         print0(line)
     return model
-
-
 
 
 def compare_rows(base, corpus, ev, calib, args):
@@ -213,9 +209,8 @@ def compare_rows(base, corpus, ev, calib, args):
             passes = prune_model(model, calib, 0.5, pattern, criterion, schedule)
             yield ev.row(model, method_name(criterion, schedule), f"{pattern} 50%",
                          time.perf_counter() - t0, passes)
-    seq = min(base.config.block_size, args.seq_len)
     t0 = time.perf_counter()
-    finetune(model, corpus, args.qat_steps, args.lr, args.batch_size, seq, args.seed + 3)
+    finetune_as_flagged(model, corpus, args.qat_steps, args)
     yield ev.row(model, f"{method_name('wanda', schedule)} + {args.qat_steps} steps", "2:4 50%",
                  time.perf_counter() - t0, passes)
 

@@ -122,8 +122,7 @@ def qat_run(base, corpus, bits, group_size, lsq, args, steps):
     """QAT from the fp32 weights for `steps` steps, exported to the stored format."""
     model = Q.swap_linears(copy.deepcopy(base),
                          lambda lin: QATLinear(lin.weight, bits, group_size, lsq))
-    seq = min(base.config.block_size, args.seq_len)
-    finetune(model, corpus, steps, args.lr, args.batch_size, seq, args.seed + 3)
+    finetune_as_flagged(model, corpus, steps, args)
     return export_qat(model)
 
 
@@ -133,8 +132,7 @@ def qat_rows(base, corpus, ev, bits_list, quantizers, args, steps):
     Yields (ledger row, model)."""
     t0 = time.perf_counter()
     tuned = copy.deepcopy(base)
-    seq = min(base.config.block_size, args.seq_len)
-    finetune(tuned, corpus, steps, args.lr, args.batch_size, seq, args.seed + 3)
+    finetune_as_flagged(tuned, corpus, steps, args)
     yield ev.row(tuned, f"fp32 + {steps} steps", "fp32", time.perf_counter() - t0), tuned
     for bits in bits_list:
         g = Q.default_group(bits, args.group_size)
@@ -154,8 +152,6 @@ def cmd_qat(args, base, corpus, ev, table, int_mm_rows):
     for row, model in qat_rows(base, corpus, ev, [args.bits], [args.lsq], args, args.steps):
         table.add(row)
     return model                        # the last one: the QAT model
-
-
 
 
 def finetune(model, corpus, steps, lr, batch_size, seq_len, seed):
@@ -178,6 +174,14 @@ def finetune(model, corpus, steps, lr, batch_size, seq_len, seed):
         opt.step()
     model.eval()
     return loss.item()
+
+
+def finetune_as_flagged(model, corpus, steps, args):
+    """finetune at the command line's --lr and batch shape (--seq-len capped at the model's
+    context), on seed + 3: calibration draws seed + 2 and validation seed + 1, so the
+    fine-tuning never sees the tokens a method is calibrated or measured on."""
+    seq = min(model.config.block_size, args.seq_len)
+    return finetune(model, corpus, steps, args.lr, args.batch_size, seq, args.seed + 3)
 
 
 if __name__ == "__main__":
