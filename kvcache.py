@@ -55,7 +55,7 @@ import torch
 
 from core.checkpoint import load_model
 from model import ATTENTION_FUNCTIONS, GPT, get_config
-from core.cli import ArgumentParser, HelpFormatter
+from core.cli import ArgumentParser, HelpFormatter, add_knobs, knob
 from core.errors import UserError
 from core.runtime import run_cli
 
@@ -206,6 +206,15 @@ class BlockAllocator:
         self.hash_of[block], self.tokens_of[block] = h, tuple(tokens)
 
     # -- per-sequence helpers: a block table is a plain list of block ids ---------------
+    def _reusable_blocks(self, tokens, hashes):
+        """How many leading full blocks of `tokens` a cache hit may cover, with their chain
+        hashes in `hashes` (extended as needed): the last token is always left out."""
+        # (len - 1) // bs, not len // bs: 12 tokens in blocks of 4 reuse 2 blocks, not 3
+        # (tests/test_kvcache.py, test_prefix_match_leaves_the_last_token_to_compute)
+        n = (len(tokens) - 1) // self.block_size
+        extend_hash_chain(hashes, tokens, n, self.block_size)
+        return n
+
     def match_prefix(self, tokens, hashes):
         """Cached blocks covering the longest prefix of `tokens` made of full blocks, with
         at least the last token left out: its logits are needed to sample the next token,
@@ -215,11 +224,7 @@ class BlockAllocator:
         if not self.prefix_caching:
             return []
         bs, found = self.block_size, []
-        # (len - 1) // bs, not len // bs: 12 tokens in blocks of 4 reuse 2 blocks, not 3
-        # (tests/test_kvcache.py, test_prefix_match_leaves_the_last_token_to_compute)
-        n = (len(tokens) - 1) // bs
-        extend_hash_chain(hashes, tokens, n, bs)
-        for i in range(n):
+        for i in range(self._reusable_blocks(tokens, hashes)):
             block = self.lookup(hashes[i], tokens[i * bs:(i + 1) * bs])
             # The first miss ends the match: the cached part of a table must be a prefix,
             # since the prefill then starts at position len(found)·bs and runs to the end.
@@ -235,9 +240,7 @@ class BlockAllocator:
         if self.tier is None:
             return []
         bs, found = self.block_size, []
-        n = (len(tokens) - 1) // bs
-        extend_hash_chain(hashes, tokens, n, bs)
-        for i in range(start, n):
+        for i in range(start, self._reusable_blocks(tokens, hashes)):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             if not self.tier.lookup(hashes[i], chunk):
                 break
@@ -439,6 +442,12 @@ def dequantize_int8(codes, scale, dtype=torch.float32):
 # ----------------------------------------------------------------------------------------
 # The pool and paged attention
 
+def payload_bytes(payload):
+    """Bytes of a KV payload (what moving it costs): for n tokens, 2·L·H_kv·D·bytes·n,
+    plus 2·L·H_kv·4·n of scales when int8."""
+    return sum(t.numel() * t.element_size() for t in payload.values())
+
+
 @dataclasses.dataclass(frozen=True)
 class Int8Pool:
     """One layer's int8 keys (or values) as `update` hands them to `attention`: the codes
@@ -555,7 +564,6 @@ class PagedKVCache:
             blocks = t.view(n_layer, heads, self.num_blocks, self.block_size, width)
             x = x.to(self.device).reshape(n_layer, heads, len(ids), self.block_size, width)
             blocks.index_copy_(2, ids, x)
-
 
     def _slots(self, tables, positions):
         """slot = table[p // bs] · bs + p % bs, for (S, max_blocks) tables and (S, N)
@@ -677,13 +685,6 @@ class PagedKVCache:
                 out = q.new_empty(1, H, q.shape[2], og.shape[-1])
             out[0].index_copy_(1, group.dest, og)
         return out
-
-
-
-def payload_bytes(payload):
-    """Bytes of a KV payload (what moving it costs): for n tokens, 2·L·H_kv·D·bytes·n,
-    plus 2·L·H_kv·4·n of scales when int8."""
-    return sum(t.numel() * t.element_size() for t in payload.values())
 
 
 def paged_attention_blockwise(q, k_pool, v_pool, table, context_len, block_size):
@@ -864,35 +865,19 @@ def gather_cost(cfg, bs):
     return ratio
 
 
-def main(argv=None):
-    p = ArgumentParser(description="The paged KV cache, measured: paged vs dense "
-                                   "logits, int8 error, bytes per token, fragmentation, "
-                                   "prefix sharing, the cost of the gather.",
-                       formatter_class=HelpFormatter)
-    p.add_argument("--checkpoint", default="out/ckpt.pt",
-                   help="trained model (python train.py); a random tiny model if missing")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--chunk", type=int, default=48, help="prefill chunk (tokens)")
-    p.add_argument("--num-seqs", type=int, default=4, help="ragged sequences in the check")
-    p.add_argument("--seed", type=int, default=0, help="lengths, tokens, tiny model")
-    args = p.parse_args(argv)
-    if args.block_size < 1 or args.chunk < 1 or args.num_seqs < 1:
-        raise UserError("--block-size, --chunk and --num-seqs must be >= 1")
-    # one thread: the paged/dense time ratio is then a per-core figure, steadier on a
-    # shared machine than one that depends on how many cores were idle
-    torch.set_num_threads(1)
+def demo_model(args):
+    """The trained checkpoint when there is one, else a random `tiny` GPT (seeded)."""
     if os.path.exists(args.checkpoint):
         model, _ = load_model(args.checkpoint)
         print(f"model: {args.checkpoint}")
     else:
         model = GPT(get_config("tiny"), seed=args.seed)
         print(f"model: random tiny ({args.checkpoint} not found; `python train.py` writes it)")
-    model.eval()
-    cfg, bs, rng = model.config, args.block_size, random.Random(args.seed)
-    kv_bytes = check_paged_vs_dense(model, args, rng)
-    waste = fragmentation(cfg, bs, rng)
-    shared = prefix_sharing(cfg, bs, rng)
-    gather = gather_cost(cfg, bs)
+    return model.eval()
+
+
+def print_ledger(waste, shared, kv_bytes, gather):
+    """The three techniques' ledger rows: what each saves, adds and sacrifices."""
     print("\nledger rows:")
     print(f"  paged KV | waste < 1 block/seq vs {waste:.0%} for max-length reservation | "
           f"block tables, gather copy ({gather:.1f}x attention time here) | none (exact)")
@@ -900,6 +885,43 @@ def main(argv=None):
           f"prefill skipped | hashing, refcounts | dead blocks linger until LRU-evicted")
     print(f"  int8 KV | {kv_bytes['float32'] / kv_bytes['int8']:.1f}x less KV than fp32 | "
           f"quantize on write, dequantize on read | small logit error (above)")
+
+
+# ----------------------------------------------------------------------------------------
+# The command line: every knob once, a row each (flag, default, help; core/cli.py makes
+# the flags, --help and the "did you mean" line from this table)
+
+KNOBS = [
+    knob("--checkpoint", "out/ckpt.pt", "trained model (python train.py); a random tiny "
+         "model if missing"),
+    knob("--block-size", 16, "tokens per KV block"),
+    knob("--chunk", 48, "prefill chunk (tokens)"),
+    knob("--num-seqs", 4, "ragged sequences in the check"),
+    knob("--seed", 0, "lengths, tokens, tiny model"),
+]
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(description="The paged KV cache, measured: paged vs dense logits, int8 "
+                                   "error, bytes per token, fragmentation, prefix sharing, "
+                                   "the cost of the gather.", formatter_class=HelpFormatter)
+    args = add_knobs(p, KNOBS).parse_args(argv)
+    if args.block_size < 1 or args.chunk < 1 or args.num_seqs < 1:
+        raise UserError("--block-size, --chunk and --num-seqs must be >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # one thread: the paged/dense time ratio is then a per-core figure, steadier on a
+    # shared machine than one that depends on how many cores were idle
+    torch.set_num_threads(1)
+    model = demo_model(args)
+    cfg, bs, rng = model.config, args.block_size, random.Random(args.seed)
+    kv_bytes = check_paged_vs_dense(model, args, rng)
+    waste = fragmentation(cfg, bs, rng)
+    shared = prefix_sharing(cfg, bs, rng)
+    print_ledger(waste, shared, kv_bytes, gather_cost(cfg, bs))
 
 
 if __name__ == "__main__":

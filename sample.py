@@ -26,7 +26,7 @@ import torch
 
 from core import data
 from core.checkpoint import load_model
-from core.cli import ArgumentParser, HelpFormatter
+from core.cli import ArgumentParser, HelpFormatter, add_knobs, knob
 from core.errors import UserError
 from core.runtime import pick_device, run_cli
 
@@ -97,36 +97,35 @@ def prompts_from_stdin():
             yield line
 
 
-def parse_args(argv=None):
-    p = ArgumentParser(prog="sample.py", formatter_class=HelpFormatter,
-                                description="Sample completions from a checkpoint: one "
-                                            "--prompt, or a prompt loop on standard input.")
-    p.add_argument("--checkpoint", default="out/ckpt.pt",
-                   help="a checkpoint file or a Hugging Face Llama folder")
-    p.add_argument("--prompt", default=None,
-                   help="one prompt, then exit; when not given: read prompts from stdin")
-    p.add_argument("--num-samples", type=int, default=1, help="completions per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=200,
-                   help="tokens per completion (fewer if the context ends first)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=50, help="0 = no top-k cut")
-    p.add_argument("--top-p", type=float, default=None,
-                   help="nucleus sampling mass in (0, 1]; when not given: no nucleus cut")
-    p.add_argument("--seed", type=int, default=0, help="sample i of a prompt uses seed + i")
-    p.add_argument("--echo", action=argparse.BooleanOptionalAction, default=True,
-                   help="print the prompt before its completion (--no-echo: the completion "
-                        "alone, e.g. to pipe it on)")
-    p.add_argument("--no-stop", dest="stop_at_eot", action="store_false",
-                   help="keep going past the end-of-text token (when not given: stop there)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU threads: decoding a small model is one small matmul after "
-                        "another, so more threads mostly add synchronisation (measured: 200 "
-                        "tokens of `small` in 1.5 s on 1 thread, 18 s on 2 busy cores)")
-    # The defaults match train.py's end-of-run sample (temperature 0.8, top-k 50), so the
-    # completions look like the one a training run prints (not the same text: train.py
-    # samples with its own --seed, 1337 by default).
-    args = p.parse_args(argv)
+# ----------------------------------------------------------------------------------------
+# The command line: every knob once, a row each (flag, default, help; core/cli.py makes
+# the flags, --help and the "did you mean" line from this table)
+
+# The defaults match train.py's end-of-run sample (temperature 0.8, top-k 50), so the
+# completions look like the one a training run prints (not the same text: train.py
+# samples with its own --seed, 1337 by default).
+KNOBS = [
+    knob("--checkpoint", "out/ckpt.pt", "a checkpoint file or a Hugging Face Llama folder"),
+    knob("--prompt", None, "one prompt, then exit; when not given: read prompts from stdin"),
+    knob("--num-samples", 1, "completions per prompt"),
+    knob("--max-new-tokens", 200, "tokens per completion (fewer if the context ends first)"),
+    knob("--temperature", 0.8, "0 = greedy"),
+    knob("--top-k", 50, "0 = no top-k cut"),
+    knob("--top-p", float, "nucleus sampling mass in (0, 1]; when not given: no nucleus cut"),
+    knob("--seed", 0, "sample i of a prompt uses seed + i"),
+    knob("--echo", True, "print the prompt before its completion (--no-echo: the completion "
+         "alone, e.g. to pipe it on)", action=argparse.BooleanOptionalAction),
+    knob("--no-stop", True, "keep going past the end-of-text token (when not given: stop "
+         "there)", dest="stop_at_eot", action="store_false"),
+    knob("--device", "auto", "auto, cpu or cuda"),
+    knob("--threads", 1, "CPU threads: decoding a small model is one small matmul after "
+         "another, so more threads mostly add synchronisation (measured: 200 tokens of "
+         "`small` in 1.5 s on 1 thread, 18 s on 2 busy cores)"),
+]
+
+
+def check_args(args):
+    """The counts that must be >= 1 and the sampling knobs' ranges, one line each."""
     if args.num_samples < 1 or args.max_new_tokens < 1 or args.threads < 1:
         raise UserError("--num-samples, --max-new-tokens and --threads must be at least 1")
     # A negative T would flip the distribution (the least likely token first).
@@ -138,6 +137,13 @@ def parse_args(argv=None):
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
     return args
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(prog="sample.py", formatter_class=HelpFormatter,
+                       description="Sample completions from a checkpoint: one --prompt, or a "
+                                   "prompt loop on standard input.")
+    return check_args(add_knobs(p, KNOBS).parse_args(argv))
 
 
 def main(argv=None):

@@ -39,7 +39,7 @@ from core import data
 from core.checkpoint import load_model
 from core.files import load_checkpoint
 from model import Block, KVCache, RMSNorm
-from core.cli import ArgumentParser, fmt_bytes, fmt_duration, require_at_least_one
+from core.cli import command_line, fmt_bytes, fmt_duration, knob, require_at_least_one
 from core.errors import UserError
 from core.recipe import warmup_cosine
 from core.runtime import print0, Progress, run_cli
@@ -422,6 +422,14 @@ class Drafter:
         """Row b is finished: forget this step's entries (root included)."""
         self.cache.lens[b] = self.base[b]
 
+    def pending(self):
+        """Each row's committed tokens, root included, that the drafter's cache lacks."""
+        return [s[n:] for s, n in zip(self.seqs, self.cache.lens.tolist())]
+
+    def node_positions(self, tree, lo, hi):
+        """RoPE positions of tree nodes lo..hi-1: root slot + depth, as the target's."""
+        return self.base[:, None] + torch.tensor(tree.depth[lo:hi], device=self.base.device)
+
 
 class ModelDrafter(Drafter):
     """A small GPT with its own RaggedCache (draft, tree); tree passes as the target's."""
@@ -436,8 +444,7 @@ class ModelDrafter(Drafter):
         self.cache = RaggedCache(self.model.config, len(seqs), cap, w.device, w.dtype)
 
     def start(self, roots, depth):             # pending: committed tokens not seen yet
-        lens = self.cache.lens.tolist()
-        logits, _, n = feed(self.model, self.cache, [s[l:] for s, l in zip(self.seqs, lens)])
+        logits, _, n = feed(self.model, self.cache, self.pending())
         # base: the root's slot (the last token fed); fed = 1: of the tree, only node 0 is
         # in the cache so far. Each row's last real token's logits = the root's children.
         self.base, self.fed, self.calls = self.cache.lens - 1, 1, self.calls + 1
@@ -446,7 +453,7 @@ class ModelDrafter(Drafter):
     def extend(self, tree, lo, hi):
         # levels are appended in node order, so node i sits at slot base + i and the mask's
         # new-entry columns are nodes 0..hi-1; positions: base + depth, as the target's
-        pos = self.base[:, None] + torch.tensor(tree.depth[lo:hi], device=self.base.device)
+        pos = self.node_positions(tree, lo, hi)
         logits, _ = self.model(tree.tokens[:, lo:hi], positions=pos, cache=self.cache,
                                mask=attend_mask(self.base, tree.vis[:, lo:hi, :hi]))
         self.fed, self.calls = hi, self.calls + 1
@@ -570,7 +577,7 @@ class FeatureDrafter(nn.Module, Drafter):
 
     def start(self, roots, depth):
         lens = self.cache.lens.clone()          # entries lens.. up to the root's
-        toks, n, vis = pad_rows([s[l:] for s, l in zip(self.seqs, lens.tolist())], lens.device)
+        toks, n, vis = pad_rows(self.pending(), lens.device)
         # pending entries, the cache's end through the root, each with the TRUE feature
         pos = lens[:, None] + torch.arange(toks.shape[1], device=lens.device)
         out = self.body(self.inputs(rows_at(self.feats, pos), toks), pos,  # feats[k] = f_k-1
@@ -582,7 +589,7 @@ class FeatureDrafter(nn.Module, Drafter):
         return self.logits(self.node_out)
 
     def extend(self, tree, lo, hi):
-        pos = self.base[:, None] + torch.tensor(tree.depth[lo:hi], device=self.base.device)
+        pos = self.node_positions(tree, lo, hi)
         # entry = (the parent's drafter output, the node's token): predicted features chain
         # down the tree; node_out grows in node order, so parent ids index it directly
         out = self.body(self.inputs(rows_at(self.node_out, tree.parents[:, lo:hi]),
@@ -838,37 +845,39 @@ def print_ledger(rows, title):
                f"{r.get('same', '')}")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    target, ckpt = load_model(args.ckpt)
-    # frozen: drafter training backpropagates through the borrowed LM head but builds no
-    # gradient for the target's own weights
-    target.eval().requires_grad_(False)
-    enc = data.encoding_from_state(ckpt["tokenizer"])
-    methods = args.methods.split(",") if args.mode == "bench" else [args.method]
-    drafters = build_drafters(methods, target, args, ckpt)
-    width = lambda m: args.width or DEFAULT_WIDTH.get(m, 1)
-    # fp32 bytes of the drafters' own parameters, each tensor once (by id); the draft model
-    # through .model; the target's borrowed head and embedding are not theirs (a tuple)
-    size = sum({id(p): 4 * p.numel() for d in drafters.values()
+def width_of(args, method):
+    """--width, else the method's default: DEFAULT_WIDTH's, or 1 (a chain)."""
+    return args.width or DEFAULT_WIDTH.get(method, 1)
+
+
+def drafter_bytes(drafters):
+    """fp32 bytes of the drafters' own parameters, each tensor once (by id): the draft model
+    through .model; the target's borrowed head and embedding are not theirs (a tuple)."""
+    return sum({id(p): 4 * p.numel() for d in drafters.values()
                 for p in getattr(d, "model", d).parameters()}.values())
-    print0(f"target: {target.num_params():,} params | drafters: {fmt_bytes(size)} | "
-           f"{args.threads} thread(s); timings: wall clock on a shared CPU")
+
+
+def prompts_and_grid(args, enc, target, ckpt):
+    """-> (prompts, temperatures, batch sizes): generate decodes --batch-size copies of
+    --prompt at --temperature; bench decodes windows of held-out text as prompts."""
     if args.mode == "generate":
         prompts = [enc.encode_ordinary(args.prompt)] * args.batch_size
-        temps, batches = [args.temperature], [args.batch_size]
-    else:                                       # windows of held-out text as prompts
-        corpus = corpus_of(target, ckpt)
-        starts = np.random.default_rng(args.seed).integers(
-            0, len(corpus.val) - args.prompt_len, args.bench_prompts)
-        prompts = [corpus.val[s:s + args.prompt_len].astype(np.int64).tolist() for s in starts]
-        # B = 1: each prompt decoded alone; B = all: one batch, rows accepting differently
-        temps, batches = [float(t) for t in args.bench_temps.split(",")], [1, len(prompts)]
-    for m in [None] + methods:                  # warm-up: first calls allocate and dispatch
-        run_method(target, drafters.get(m), [prompts[:1]], args, 0.0, args.gamma, width(m))
+        return prompts, [args.temperature], [args.batch_size]
+    corpus = corpus_of(target, ckpt)
+    starts = np.random.default_rng(args.seed).integers(
+        0, len(corpus.val) - args.prompt_len, args.bench_prompts)
+    prompts = [corpus.val[s:s + args.prompt_len].astype(np.int64).tolist() for s in starts]
+    # B = 1: each prompt decoded alone; B = all: one batch, rows accepting differently
+    return prompts, [float(t) for t in args.bench_temps.split(",")], [1, len(prompts)]
+
+
+def measure_grid(target, entries, prompts, temps, batches, args, enc):
+    """Every (T, B) of the grid: a table of plain decoding and every entry (compared).
+    generate also prints each method's text. -> the rows of all tables."""
+    # warm-up: first calls allocate and dispatch (plain decoding first, as in the tables)
+    for _, drafter, gamma, width in [(None, None, args.gamma, 1)] + entries:
+        run_method(target, drafter, [prompts[:1]], args, 0.0, gamma, width)
     rows = []
-    entries = [(m, drafters[m], args.gamma, width(m)) for m in methods]
     # bench: one progress line per (T, B) configuration, each a table of every method
     progress = Progress("spec bench", len(temps) * len(batches), every=0)
     for t_i, T in enumerate(temps):
@@ -881,54 +890,68 @@ def main(argv=None):
             for row in table[1:] if args.mode == "generate" else ():
                 print0(f"--- {row['method']}, T={T:g}: "
                        f"{enc.decode(prompts[0] + row['outs'][0])!r}")
-    cmd = " ".join(["python spec_decode.py"] + (argv if argv is not None else sys.argv[1:]))
-    print_ledger(rows, f"ledger ({cmd}); speedup = plain time / method time = method tok/s "
-                       f"/ the plain row's above it, each the best of {args.repeats} "
-                       f"alternated runs:")
-    sweep = [m for m in ("draft", "eagle", "dflash") if m in methods and args.mode == "bench"]
-    if sweep and args.sweep:                    # drafting cost vs γ: sequential vs one block
-        gammas = [int(g) for g in args.sweep.split(",")]
-        print_ledger(compared(target, [(m, drafters[m], g, 1) for g in gammas for m in sweep],
-                              [prompts[:1]], args, 0.0),
-                     "drafting cost vs γ (T=0, B=1, prompt 0): the draft model and EAGLE pay "
-                     "one pass per draft token, DFlash one pass per step")
     return rows
 
 
+def drafting_cost_sweep(target, drafters, methods, prompts, args):
+    """bench: drafting cost vs γ, sequential drafters (draft, EAGLE) vs one block (DFlash)."""
+    sweep = [m for m in ("draft", "eagle", "dflash") if m in methods and args.mode == "bench"]
+    if not (sweep and args.sweep):
+        return
+    gammas = [int(g) for g in args.sweep.split(",")]
+    print_ledger(compared(target, [(m, drafters[m], g, 1) for g in gammas for m in sweep],
+                          [prompts[:1]], args, 0.0),
+                 "drafting cost vs γ (T=0, B=1, prompt 0): the draft model and EAGLE pay "
+                 "one pass per draft token, DFlash one pass per step")
+
+
+# -- The command line: every knob once, a row each (flag, default, help; core/cli.py makes
+# the flags, --help and the "did you mean" line from these tables) -------------------------
+
+DECODING_KNOBS = [
+    knob("mode", "generate", "generate: one --method; bench: plain decoding and every "
+         "--methods", nargs="?", choices=["generate", "bench"]),
+    knob("--method", "medusa", "generate: drafter", choices=METHODS),
+    knob("--methods", ",".join(METHODS), "bench: methods to run"),
+    knob("--gamma", 4, "draft tokens per step (tree depth)"),
+    knob("--width", 0, f"tree width, 0 = {DEFAULT_WIDTH} else 1"),
+    knob("--temperature", 0.0, "0 = greedy"),
+    knob("--prompt", "def ", "generate: the prompt"),
+    knob("--max-new-tokens", 64, "new tokens per prompt"),
+    knob("--batch-size", 1, "generate: copies of the prompt"),
+    knob("--seed", 0, "sampling and prompt seed"),
+]
+
+MODEL_KNOBS = [
+    knob("--checkpoint --ckpt", "out/ckpt.pt", "the target (train.py; --ckpt: the old name)",
+         dest="ckpt"),
+    knob("--draft-checkpoint --draft-ckpt", "out/draft.pt", "draft model (--preset draft; "
+         "--draft-ckpt: the old name)", dest="draft_ckpt"),
+    knob("--out-dir", os.path.join("out", "spec_decode"), "where trained drafters are cached"),
+    knob("--heads", 4, "Medusa heads (max gamma)"),
+    knob("--dflash-block", 5, "DFlash block (max gamma + 1)"),
+    knob("--drafter-layers", 1, "MTP/EAGLE/DFlash blocks"),
+    knob("--train-steps", 400, f"drafter training, {TRAIN}"),
+]
+
+BENCH_KNOBS = [
+    knob("--bench-prompts", 4, "prompts (the batch of B>1)"),
+    knob("--prompt-len", 32, "bench: tokens per prompt"),
+    knob("--bench-temps", "0,1", "bench: temperatures"),
+    knob("--sweep", "1,2,4", "bench: gammas of the drafting-cost sweep"),
+    knob("--repeats", 3, "timed runs per row (best kept)"),
+    knob("--threads", 1, "torch CPU threads (steadier timing)"),
+]
+
+# None: the parser's own "options" heading, as argparse lists flags outside any group
+KNOBS = {None: DECODING_KNOBS, "models and drafters": MODEL_KNOBS,
+         "bench and run": BENCH_KNOBS}
+
+
 def parse_args(argv=None):
-    p = ArgumentParser(description="Speculative decoding: six drafters, one exact "
-                                "verifier, a ledger.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("mode", nargs="?", default="generate", choices=["generate", "bench"],
-                   help="generate: one --method; bench: plain decoding and every --methods")
-    p.add_argument("--method", default="medusa", choices=METHODS, help="generate: drafter")
-    p.add_argument("--methods", default=",".join(METHODS), help="bench: methods to run")
-    p.add_argument("--gamma", type=int, default=4, help="draft tokens per step (tree depth)")
-    p.add_argument("--width", type=int, default=0, help=f"tree width, 0 = {DEFAULT_WIDTH} else 1")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--prompt", default="def ", help="generate: the prompt")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt")
-    p.add_argument("--batch-size", type=int, default=1, help="generate: copies of the prompt")
-    p.add_argument("--seed", type=int, default=0, help="sampling and prompt seed")
-    g = p.add_argument_group("models and drafters")
-    g.add_argument("--checkpoint", "--ckpt", dest="ckpt", default="out/ckpt.pt",
-                   help="the target (train.py; --ckpt: the old name)")
-    g.add_argument("--draft-checkpoint", "--draft-ckpt", dest="draft_ckpt",
-                   default="out/draft.pt",
-                   help="draft model (--preset draft; --draft-ckpt: the old name)")
-    g.add_argument("--out-dir", default=os.path.join("out", "spec_decode"),
-                   help="where trained drafters are cached")
-    g.add_argument("--heads", type=int, default=4, help="Medusa heads (max gamma)")
-    g.add_argument("--dflash-block", type=int, default=5, help="DFlash block (max gamma + 1)")
-    g.add_argument("--drafter-layers", type=int, default=1, help="MTP/EAGLE/DFlash blocks")
-    g.add_argument("--train-steps", type=int, default=400, help=f"drafter training, {TRAIN}")
-    g = p.add_argument_group("bench and run")
-    g.add_argument("--bench-prompts", type=int, default=4, help="prompts (the batch of B>1)")
-    g.add_argument("--prompt-len", type=int, default=32, help="bench: tokens per prompt")
-    g.add_argument("--bench-temps", default="0,1", help="bench: temperatures")
-    g.add_argument("--sweep", default="1,2,4", help="bench: gammas of the drafting-cost sweep")
-    g.add_argument("--repeats", type=int, default=3, help="timed runs per row (best kept)")
-    g.add_argument("--threads", type=int, default=1, help="torch CPU threads (steadier timing)")
+    # argparse's own formatter: "(default: X)" on every flag, the "0 = ..." helps included
+    p = command_line("Speculative decoding: six drafters, one exact verifier, a ledger.",
+                     KNOBS, formatter=argparse.ArgumentDefaultsHelpFormatter)
     args = p.parse_args(argv)
     require_at_least_one(args, ("gamma", "max_new_tokens", "batch_size", "heads",
                                 "train_steps", "repeats", "bench_prompts", "prompt_len",
@@ -936,6 +959,30 @@ def parse_args(argv=None):
     if args.width < 0 or args.dflash_block < 2 or args.temperature < 0:
         raise UserError("--width must be >= 0, --dflash-block >= 2, --temperature >= 0")
     return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target, ckpt = load_model(args.ckpt)
+    # frozen: drafter training backpropagates through the borrowed LM head but builds no
+    # gradient for the target's own weights
+    target.eval().requires_grad_(False)
+    enc = data.encoding_from_state(ckpt["tokenizer"])
+    methods = args.methods.split(",") if args.mode == "bench" else [args.method]
+    drafters = build_drafters(methods, target, args, ckpt)
+    print0(f"target: {target.num_params():,} params | drafters: "
+           f"{fmt_bytes(drafter_bytes(drafters))} | {args.threads} thread(s); timings: wall "
+           f"clock on a shared CPU")
+    prompts, temps, batches = prompts_and_grid(args, enc, target, ckpt)
+    entries = [(m, drafters[m], args.gamma, width_of(args, m)) for m in methods]
+    rows = measure_grid(target, entries, prompts, temps, batches, args, enc)
+    cmd = " ".join(["python spec_decode.py"] + (argv if argv is not None else sys.argv[1:]))
+    print_ledger(rows, f"ledger ({cmd}); speedup = plain time / method time = method tok/s "
+                       f"/ the plain row's above it, each the best of {args.repeats} "
+                       f"alternated runs:")
+    drafting_cost_sweep(target, drafters, methods, prompts, args)
+    return rows
 
 
 if __name__ == "__main__":

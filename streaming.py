@@ -65,7 +65,7 @@ from core import data
 from core import plots
 from core.checkpoint import load_model
 from model import GPT, KVCache, PRESETS, apply_rope, get_config, repeat_kv, rope_table, sample_next
-from core.cli import ArgumentParser, fmt_bytes, HelpFormatter
+from core.cli import ArgumentParser, HelpFormatter, add_knobs, fmt_bytes, knob
 from core.errors import UserError
 from core.files import atomic_save
 from core.recipe import warmup_cosine
@@ -206,6 +206,13 @@ class SinkWindowCache:
 # ----------------------------------------------------------------------------------------
 # The streaming loops
 
+def cache_for(model, sinks, window):
+    """A SinkWindowCache for one stream through `model`, in the model's device and dtype
+    (the K/V the layers hand it are in that dtype)."""
+    w = model.output.weight
+    return SinkWindowCache(model.config, sinks, window, device=w.device, dtype=w.dtype)
+
+
 def feed(model, cache, ids, chunk=1, prefill=True):
     """Run ids (B, n) through the cache: with `prefill`, the first forward fills it (up to
     capacity tokens, nothing evicted: an ordinary causal prefill); then `chunk` tokens per
@@ -242,9 +249,7 @@ def stream_losses(model, tokens, sinks, window, chunk=1):
     """Next-token loss at every position of a 1-D token stream, fed through a
     SinkWindowCache. -> (losses (n-1,), stats: the largest cache, bytes, re-rotations)."""
     device = model.output.weight.device
-    # the cache in the model's device and dtype (the K/V it receives are in that dtype)
-    cache = SinkWindowCache(model.config, sinks, window, device=device,
-                            dtype=model.output.weight.dtype)
+    cache = cache_for(model, sinks, window)
     tokens = tokens.to(device)
     losses = []
     peak = 0
@@ -310,8 +315,7 @@ def stream_generate(model, prompt_ids, max_new_tokens, sinks, window, temperatur
     if not prompt_ids:
         raise UserError("stream_generate needs a prompt of at least one token")
     device = model.output.weight.device
-    cache = SinkWindowCache(model.config, sinks, window, device=device,
-                            dtype=model.output.weight.dtype)
+    cache = cache_for(model, sinks, window)
     # a generator of its own: the samples depend on `seed` only, not on the global RNG
     gen = torch.Generator(device=device).manual_seed(seed)
     # the prompt: a prefill of up to capacity tokens, then one token per forward (chunk 1);
@@ -458,7 +462,7 @@ def fresh_model(args):
         print(f"no checkpoint: the fresh model of an earlier run, {path}")
         return model.eval(), corpus, ckpt["what"]
     t0 = time.perf_counter()
-    bos = corpus.enc.encode_single_token(data.EOT) if args.bos else None
+    bos = bos_token(corpus, args)
     model, loss = train_fresh(cfg, corpus, args.train_steps, args.seed, bos=bos)
     what = (f"fresh {args.preset} model, random init (--train-steps 0)" if not args.train_steps
             else f"fresh {args.preset} model trained {args.train_steps} steps here "
@@ -469,6 +473,12 @@ def fresh_model(args):
                  "tokenizer": data.encoding_to_state(corpus.enc), "args": {"data": args.data}},
                 path)
     return model.to(args.device), corpus, what
+
+
+def bos_token(corpus, args):
+    """The dedicated sink token with --bos (<|endoftext|>, the one the fresh model saw first
+    in every training row), else None."""
+    return corpus.enc.encode_single_token(data.EOT) if args.bos else None
 
 
 def stream_tokens(corpus, n, offset, bos=None):
@@ -568,16 +578,20 @@ def plot(losses, args, capacity):
 # ----------------------------------------------------------------------------------------
 # Modes
 
+def window_of(args, cfg):
+    """--window, or when not given block_size - sinks: capacity = the model's whole context."""
+    return args.window if args.window is not None else cfg.block_size - args.sinks
+
+
 def run_measure(args):
     model, corpus, what = load_or_train(args)
     cfg = model.config
-    # default window: block_size - sinks, i.e. capacity = the model's whole context
-    window = args.window if args.window is not None else cfg.block_size - args.sinks
+    window = window_of(args, cfg)
     check_policy(cfg, args.sinks, window)
     if args.chunk > window:                        # before any run, not after the first
         raise UserError(f"--chunk must be in 1..window={window}, got {args.chunk}")
     capacity = args.sinks + window
-    bos = corpus.enc.encode_single_token(data.EOT) if args.bos else None
+    bos = bos_token(corpus, args)
     tokens = stream_tokens(corpus, args.tokens, args.offset, bos)
     print(f"model: {what} (block_size {cfg.block_size}); stream: {args.tokens} val tokens "
           f"= {args.tokens / cfg.block_size:.1f}x the context; every policy attends to "
@@ -629,12 +643,12 @@ def run_measure(args):
 
 def run_generate(args):
     model, corpus, what = load_or_train(args)
-    window = args.window if args.window is not None else model.config.block_size - args.sinks
+    window = window_of(args, model.config)
     # encode_ordinary: the user's text never produces special tokens; with --bos the one
     # sink token the fresh model was trained with goes first, by hand
     prompt = corpus.enc.encode_ordinary(args.prompt)
     if args.bos:
-        prompt = [corpus.enc.encode_single_token(data.EOT)] + prompt
+        prompt = [bos_token(corpus, args)] + prompt
     new, cache = stream_generate(model, prompt, args.new_tokens, args.sinks, window,
                                  args.temperature, args.top_k, args.seed)
     print(corpus.enc.decode(prompt + new))
@@ -644,46 +658,52 @@ def run_generate(args):
           f"{cache.evicted} | model: {what}")
 
 
-def parse_args(argv=None):
-    fmt = HelpFormatter
-    common = ArgumentParser(add_help=False)
-    common.add_argument("--checkpoint", default=None, help="model to run (not given or "
-                        f"'none': the fresh --preset model trained here, the one the docs "
-                        f"measure; e.g. {DEFAULT_CKPT}: the demo model, which was not trained "
-                        "with a sink token)")
-    common.add_argument("--preset", default="tiny", choices=list(PRESETS),
-                        help="size of the fresh model")
-    common.add_argument("--train-steps", type=int, default=6000,
-                        help="training steps of the fresh model (0 = random init)")
-    common.add_argument("--data", default=None, help="corpus text file (not given: built-in)")
-    common.add_argument("--sinks", type=int, default=4, help="first tokens kept (StreamingLLM: 4)")
-    common.add_argument("--window", type=int, default=None,
-                        help="recent tokens kept (not given: block_size - sinks)")
-    common.add_argument("--bos", action="store_true", help="<|endoftext|> first in every "
-                        "training row of the fresh model, in the stream and in every "
-                        "recomputed window (a dedicated sink token, StreamingLLM §3.3)")
-    common.add_argument("--seed", type=int, default=0, help="training and sampling seed")
-    common.add_argument("--device", default="cpu", help="cpu or cuda")
-    common.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    common.add_argument("--out", default=OUT_DIR, help="where measure*.json and the "
-                        "fresh model go")
-    p = ArgumentParser(description="Long runs beyond the context: sliding-window and "
-                       "attention-sink KV caches (StreamingLLM).", formatter_class=fmt)
-    sub = p.add_subparsers(dest="mode", required=True)
-    s = sub.add_parser("measure", parents=[common], formatter_class=fmt,
-                       help="per-position loss: dense recompute, window, sinks + window")
-    s.add_argument("--tokens", type=int, default=2048, help="stream length (val split)")
-    s.add_argument("--offset", type=int, default=0, help="where in the val split it starts")
-    s.add_argument("--chunk", type=int, default=1, help="tokens per forward once the cache is full")
-    s.add_argument("--batch-size", type=int, default=16, help="recomputed windows per forward")
-    s.add_argument("--plots", default=plots.PLOT_DIR, help="where the SVG goes")
-    s = sub.add_parser("generate", parents=[common], formatter_class=fmt,
-                       help="sample far past block_size with a sink + window cache")
-    s.add_argument("--prompt", default="def ", help="text to start from")
-    s.add_argument("--new-tokens", type=int, default=512, help="tokens to sample")
-    s.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
-    s.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest")
-    args = p.parse_args(argv)
+# ----------------------------------------------------------------------------------------
+# The command line: every knob once, a row each (flag, default, help; core/cli.py makes
+# the flags, --help and the "did you mean" line from these tables)
+
+# Both modes: the model (a checkpoint, or the fresh one trained here), the cache policy, the run
+COMMON_KNOBS = [
+    knob("--checkpoint", None, "model to run (not given or 'none': the fresh --preset model "
+         "trained here, the one the docs measure; e.g. "
+         f"{DEFAULT_CKPT}: the demo model, which was not trained with a sink token)"),
+    knob("--preset", "tiny", "size of the fresh model", choices=list(PRESETS)),
+    knob("--train-steps", 6000, "training steps of the fresh model (0 = random init)"),
+    knob("--data", None, "corpus text file (not given: built-in)"),
+    knob("--sinks", 4, "first tokens kept (StreamingLLM: 4)"),
+    knob("--window", int, "recent tokens kept (not given: block_size - sinks)"),
+    knob("--bos", False, "<|endoftext|> first in every training row of the fresh model, in "
+         "the stream and in every recomputed window (a dedicated sink token, StreamingLLM "
+         "§3.3)"),
+    knob("--seed", 0, "training and sampling seed"),
+    knob("--device", "cpu", "cpu or cuda"),
+    knob("--threads", 1, "torch CPU threads"),
+    knob("--out", OUT_DIR, "where measure*.json and the fresh model go"),
+]
+
+MEASURE_KNOBS = [
+    knob("--tokens", 2048, "stream length (val split)"),
+    knob("--offset", 0, "where in the val split it starts"),
+    knob("--chunk", 1, "tokens per forward once the cache is full"),
+    knob("--batch-size", 16, "recomputed windows per forward"),
+    knob("--plots", plots.PLOT_DIR, "where the SVG goes"),
+]
+
+GENERATE_KNOBS = [
+    knob("--prompt", "def ", "text to start from"),
+    knob("--new-tokens", 512, "tokens to sample"),
+    knob("--temperature", 0.8, "sampling temperature"),
+    knob("--top-k", 50, "sample among the k likeliest"),
+]
+
+# mode -> (its line in the top-level --help, its own knobs after the common ones)
+MODES = {"measure": ("per-position loss: dense recompute, window, sinks + window",
+                     MEASURE_KNOBS),
+         "generate": ("sample far past block_size with a sink + window cache", GENERATE_KNOBS)}
+
+
+def check_args(args):
+    """The counts and ranges, one line each (a mode has only some of the flags)."""
     # getattr(.., 1): each mode has only some of these flags; the absent ones pass
     for name in ("tokens", "batch_size", "new_tokens", "threads", "top_k", "chunk"):
         if getattr(args, name, 1) < 1:
@@ -696,6 +716,16 @@ def parse_args(argv=None):
     if args.window is not None:                    # the rest needs the model's block_size
         check_counts(args.sinks, args.window)
     return args
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(description="Long runs beyond the context: sliding-window and "
+                       "attention-sink KV caches (StreamingLLM).", formatter_class=HelpFormatter)
+    sub = p.add_subparsers(dest="mode", required=True)
+    for mode, (what, knobs) in MODES.items():
+        add_knobs(sub.add_parser(mode, formatter_class=HelpFormatter, help=what),
+                  COMMON_KNOBS + knobs)
+    return check_args(p.parse_args(argv))
 
 
 def main(argv=None):
