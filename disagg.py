@@ -54,9 +54,10 @@ import torch.distributed as dist
 
 from kvcache import blocks_for
 from core.cli import ArgumentParser, add_knobs, fmt_bytes, knob, require_at_least_one
+from core.distributed import setup_runtime
 from core.errors import UserError
 from core.meters import comm
-from core.runtime import job_store, run_cli, setup_runtime
+from core.runtime import job_store, run_cli
 from serve import FINISHED, PREFILLED, Engine, PoolFull, SamplingParams
 from serving.workloads import bench_model, length_range, mixed_workload, pct
 
@@ -759,10 +760,10 @@ def main(argv=None):
         raise UserError("--long-frac must be in [0, 1] and --rate > 0")
     # the engines run on the CPU and every tensor sent is a CPU tensor: gloo. On NCCL
     # each one, headers included, would have to live on the GPU
-    rt = setup_runtime("cpu")
-    check_roles(rt)
-    torch.set_num_threads(args.threads)
-    (run if args.mode == "run" else bench)(rt, args)
+    with setup_runtime("cpu") as rt:
+        check_roles(rt)
+        torch.set_num_threads(args.threads)
+        (run if args.mode == "run" else bench)(rt, args)
 
 
 if __name__ == "__main__":

@@ -65,11 +65,12 @@ from core.files import load_checkpoint
 from model import GPT, get_config, PRESETS
 from compression.nf4 import NF4Matmul, NF4Weight, nf4_bits_report
 from core.cli import command_line, fmt_bytes, fmt_count, knob, require_at_least_one
+from core.distributed import all_reduce_flat, Runtime, setup_runtime
 from core.errors import UserError
 from core.files import atomic_save
 from core.meters import ActivationMeter, comm, model_state_bytes, StepTimer, tensor_bytes
-from core.recipe import all_reduce_flat, warmup_cosine
-from core.runtime import print0, Progress, run_cli, Runtime, seed_everything, setup_runtime
+from core.recipe import warmup_cosine
+from core.runtime import print0, Progress, run_cli, seed_everything
 
 METHODS = ("full", "lora", "loraplus", "qlora", "vera", "dora")
 # Per-method default learning rates (--lr 0 picks these). Full fine-tuning moves every
@@ -902,41 +903,42 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    rt = setup_runtime(args.device)
-    torch.set_num_threads(args.threads)
-    base, enc = build_base(args, rt.device)
-    loaded = read_adapter(args.load) if args.load else None  # checked before anything slow
-    if args.mode == "eval":
-        return evaluate_loaded(args, rt, base, enc, loaded)
-    methods = (args.methods.split(",") if args.mode == "compare" else
-               [loaded["method"] if loaded else args.method])
-    for m in methods:                 # fail on bad flags or a bad file before any training
-        adapt(copy.deepcopy(base), m, args, loaded)
-    task = task_data(enc, args)
-    train_pairs, test, _ = task
-    # The base's own score on the held-out problems: every row's "before".
-    t0 = time.perf_counter()
-    base_quality = evaluate(base, enc, test)
-    print0(f"base {args.ckpt}: {base.num_params():,} params | task: {args.digits}-digit "
-           f"'{args.ops}', {len(train_pairs)} train / {len(test)} held-out problems | "
-           f"{args.steps} steps × {args.batch_size * rt.world_size} rows, {rt.world_size} "
-           f"rank(s) | base exact match {base_quality[0]:.1%}, answer loss {base_quality[1]:.3f}")
-    rows = []
-    # one progress line as each method starts (a compare at the default sizes takes minutes)
-    progress = Progress("lora compare", len(methods), every=0)
-    for i, method in enumerate(methods):  # adapt a copy of the base, fine-tune, evaluate, merge
-        progress.update(i, now_on=method)
-        model, spec, row = fine_tune_method(method, base, enc, args, rt, loaded, task,
-                                            base_quality)
-        rows.append(row)
-    cmd = " ".join(["python lora.py", *(sys.argv[1:] if argv is None else argv)])
-    print0(f"\nledger ({cmd}; {rt.world_size} rank(s), device {rt.device}):")
-    print_ledger(rows)
-    nf4_bits_report(target_linears(base, args.targets), args.quant_block, args.dq_block)
-    print0(f"total {time.perf_counter() - t0:.0f} s")
-    # The last method's model: train mode runs one, and compare refuses --save/--export
-    write_outputs(model, spec, enc, args, rt)
-    return rows
+    with setup_runtime(args.device) as rt:
+        torch.set_num_threads(args.threads)
+        base, enc = build_base(args, rt.device)
+        loaded = read_adapter(args.load) if args.load else None  # checked before anything slow
+        if args.mode == "eval":
+            return evaluate_loaded(args, rt, base, enc, loaded)
+        methods = (args.methods.split(",") if args.mode == "compare" else
+                   [loaded["method"] if loaded else args.method])
+        for m in methods:                 # fail on bad flags or a bad file before any training
+            adapt(copy.deepcopy(base), m, args, loaded)
+        task = task_data(enc, args)
+        train_pairs, test, _ = task
+        # The base's own score on the held-out problems: every row's "before".
+        t0 = time.perf_counter()
+        base_quality = evaluate(base, enc, test)
+        print0(f"base {args.ckpt}: {base.num_params():,} params | task: {args.digits}-digit "
+               f"'{args.ops}', {len(train_pairs)} train / {len(test)} held-out problems | "
+               f"{args.steps} steps × {args.batch_size * rt.world_size} rows, {rt.world_size} "
+               f"rank(s) | base exact match {base_quality[0]:.1%}, answer loss "
+               f"{base_quality[1]:.3f}")
+        rows = []
+        # one progress line as each method starts (a compare at the default sizes takes minutes)
+        progress = Progress("lora compare", len(methods), every=0)
+        for i, method in enumerate(methods):  # adapt a copy of the base, fine-tune, evaluate, merge
+            progress.update(i, now_on=method)
+            model, spec, row = fine_tune_method(method, base, enc, args, rt, loaded, task,
+                                                base_quality)
+            rows.append(row)
+        cmd = " ".join(["python lora.py", *(sys.argv[1:] if argv is None else argv)])
+        print0(f"\nledger ({cmd}; {rt.world_size} rank(s), device {rt.device}):")
+        print_ledger(rows)
+        nf4_bits_report(target_linears(base, args.targets), args.quant_block, args.dq_block)
+        print0(f"total {time.perf_counter() - t0:.0f} s")
+        # The last method's model: train mode runs one, and compare refuses --save/--export
+        write_outputs(model, spec, enc, args, rt)
+        return rows
 
 
 if __name__ == "__main__":

@@ -62,10 +62,11 @@ from parallelism.ring_attention import cp_positions, cp_shard, make_ring_attn_fn
 from model import GPT, get_config
 from core.moe import MoE
 from core.cli import ArgumentParser, add_knobs, fmt_bytes, given, knob, require_at_least_one
+from core.distributed import all_reduce_flat, setup_runtime
 from core.errors import UserError
 from core.meters import StepTimer, comm
-from core.recipe import all_reduce_flat, decay_groups, warmup_cosine
-from core.runtime import print0, run_cli, seed_everything, setup_runtime
+from core.recipe import decay_groups, warmup_cosine
+from core.runtime import print0, run_cli, seed_everything
 from parallelism.tensor_parallel import (GatheredInputs, SavedActivations,
                                          VocabParallelCrossEntropy, apply_tensor_parallel,
                                          summed_over)
@@ -970,10 +971,10 @@ def main(argv=None):
         print(planner.plan(p.parse_args(argv[1:])))
         return
     args = parse_args(argv)
-    rt = setup_runtime(args.device)
-    if args.mode == "bench-tp":
-        return bench_tp(args, rt)
-    return train(args, rt)
+    with setup_runtime(args.device) as rt:
+        if args.mode == "bench-tp":
+            return bench_tp(args, rt)
+        return train(args, rt)
 
 
 if __name__ == "__main__":

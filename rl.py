@@ -63,11 +63,11 @@ from core.files import load_checkpoint
 from training import rl_ledger
 from model import GPT, KVCache, get_config, PRESETS
 from core.cli import command_line, fmt_count, knob, require_at_least_one
+from core.distributed import all_reduce_flat, setup_runtime
 from core.errors import UserError
 from core.files import atomic_save
 from core.meters import ActivationMeter, comm, model_state_bytes, StepTimer, tensor_bytes
-from core.recipe import all_reduce_flat
-from core.runtime import print0, Progress, run_cli, setup_runtime
+from core.runtime import print0, Progress, run_cli
 
 # RL_ALGOS each get a frozen copy of the start policy as π_ref, DISTILL_ALGOS the teacher
 # (run_algorithms): what the ledger's "extra held" column counts.
@@ -941,34 +941,35 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    rt = setup_runtime(args.device)
-    torch.set_num_threads(args.threads)
-    algos = chosen_algos(args)
-    t0 = time.perf_counter()
-    models = build_models(args, rt, algos)
-    enc = models["enc"]
-    policy = models["policy"]
-    teacher = models.get("teacher")
-    train_probs, test_probs = task_problems(args)
-    print0(f"models ready in {time.perf_counter() - t0:.0f} s | {models['desc']} | {args.digits}"
-           f"-digit '{args.ops}', {len(test_probs)} held-out problems | {args.steps} steps × "
-           f"{args.prompts * rt.world_size} prompts × G={args.group}, {rt.world_size} rank(s)")
-    rows, d_rows, saved = run_algorithms(algos, policy, teacher, enc, args, rt, train_probs,
-                                         test_probs)
-    cmd = " ".join(["python rl.py", *(sys.argv[1:] if argv is None else argv)])
-    print0(f"\nledger ({cmd}; {rt.world_size} rank(s), {rt.device}; times are wall seconds "
-           f"on a shared CPU: compare ratios, not absolutes):")
-    rl_ledger.print_rl_table(rows)
-    if len(d_rows) > 1:
-        teacher_acc = evaluate(teacher, enc, test_probs, 1, args.max_new)["greedy"]
-        print0(f"distillation: teacher {fmt_count(teacher.num_params())} params, held-out "
-               f"{teacher_acc:.0%}; student = "
-               f"the SFT'd policy; same steps and answers per step for each")
-        rl_ledger.print_distill_table(d_rows)
-    print0(f"total {time.perf_counter() - t0:.0f} s")
-    if args.save and rt.is_main:
-        torch.save(saved, args.save)  # rank 0: replicas are equal
-    return rows, d_rows
+    with setup_runtime(args.device) as rt:
+        torch.set_num_threads(args.threads)
+        algos = chosen_algos(args)
+        t0 = time.perf_counter()
+        models = build_models(args, rt, algos)
+        enc = models["enc"]
+        policy = models["policy"]
+        teacher = models.get("teacher")
+        train_probs, test_probs = task_problems(args)
+        print0(f"models ready in {time.perf_counter() - t0:.0f} s | {models['desc']} | "
+               f"{args.digits}-digit '{args.ops}', {len(test_probs)} held-out problems | "
+               f"{args.steps} steps × "
+               f"{args.prompts * rt.world_size} prompts × G={args.group}, {rt.world_size} rank(s)")
+        rows, d_rows, saved = run_algorithms(algos, policy, teacher, enc, args, rt, train_probs,
+                                             test_probs)
+        cmd = " ".join(["python rl.py", *(sys.argv[1:] if argv is None else argv)])
+        print0(f"\nledger ({cmd}; {rt.world_size} rank(s), {rt.device}; times are wall seconds "
+               f"on a shared CPU: compare ratios, not absolutes):")
+        rl_ledger.print_rl_table(rows)
+        if len(d_rows) > 1:
+            teacher_acc = evaluate(teacher, enc, test_probs, 1, args.max_new)["greedy"]
+            print0(f"distillation: teacher {fmt_count(teacher.num_params())} params, held-out "
+                   f"{teacher_acc:.0%}; student = "
+                   f"the SFT'd policy; same steps and answers per step for each")
+            rl_ledger.print_distill_table(d_rows)
+        print0(f"total {time.perf_counter() - t0:.0f} s")
+        if args.save and rt.is_main:
+            torch.save(saved, args.save)  # rank 0: replicas are equal
+        return rows, d_rows
 
 
 if __name__ == "__main__":

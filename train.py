@@ -57,13 +57,13 @@ from core.plots import svg_line_plot
 from model import GPT, GPTConfig, PRESETS, get_config
 from core.cli import (command_line, fmt_bytes, fmt_count, fmt_duration, given, knob,
                       preset_knob, require_at_least_one)
+from core.distributed import (long_phase, set_collective_timeout, setup_runtime,
+                              STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_STEPS, tighten_after_first_step)
 from core.errors import Interrupted, UserError
 from core.files import check_writable
 from core.meters import ActivationMeter, comm, gpu_peak_flops, StepTimer
 from core.recipe import warmup_cosine
-from core.runtime import (attempt, GracefulStop, long_phase, print0, run_cli, seed_everything,
-                          set_collective_timeout, setup_runtime, STEP_TIMEOUT_FLOOR,
-                          STEP_TIMEOUT_STEPS, tighten_after_first_step)
+from core.runtime import attempt, GracefulStop, print0, run_cli, seed_everything
 
 # The two 16-bit formats. bf16 keeps fp32's 8 exponent bits (range to ~3e38) with only 8
 # significant bits; fp16 has 5 exponent bits (max 65504, smallest subnormal ~6e-8) and 11
@@ -730,7 +730,7 @@ def next_steps(args):
 def evaluate_and_save(args, rt, run, last, signum, tight):
     """The validation and the checkpoint of this step, when they are due. Both take longer
     than a step (and a save can take much longer on one rank than on the others), so their
-    collectives wait the start-up timeout, not the tight one (runtime.long_phase)."""
+    collectives wait the start-up timeout, not the tight one (distributed.long_phase)."""
     due_eval = run.step % args.eval_interval == 0 or run.step == args.steps
     # on the interval, at this invocation's last step, or after a signal; under --dp
     # every rank writes its own shard, so every rank takes this branch together
@@ -968,14 +968,14 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    rt = setup_runtime(args.device, args.timeout)
-    if args.dp and not rt.distributed:
-        raise UserError(f"--dp {args.dp} needs processes to talk to: launch with "
-                        f"torchrun --standalone --nproc_per_node=N train.py --dp {args.dp} ...")
-    if rt.world_size > 1 and not args.dp:
-        raise UserError(f"{rt.world_size} processes but no --dp mode: choose one of "
-                        f"{', '.join(data_parallel.MODES)}")
-    return train(args, rt)
+    with setup_runtime(args.device, args.timeout) as rt:
+        if args.dp and not rt.distributed:
+            raise UserError(f"--dp {args.dp} needs processes to talk to: launch with "
+                            f"torchrun --standalone --nproc_per_node=N train.py --dp {args.dp} ...")
+        if rt.world_size > 1 and not args.dp:
+            raise UserError(f"{rt.world_size} processes but no --dp mode: choose one of "
+                            f"{', '.join(data_parallel.MODES)}")
+        return train(args, rt)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from core import llama_format, quant_format
-from core.cli import ArgumentParser, fmt_bytes
+from core.cli import add_knobs, ArgumentParser, fmt_bytes, knob
 from core.errors import UserError
 from core.files import load_checkpoint
 from core.runtime import run_cli
@@ -116,21 +116,33 @@ def convert(old, new):
           "weights_only=True")
 
 
+# ----------------------------------------------------------------------------------------
+# `python -m core.checkpoint export|convert`: a row per knob of each command
+
+EXPORT_KNOBS = [
+    knob("--checkpoint", "out/ckpt.pt", "a checkpoint of this repo (train.py, quantize.py) or "
+         "a folder"),
+    knob("--to", "out/model/hf", "folder to write"),
+    knob("--dtype", "float32", "dtype of the exported weights",
+         choices=["float32", "bfloat16", "float16"]),
+]
+
+CONVERT_KNOBS = [
+    knob("old", str, "the old checkpoint"),
+    knob("new", str, "where to write the converted one"),
+]
+
+
 def main(argv=None):
     p = ArgumentParser(description="Checkpoint formats of the shared GPT: export to the "
                        "Hugging Face Llama layout, convert an old pickle.")
     sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="checkpoint -> Hugging Face Llama folder",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    e.add_argument("--checkpoint", default="out/ckpt.pt",
-                   help="a checkpoint of this repo (train.py, quantize.py) or a folder")
-    e.add_argument("--to", default="out/model/hf", help="folder to write")
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the exported weights")
-    c = sub.add_parser("convert", help="old checkpoint (pickled objects) -> plain data; "
-                       "unpickles OLD with weights_only=False: only for files you trust")
-    c.add_argument("old", help="the old checkpoint")
-    c.add_argument("new", help="where to write the converted one")
+    add_knobs(sub.add_parser("export", help="checkpoint -> Hugging Face Llama folder",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter),
+              EXPORT_KNOBS)
+    add_knobs(sub.add_parser("convert", help="old checkpoint (pickled objects) -> plain data; "
+                             "unpickles OLD with weights_only=False: only for files you trust"),
+              CONVERT_KNOBS)
     args = p.parse_args(argv)
     if args.command == "convert":
         return convert(args.old, args.new)

@@ -46,7 +46,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from core.cli import ArgumentParser
+from core.cli import command_line, knob
 from core.errors import UserError
 from core.files import atomic_write
 from core.runtime import run_cli
@@ -114,12 +114,9 @@ def _merge_word(word: tuple, a: int, b: int, new: int) -> tuple:
     return tuple(out)
 
 
-def train_bpe(texts: list[str], vocab_size: int, pat_str: str = SPLIT_PATTERN) -> dict[bytes, int]:
-    """Learn byte-level BPE merges; returns tiktoken's mergeable_ranks (bytes -> rank).
-
-    Ranks 0..255 are the single bytes, then one rank per merge in the order learned.
-    vocab_size counts the <|endoftext|> special too, so we learn vocab_size - 257 merges,
-    or fewer if the text runs out of pairs (every chunk already a single token)."""
+def _count_pairs(texts: list[str], pat_str: str):
+    """Steps 1-2 of train_bpe: the unique chunks (as byte tuples) and their counts, every
+    adjacent pair's count, and which chunks contain each pair."""
     # 1. Pre-split and count UNIQUE chunks: "self" appears 100k times but is tokenized once.
     counts = Counter()
     for text in texts:
@@ -132,6 +129,16 @@ def train_bpe(texts: list[str], vocab_size: int, pat_str: str = SPLIT_PATTERN) -
         for p in zip(w, w[1:]):
             pair_counts[p] += freqs[i]
             where[p].add(i)
+    return words, freqs, pair_counts, where
+
+
+def train_bpe(texts: list[str], vocab_size: int, pat_str: str = SPLIT_PATTERN) -> dict[bytes, int]:
+    """Learn byte-level BPE merges; returns tiktoken's mergeable_ranks (bytes -> rank).
+
+    Ranks 0..255 are the single bytes, then one rank per merge in the order learned.
+    vocab_size counts the <|endoftext|> special too, so we learn vocab_size - 257 merges,
+    or fewer if the text runs out of pairs (every chunk already a single token)."""
+    words, freqs, pair_counts, where = _count_pairs(texts, pat_str)
     # 3. A max-heap of (-count, pair). Counts change after every merge; instead of fixing
     #    entries in place we push a fresh entry for each changed pair and, when popping,
     #    drop entries whose count is no longer the pair's count (lazy invalidation).
@@ -488,19 +495,23 @@ def format_reward(completion: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------
+# `python -m core.data`: the corpus and its tokenizer at a glance, or a sample of the task
+
+KNOBS = [
+    knob("mode", "corpus", "corpus: tokenizer + corpus stats; task: sample arithmetic problems",
+         nargs="?", choices=["corpus", "task"]),
+    knob("--data", None, "UTF-8 text file; not given: the built-in Python stdlib corpus"),
+    knob("--vocab-size", DEFAULT_VOCAB_SIZE, "total vocab incl. <|endoftext|>"),
+    knob("--n", 8, "task: problems to show"),
+    knob("--seed", 0, "task: problem seed"),
+    knob("--digits", 2, "task: max digits per operand"),
+    knob("--ops", "+-", "task: operators to use, from '+-*'"),
+]
+
+
 def main(argv=None) -> None:
-    p = ArgumentParser(description="Train/load the BPE tokenizer and corpus, or show the task.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("mode", nargs="?", default="corpus", choices=["corpus", "task"],
-                   help="corpus: tokenizer + corpus stats; task: sample arithmetic problems")
-    p.add_argument("--data", default=None,
-                   help="UTF-8 text file; not given: the built-in Python stdlib corpus")
-    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
-                   help="total vocab incl. <|endoftext|>")
-    p.add_argument("--n", type=int, default=8, help="task: problems to show")
-    p.add_argument("--seed", type=int, default=0, help="task: problem seed")
-    p.add_argument("--digits", type=int, default=2, help="task: max digits per operand")
-    p.add_argument("--ops", default="+-", help="task: operators to use, from '+-*'")
+    p = command_line("Train/load the BPE tokenizer and corpus, or show the task.", {None: KNOBS},
+                     formatter=argparse.ArgumentDefaultsHelpFormatter)
     args = p.parse_args(argv)
     if args.mode == "task":
         for split in ("train", "test"):  # test = the ~10% of prompts the hash holds out

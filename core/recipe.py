@@ -4,15 +4,10 @@ cosine" or "decay the matrices, not the norms" means the same thing in every fil
 (train.py, parallel.py, training/data_parallel.py):
 
   - warmup_cosine:   the learning-rate schedule;
-  - decay_groups:    AdamW's parameter groups;
-  - all_reduce_flat: one all-reduce over a list of gradients (one bucket).
+  - decay_groups:    AdamW's parameter groups.
+(The flat gradient all-reduce, a collective, is core/distributed.py's all_reduce_flat.)
 """
 import math
-
-import torch
-import torch.distributed as dist
-
-from core.meters import comm
 
 
 def warmup_cosine(step, total, warmup, peak, final):
@@ -31,19 +26,3 @@ def decay_groups(tensors, weight_decay):
     Hutter 2019). ndim is passed separately because a sharded tensor may be flat."""
     return [{"params": [t for t, ndim in tensors if ndim >= 2], "weight_decay": weight_decay},
             {"params": [t for t, ndim in tensors if ndim < 2], "weight_decay": 0.0}]
-
-
-def all_reduce_flat(tensors, group=None, divide_by=1):
-    """Sum a list of tensors (gradients) over the group in ONE all-reduce of their
-    concatenation (one bucket: one call's latency instead of one per tensor), divide by
-    `divide_by` (the number of replicas, to average), and copy the result back."""
-    several = dist.is_initialized() and dist.get_world_size(group) > 1
-    if not tensors or (not several and divide_by == 1):
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    if several:
-        comm.all_reduce(flat, group=group)
-    if divide_by != 1:
-        flat /= divide_by
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(part.view_as(t))

@@ -42,9 +42,10 @@ from torch.overrides import TorchFunctionMode
 
 from model import GPT, get_config
 from core.cli import command_line, fmt_bytes, given, knob, require_at_least_one
+from core.distributed import setup_runtime
 from core.errors import UserError
 from core.meters import comm
-from core.runtime import print0, run_cli, setup_runtime
+from core.runtime import print0, run_cli
 
 SCHEDULES = ("gpipe", "1f1b", "zb", "dualpipev")
 
@@ -804,7 +805,8 @@ def main(argv=None):
         print("peak microbatches held per rank: " + ", ".join(
             str(peak_in_flight(row)[0]) for row in actions))
         return actions
-    return bench(args, setup_runtime(args.device))
+    with setup_runtime(args.device) as rt:
+        return bench(args, rt)
 
 
 if __name__ == "__main__":

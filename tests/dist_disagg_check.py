@@ -11,8 +11,9 @@ import torch
 
 from disagg import HEADER, kv_formula, serve_disaggregated
 from model import GPT, get_config
+from core.distributed import setup_runtime
 from core.meters import comm
-from core.runtime import run_cli, setup_runtime
+from core.runtime import run_cli
 from serve import Engine, SamplingParams
 
 BS = 4

@@ -12,8 +12,9 @@ import sys
 import torch
 
 import parallel
+from core.distributed import setup_runtime
 from core.errors import UserError
-from core.runtime import print0, setup_runtime
+from core.runtime import print0
 
 COMMON = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--steps", "2",
           "--warmup-steps", "1", "--check"]

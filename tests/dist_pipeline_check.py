@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from parallelism import pipeline
 from model import GPT, get_config
+from core.distributed import setup_runtime
 from core.errors import UserError
-from core.runtime import print0, setup_runtime
+from core.runtime import print0
 
 SEQ, MB = 16, 2
 rt = setup_runtime("cpu")

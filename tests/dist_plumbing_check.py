@@ -6,8 +6,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from core.distributed import setup_runtime
 from core.meters import comm
-from core.runtime import print0, setup_runtime, teardown_runtime
+from core.runtime import print0, teardown_runtime
 
 rt = setup_runtime("cpu")
 r, n = rt.rank, rt.world_size

@@ -19,9 +19,10 @@ import torch.distributed as dist
 from parallelism.ring_attention import (cp_positions, cp_shard, cp_unshard, make_ring_attn_fn,
                                         ring_attention, ring_work_counter)
 from model import GPT, get_config, math_attention
+from core.distributed import setup_runtime
 from core.errors import UserError
 from core.meters import comm
-from core.runtime import print0, setup_runtime
+from core.runtime import print0
 
 B, D = 2, 8
 ATOL = 1e-5

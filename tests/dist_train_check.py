@@ -15,7 +15,8 @@ import sys
 import torch
 
 import train
-from core.runtime import print0, Runtime, setup_runtime
+from core.distributed import Runtime, setup_runtime
+from core.runtime import print0
 
 checks, tmp, data_path = set(sys.argv[1].split(",")), sys.argv[2], sys.argv[3]
 assert checks <= {"equivalence", "reshard", "crash"}, f"no such check: {sorted(checks)}"

@@ -130,7 +130,7 @@ def test_a_shard_from_another_save_is_refused(tmp_path):
 def one_save(root, step=2, world=1):
     """A sharded save of a tiny model in a 1-rank ZeRO-1 layout (no process group needed);
     its meta has every key a resume reads (placeholders where this test needs none)."""
-    from core.runtime import Runtime
+    from core.distributed import Runtime
     zero = data_parallel.ZeRO(GPT(get_config("tiny"), seed=step), 1, 0, 1)
     opt = torch.optim.AdamW(zero.optimizer_groups(0.1))
     meta = dict(world_size=world, step=step, save_id=f"run/step_{step}", run_id="run",
@@ -386,7 +386,7 @@ def test_frozen_rank_is_named_and_the_restart_finishes(text_file, tmp_path, zero
 
 def test_a_slow_save_does_not_look_like_a_frozen_peer(text_file, tmp_path):
     """--step-timeout 2, but the last rank's every save takes 3 s longer (--save-delay):
-    saves wait the start-up --timeout (runtime.long_phase), so the run finishes."""
+    saves wait the start-up --timeout (distributed.long_phase), so the run finishes."""
     ckpt = tmp_path / "slow.pt"
     r = torchrun("train.py", tiny(text_file, ckpt, "--steps", "4", "--dp", "zero1",
                                   "--save-interval", "2", "--timeout", "60",

@@ -47,9 +47,10 @@ import train                                                      # noqa: E402
 from harness import ROOT, in_repo, run_python, torchrun                    # noqa: E402
 from kvcache import BlockAllocator, PagedKVCache, paged_logits    # noqa: E402
 from core.checkpoint import load_model
+from core.distributed import Runtime, setup_runtime
 from model import GPT, KVCache, get_config, math_attention, sdpa_attention
 from core.meters import ActivationMeter, comm, model_state_bytes, StepTimer
-from core.runtime import print0, Runtime, setup_runtime
+from core.runtime import print0
 from parallelism.ring_attention import make_ring_attn_fn                      # noqa: E402
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")

@@ -554,7 +554,7 @@ def _sharded_worker():
     torch.optim.Muon bit for bit, and each rank must hold only its matrices' momentum."""
     import torch.distributed as dist
     from core.meters import comm
-    from core.runtime import setup_runtime
+    from core.distributed import setup_runtime
     rt = setup_runtime("cpu")
     a, b = tiny_model(), tiny_model()
     pick = lambda m: [p for n, p in m.named_parameters() if optim.is_hidden_matrix(n, p)]
