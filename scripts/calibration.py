@@ -23,7 +23,7 @@ import numpy as np
 
 import evaluate as ev
 from core.plots import svg_bar_chart, terminal_bars
-from core.cli import ArgumentParser, HelpFormatter
+from core.cli import command_line, knob
 from core.runtime import print0, run_cli
 
 
@@ -98,16 +98,21 @@ def run(args, device):
     return result
 
 
+# ----------------------------------------------------------------------------------------
+# The command line: evaluate.py's model and task flags, and this experiment's own
+
+KNOBS = [
+    knob("--bins", 10, "equal-width confidence bins"),
+    knob("--ece-bins", "right", f"which side of a bin is closed: right = {BIN_RULES['right']}; "
+         f"left = {BIN_RULES['left']}", choices=ev.ECE_BINS),
+]
+
+
 def parse_args(argv=None):
-    common, task = ev.parent_parsers()
-    p = ArgumentParser(description=(
-        "Calibration of the task model: ECE, Brier, NLL and the reliability diagram, at T "
-        "= 1 and after temperature scaling."
-    ), parents=[common, task], formatter_class=HelpFormatter)
-    p.add_argument("--bins", type=int, default=10, help="equal-width confidence bins")
-    p.add_argument("--ece-bins", choices=ev.ECE_BINS, default="right",
-                   help=f"which side of a bin is closed: right = {BIN_RULES['right']}; "
-                        f"left = {BIN_RULES['left']}")
+    # evaluate.py's two shared groups, then this experiment's own knobs under "options"
+    p = command_line("Calibration of the task model: ECE, Brier, NLL and the reliability diagram, "
+                     "at T = 1 and after temperature scaling.",
+                     dict([ev.COMMON_GROUP, ev.TASK_GROUP, (None, KNOBS)]))
     return ev.check_args(p.parse_args(argv))
 
 

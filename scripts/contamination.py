@@ -29,7 +29,7 @@ from core import data
 import evaluate as ev
 from core import scores
 from core.plots import svg_bar_chart, terminal_bars
-from core.cli import ArgumentParser, HelpFormatter
+from core.cli import command_line, knob
 from core.errors import UserError
 from core.runtime import print0, run_cli
 
@@ -70,6 +70,12 @@ def ngram_overlap(train_seqs, items, n):
     return np.array(out)
 
 
+def example_ids(enc, problems):
+    """Each problem's whole text (prompt, answer, terminator: data.format_example) as token
+    ids: what the fine-tunes train on and what the detectors score."""
+    return [enc.encode_ordinary(data.format_example(p)) for p in problems]
+
+
 def finetune_copy(model, seqs, args, label, device):
     """A copy of model trained one epoch over seqs (shuffled), args.ft_batch rows a step:
     every sequence, planted or not, is seen exactly as often as it is listed."""
@@ -86,10 +92,10 @@ def planted_data(args, enc, items):
     contaminated data the repeated ones are held-out items, in the control train problems."""
     planted = np.zeros(len(items), dtype=bool)
     planted[random.Random(args.seed + 5).sample(range(len(items)), args.planted)] = True
-    encode = lambda probs: [enc.encode_ordinary(data.format_example(p)) for p in probs]
-    pool = encode(data.make_problems(args.ft_clean + args.planted, args.seed + 2, args.digits,
-                                     args.ops, "train"))
-    dirty = pool[:args.ft_clean] + [s for s, p in zip(encode(items), planted) if p] * args.repeats
+    pool = example_ids(enc, data.make_problems(args.ft_clean + args.planted, args.seed + 2,
+                                               args.digits, args.ops, "train"))
+    planted_rows = [s for s, p in zip(example_ids(enc, items), planted) if p]
+    dirty = pool[:args.ft_clean] + planted_rows * args.repeats
     clean = pool[:args.ft_clean] + pool[args.ft_clean:] * args.repeats
     return planted, dirty, clean
 
@@ -99,7 +105,7 @@ def membership(model, enc, items, planted, args):
     text (its first token is the context), Min-K% also by the other token-count rule."""
     answers = scores.greedy_answers(model, enc, items, args.max_new)
     right = np.array([data.score(enc.decode(a), p.answer) for a, p in zip(answers, items)])
-    seqs = [enc.encode_ordinary(data.format_example(p)) for p in items]
+    seqs = example_ids(enc, items)
     # s[:1] as context: the first token has nothing to be predicted from (Shi et al.'s
     # Llama prepends a BOS and so scores every token of the text; this tokenizer has none)
     lps = scores.continuation_logprobs(model, [(s[:1], s[1:]) for s in seqs])
@@ -128,7 +134,7 @@ def other_rule(rule):
 def check_min_k(args, enc, items):
     """Refuse, before any training, a --min-k whose rule selects no token of some item."""
     # the scored tokens of an item are its tokens less the first (membership's context)
-    shortest = min(len(enc.encode_ordinary(data.format_example(p))) for p in items) - 1
+    shortest = min(map(len, example_ids(enc, items))) - 1
     if ev.min_k_count(shortest, args.min_k, args.min_k_rule) == 0:
         raise UserError(f"--min-k {args.min_k:g} selects int({shortest} x {args.min_k / 100:g})"
                         f" = 0 of the {shortest} scored tokens of the shortest item (the floor "
@@ -184,8 +190,7 @@ def run(args, device):
 
 def report_ngrams(args, enc, sft_probs, items, planted, dirty, clean):
     """The n-gram detector against everything each model was trained on (SFT + fine-tune)."""
-    item_seqs = [enc.encode_ordinary(data.format_example(p)) for p in items]
-    train_seqs = [enc.encode_ordinary(data.format_example(p)) for p in sft_probs]
+    item_seqs, train_seqs = example_ids(enc, items), example_ids(enc, sft_probs)
     lengths = [len(s) for s in item_seqs]
     n = args.ngram or ngram_size(lengths)
     how = "--ngram" if args.ngram else "the 5th-percentile item length, GPT-3 app. C's rule"
@@ -212,25 +217,28 @@ def report_ngrams(args, enc, sft_probs, items, planted, dirty, clean):
     return result
 
 
+# ----------------------------------------------------------------------------------------
+# The command line: evaluate.py's model and task flags, and this experiment's own
+
+KNOBS = [
+    knob("--planted", 100, "held-out items planted"),
+    knob("--repeats", 16, "copies of each planted item"),
+    knob("--ft-clean", 3000, "clean training rows in the fine-tune"),
+    knob("--ft-batch", 32, "fine-tune rows per step"),
+    knob("--ft-lr", 1e-3, "fine-tune peak learning rate"),
+    knob("--ngram", 0, "n of the n-gram overlap detector; 0 = the 5th-percentile item length "
+         "in tokens, at most 13 (GPT-3's rule: 8 on the 2-digit sums)"),
+    knob("--min-k", 20.0, "k of Min-K%% Prob (percent)"),
+    knob("--min-k-rule", "floor", "tokens Min-K%% averages: floor = int(n·k%%), Shi et al.'s "
+         "code (none selected: refused); ceil = max(1, ceil(n·k%%))", choices=ev.MIN_K_RULES),
+]
+
+
 def parse_args(argv=None):
-    common, task = ev.parent_parsers()
-    p = ArgumentParser(description=(
-        "Contamination: plant held-out items in a fine-tune, measure the inflation, "
-        "detect it by n-gram overlap and by Min-K% Prob."
-    ), parents=[common, task], formatter_class=HelpFormatter)
-    p.add_argument("--planted", type=int, default=100, help="held-out items planted")
-    p.add_argument("--repeats", type=int, default=16, help="copies of each planted item")
-    p.add_argument("--ft-clean", type=int, default=3000,
-                   help="clean training rows in the fine-tune")
-    p.add_argument("--ft-batch", type=int, default=32, help="fine-tune rows per step")
-    p.add_argument("--ft-lr", type=float, default=1e-3, help="fine-tune peak learning rate")
-    p.add_argument("--ngram", type=int, default=0,
-                   help="n of the n-gram overlap detector; 0 = the 5th-percentile item length "
-                        "in tokens, at most 13 (GPT-3's rule: 8 on the 2-digit sums)")
-    p.add_argument("--min-k", type=float, default=20.0, help="k of Min-K%% Prob (percent)")
-    p.add_argument("--min-k-rule", choices=ev.MIN_K_RULES, default="floor",
-                   help="tokens Min-K%% averages: floor = int(n·k%%), Shi et al.'s code (none "
-                        "selected: refused); ceil = max(1, ceil(n·k%%))")
+    # evaluate.py's two shared groups, then this experiment's own knobs under "options"
+    p = command_line("Contamination: plant held-out items in a fine-tune, measure the inflation, "
+                     "detect it by n-gram overlap and by Min-K% Prob.",
+                     dict([ev.COMMON_GROUP, ev.TASK_GROUP, (None, KNOBS)]))
     return ev.check_args(p.parse_args(argv))
 
 

@@ -18,7 +18,6 @@ What it teaches, and what each step saves / adds / sacrifices
   filled: a small domain with a large weight is *repeated* (epochs > 1; Muennighoff et al.
   2023: up to ~4 epochs is nearly as good as new data, past that repeats are worth little).
 """
-import argparse
 import json
 import math
 import os
@@ -30,7 +29,7 @@ import torch
 
 import curate
 from core import data
-from core.cli import ArgumentParser, HelpFormatter
+from core.cli import command_line, knob
 from core.errors import UserError
 from core.runtime import run_cli
 
@@ -69,6 +68,13 @@ def parse_weights(spec: str, domains: dict) -> dict[str, float]:
     if not total > 0:
         raise UserError(f"--weights {spec!r} must sum to a positive number (got {total})")
     return {name: w / total for name, w in weights.items() if w > 0}
+
+
+def domain_names(extra) -> dict:
+    """The domains --weights may name, in a fixed order: the built-in ones, then `extra`
+    (the loaded or the --data folder's); a built-in domain that loaded nothing (e.g.
+    --arith-docs 0) is empty, not unknown."""
+    return dict.fromkeys([*curate.BUILTIN_DOMAINS, *extra])
 
 
 def temperature_weights(tokens: dict[str, int], temperature: float) -> dict[str, float]:
@@ -175,10 +181,8 @@ def cmd_mix(args) -> None:
     doc_tokens = {name: list(map(len, encode_docs(enc, ds))) for name, ds in by_domain.items()}
     tokens = {name: sum(v) for name, v in doc_tokens.items()}
     # --weights wins; without it, temperature sampling over the domains' token counts
-    # (a built-in domain that loaded nothing, e.g. --arith-docs 0, is empty, not unknown)
-    names = set(loaded) | set(curate.BUILTIN_DOMAINS)
     if args.weights:
-        weights = parse_weights(args.weights, names)
+        weights = parse_weights(args.weights, domain_names(loaded))
     else:
         weights = temperature_weights(tokens, args.temperature)
     total = args.tokens or largest_unrepeated(tokens, weights)
@@ -206,40 +210,38 @@ def cmd_mix(args) -> None:
           f"{time.perf_counter() - t0:.1f} s\ntrain on it: python train.py --data {path}")
 
 
-def main(argv=None) -> None:
-    p = ArgumentParser(description="Write a mixture of the curated domains that "
-                       "train.py --data can read (mix.txt + mix.json).",
-                       formatter_class=HelpFormatter)
-    curate.add_flags(p, 0, rules=True, pipeline=True)
-    add_mix_flags(p)
-    args = p.parse_args(argv)
-    curate.check_args(args)
-    check_weights(args)
-    torch.set_num_threads(args.threads)
-    cmd_mix(args)
+# ---------------------------------------------------------------------------------------
+# The command line: curate.py's corpus flags, and the mixture's own
 
+MIX_KNOBS = [
+    knob("--weights", "", "domain=weight,... (empty = --temperature over sizes)"),
+    knob("--temperature", 1.0, "p_d ∝ tokens_d^(1/T) without --weights"),
+    knob("--tokens", 0, "mixture size (0 = largest with no domain repeated)"),
+    knob("--vocab-size", data.DEFAULT_VOCAB_SIZE, "BPE used to count tokens"),
+]
 
-
-
-def add_mix_flags(q: argparse.ArgumentParser) -> None:
-    q.add_argument("--weights", default="",
-                   help="domain=weight,... (empty = --temperature over sizes)")
-    q.add_argument("--temperature", type=float, default=1.0,
-                   help="p_d ∝ tokens_d^(1/T) without --weights")
-    q.add_argument("--tokens", type=int, default=0,
-                   help="mixture size (0 = largest with no domain repeated)")
-    q.add_argument("--vocab-size", type=int, default=data.DEFAULT_VOCAB_SIZE,
-                   help="BPE used to count tokens")
+# the whole command line, one list under "options": curate.py's corpus, dedup (MinHash),
+# quality-rule and pipeline-stage knobs, then the mixture's
+KNOBS = [*curate.CORPUS_KNOBS, *curate.LSH_KNOBS, *curate.RULE_KNOBS, *curate.PIPELINE_KNOBS,
+         *MIX_KNOBS]
 
 
 def check_weights(args) -> None:
     """Names and numbers of --weights before minutes of loading: unknown names are those
     that are neither built in nor the --data folder's."""
-    if getattr(args, "weights", ""):
-        names = set(curate.BUILTIN_DOMAINS)
-        if args.data:
-            names.add(os.path.basename(os.path.normpath(args.data)))
-        parse_weights(args.weights, names)
+    if args.weights:
+        folder = [os.path.basename(os.path.normpath(args.data))] if args.data else []
+        parse_weights(args.weights, domain_names(folder))
+
+
+def main(argv=None) -> None:
+    p = command_line("Write a mixture of the curated domains that train.py --data can read "
+                     "(mix.txt + mix.json).", {None: KNOBS})
+    args = p.parse_args(argv)
+    curate.check_args(args)
+    check_weights(args)
+    torch.set_num_threads(args.threads)
+    cmd_mix(args)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ difference is read against.
 The training loop here is ~30 lines of plain AdamW on purpose: train.py reads one corpus
 file and carries data parallelism and checkpoints that a sweep of short runs does not need.
 """
-import argparse
 import json
 import math
 import os
@@ -31,7 +30,7 @@ import curate
 from scripts import curate_mix
 from core import data
 from model import GPT, get_config
-from core.cli import ArgumentParser, HelpFormatter
+from core.cli import command_line, knob
 from core.errors import UserError
 from core.runtime import run_cli, seed_everything
 
@@ -255,32 +254,33 @@ def print_sweep(report: dict) -> None:
         print(f"{r['run'][:38]:<38}{cells}")
 
 
+# ---------------------------------------------------------------------------------------
+# The command line: curate.py's corpus flags, and the sweep's own
+
+SWEEP_KNOBS = [
+    knob("--subset", 0.1, "share of each domain's clusters used"),
+    knob("--mixtures", "natural;uniform;lib=0.5,tests=0.2,prose=0.2,arith=0.1",
+         "';'-separated: natural, uniform, T=<temperature> or domain=weight,..."),
+    knob("--preset", "tiny", "model.py preset (its vocab sizes the tokenizer)"),
+    knob("--steps", 1500, "optimizer steps per run"),
+    knob("--batch-size", 16, "sequences of block_size tokens per step"),
+    knob("--lr", 3e-3, "AdamW peak learning rate"),
+    knob("--val-fraction", 0.1, "share of clusters held out"),
+    knob("--eval-tokens", 16384, "tokens scored per domain"),
+]
+
+# the whole command line, one list under "options": curate.py's corpus, dedup (MinHash)
+# and quality-rule knobs, then the sweep's
+KNOBS = [*curate.CORPUS_KNOBS, *curate.LSH_KNOBS, *curate.RULE_KNOBS, *SWEEP_KNOBS]
+
+
 def main(argv=None) -> dict:
-    p = ArgumentParser(description="Train short runs on several mixtures and on deduplicated "
-                       "vs raw data; validation loss per domain.", formatter_class=HelpFormatter)
-    curate.add_flags(p, 0, rules=True)
-    add_sweep_flags(p)
+    p = command_line("Train short runs on several mixtures and on deduplicated vs raw data; "
+                     "validation loss per domain.", {None: KNOBS})
     args = p.parse_args(argv)
     curate.check_args(args)
     torch.set_num_threads(args.threads)
     return sweep(args)
-
-
-
-
-def add_sweep_flags(q: argparse.ArgumentParser) -> None:
-    q.add_argument("--subset", type=float, default=0.1,
-                   help="share of each domain's clusters used")
-    q.add_argument("--mixtures", default="natural;uniform;lib=0.5,tests=0.2,prose=0.2,arith=0.1",
-                   help="';'-separated: natural, uniform, T=<temperature> or domain=weight,...")
-    q.add_argument("--preset", default="tiny",
-                   help="model.py preset (its vocab sizes the tokenizer)")
-    q.add_argument("--steps", type=int, default=1500, help="optimizer steps per run")
-    q.add_argument("--batch-size", type=int, default=16,
-                   help="sequences of block_size tokens per step")
-    q.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate")
-    q.add_argument("--val-fraction", type=float, default=0.1, help="share of clusters held out")
-    q.add_argument("--eval-tokens", type=int, default=16384, help="tokens scored per domain")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from scripts import serve_bench
 import spec_decode as sd
 import train
 from model import GPT, KVCache, get_config
-from core.cli import ArgumentParser, fmt_bytes, fmt_count, HelpFormatter
+from core.cli import command_line, fmt_bytes, fmt_count, knob
 from core.errors import UserError
 from core.meters import gpu_peak_flops, model_state_bytes, StepTimer
 from core.runtime import pick_device, run_cli, seed_everything
@@ -104,7 +104,7 @@ def timed_steps(model, opt, corpus, args, device, first, n, measure=True):
         optim.set_lr(opt, train.learning_rate(step, args))
         batches = train.micro_batches(corpus, args, step, device)
         with StepTimer(device) as timer:
-            loss, act, _ = train.train_step(model, opt, batches, args, device)
+            loss, act, _ = train.train_step(train.Trainer(model, opt), batches, args, device)
         if measure:
             state = model_state_bytes(model, opt)
         model.zero_grad(set_to_none=True)
@@ -267,33 +267,85 @@ def bench_spec(target, draft, corpus, device, tiny, methods, train_steps, log):
 
 
 # ----------------------------------------------------------------------------------------
+# the table: every section's rows under one header, printed and written to table.txt
+
+def run_sections(args, size, device, t0):
+    """train (always: it makes the target), then decode, serve and spec unless --skip;
+    sub-benchmarks' output goes to <out-dir>/bench.log. -> (rows, the target)."""
+    corpus = data.load_corpus(args.data, vocab_size=size["vocab"])
+    skip = args.skip
+    with open(os.path.join(args.out_dir, "bench.log"), "w") as log:
+        rows, target, draft, loss = bench_train(size, corpus, device, args.learn_steps,
+                                                args.timed_steps, log)
+        print(f"[{time.perf_counter() - t0:.0f} s] train done (target loss {loss:.3f})",
+              flush=True)
+        if "decode" not in skip:
+            rows += bench_decode(target, corpus, device, args.decode_tokens)
+        if "serve" not in skip:
+            rows += bench_serve(target, corpus, device, args.out_dir, args.tiny, log)
+            print(f"[{time.perf_counter() - t0:.0f} s] serve done", flush=True)
+        if "spec" not in skip and args.spec_methods:
+            rows += bench_spec(target, draft, corpus, device, args.tiny, args.spec_methods,
+                               args.spec_train_steps, log)
+    return rows, target
+
+
+def header(device, target, size):
+    """The table's first line: the device and its peaks, the target's size, the batch."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        top, bw = gpu_peak_flops(device), peak_bandwidth(device)
+        peaks = (f"peak bf16 {top / 1e12:.0f} TFLOP/s" if top else "bf16 peak unknown") + ", " + \
+            (f"HBM {bw / 1e12:.2f} TB/s" if bw else "bandwidth unknown")
+    else:
+        name, peaks = f"CPU, {torch.get_num_threads()} thread(s)", "no peaks for a CPU"
+    return (f"gpu_bench: {name} ({peaks}); torch {torch.__version__}; target "
+            f"{target.num_params() / 1e6:.1f}M params ({size['n_layer']} layers, d="
+            f"{size['n_embd']}, {size['n_head']}/{size['n_kv_head']} heads, vocab "
+            f"{target.config.vocab_size}), train batch {size['batch']}×{size['seq']} tokens")
+
+
+def write_table(rows, head, out_dir, t0):
+    """The rows under the header, printed and written to <out-dir>/table.txt."""
+    widths = (28, 16, 34)
+    lines = [head,
+             f"{'row':<{widths[0]}} {'measured':>{widths[1]}}  {'against':<{widths[2]}}  detail"]
+    lines += [f"{a:<{widths[0]}} {b:>{widths[1]}}  {c:<{widths[2]}}  {d}" for a, b, c, d in rows]
+    lines.append(f"total {time.perf_counter() - t0:.0f} s; sub-benchmark output in "
+                 f"{os.path.join(out_dir, 'bench.log')}")
+    print("\n".join(lines), flush=True)
+    with open(os.path.join(out_dir, "table.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+# ----------------------------------------------------------------------------------------
+# The command line: a row per knob (core/cli.py makes the flags and --help from it); the
+# knobs whose default depends on --tiny have none here, parse_args fills them in
+
+KNOBS = [
+    knob("--device", "auto", "auto, cuda or cpu (default: auto)"),
+    knob("--tiny", False, "toy sizes (the CPU test of this file)"),
+    knob("--data", None, "text file (default: the built-in corpus)"),
+    knob("--threads", 0, "torch CPU threads (default: 0 = torch's own; 1 is steadier on a "
+         "busy CPU)"),
+    knob("--batch-size", int, "train sequences per step (default: 16 of 1024 tokens; tiny 4 "
+         "of 64; lower it on a 24 GB GPU)"),
+    knob("--learn-steps", int, "steps the target learns before decoding (default: 300, tiny "
+         "8)"),
+    knob("--timed-steps", int, "timed train steps per row, median kept (default: 10, tiny 2)"),
+    knob("--decode-tokens", int, "tokens of the batch-1 decode (default: 256, tiny 8)"),
+    knob("--spec-methods", "draft,tree,medusa,mtp,eagle,dflash", "drafters of the spec rows, "
+         "'' = none (default: all six)"),
+    knob("--spec-train-steps", int, "drafter training steps (default: 400, tiny 5)"),
+    knob("--skip", "", "comma-separated sections to skip: decode, serve, spec; train always "
+         "runs, it makes the target (default: none)"),
+    knob("--out-dir", "out/gpu_bench", "logs, checkpoint, table.txt (default: out/gpu_bench)"),
+]
+
 
 def parse_args(argv=None):
-    p = ArgumentParser(description="The GPU table: train tokens/s and MFU, decode "
-                                   "bandwidth, serving, speculative decoding, in one run.",
-                       formatter_class=HelpFormatter)
-    p.add_argument("--device", default="auto", help="auto, cuda or cpu (default: auto)")
-    p.add_argument("--tiny", action="store_true", help="toy sizes (the CPU test of this file)")
-    p.add_argument("--data", default=None, help="text file (default: the built-in corpus)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: 0 = "
-                   "torch's own; 1 is steadier on a busy CPU)")
-    p.add_argument("--batch-size", type=int, default=None, help="train sequences per step "
-                   "(default: 16 of 1024 tokens; tiny 4 of 64; lower it on a 24 GB GPU)")
-    p.add_argument("--learn-steps", type=int, default=None,
-                   help="steps the target learns before decoding (default: 300, tiny 8)")
-    p.add_argument("--timed-steps", type=int, default=None,
-                   help="timed train steps per row, median kept (default: 10, tiny 2)")
-    p.add_argument("--decode-tokens", type=int, default=None,
-                   help="tokens of the batch-1 decode (default: 256, tiny 8)")
-    p.add_argument("--spec-methods", default="draft,tree,medusa,mtp,eagle,dflash",
-                   help="drafters of the spec rows, '' = none (default: all six)")
-    p.add_argument("--spec-train-steps", type=int, default=None,
-                   help="drafter training steps (default: 400, tiny 5)")
-    p.add_argument("--skip", default="", help="comma-separated sections to skip: decode, "
-                   "serve, spec; train always runs, it makes the target (default: none)")
-    p.add_argument("--out-dir", default="out/gpu_bench",
-                   help="logs, checkpoint, table.txt (default: out/gpu_bench)")
-    args = p.parse_args(argv)
+    args = command_line("The GPU table: train tokens/s and MFU, decode bandwidth, serving, "
+                        "speculative decoding, in one run.", {None: KNOBS}).parse_args(argv)
     tiny = args.tiny
     for name, full, toy in (("learn_steps", 300, 8), ("timed_steps", 10, 2),
                             ("decode_tokens", 256, 8), ("spec_train_steps", 400, 5)):
@@ -314,20 +366,6 @@ def parse_args(argv=None):
     return args
 
 
-def header(device, target, size):
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        top, bw = gpu_peak_flops(device), peak_bandwidth(device)
-        peaks = (f"peak bf16 {top / 1e12:.0f} TFLOP/s" if top else "bf16 peak unknown") + ", " + \
-            (f"HBM {bw / 1e12:.2f} TB/s" if bw else "bandwidth unknown")
-    else:
-        name, peaks = f"CPU, {torch.get_num_threads()} thread(s)", "no peaks for a CPU"
-    return (f"gpu_bench: {name} ({peaks}); torch {torch.__version__}; target "
-            f"{target.num_params() / 1e6:.1f}M params ({size['n_layer']} layers, d="
-            f"{size['n_embd']}, {size['n_head']}/{size['n_kv_head']} heads, vocab "
-            f"{target.config.vocab_size}), train batch {size['batch']}×{size['seq']} tokens")
-
-
 def main(argv=None):
     if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11):
         raise UserError(f"scripts/gpu_bench.py requires torch >= 2.11, found {torch.__version__}")
@@ -339,30 +377,8 @@ def main(argv=None):
     size["batch"] = args.batch_size or size["batch"]
     os.makedirs(args.out_dir, exist_ok=True)
     t0 = time.perf_counter()
-    corpus = data.load_corpus(args.data, vocab_size=size["vocab"])
-    skip = args.skip
-    with open(os.path.join(args.out_dir, "bench.log"), "w") as log:
-        rows, target, draft, loss = bench_train(size, corpus, device, args.learn_steps,
-                                                args.timed_steps, log)
-        print(f"[{time.perf_counter() - t0:.0f} s] train done (target loss {loss:.3f})",
-              flush=True)
-        if "decode" not in skip:
-            rows += bench_decode(target, corpus, device, args.decode_tokens)
-        if "serve" not in skip:
-            rows += bench_serve(target, corpus, device, args.out_dir, args.tiny, log)
-            print(f"[{time.perf_counter() - t0:.0f} s] serve done", flush=True)
-        if "spec" not in skip and args.spec_methods:
-            rows += bench_spec(target, draft, corpus, device, args.tiny, args.spec_methods,
-                               args.spec_train_steps, log)
-    widths = (28, 16, 34)
-    lines = [header(device, target, size),
-             f"{'row':<{widths[0]}} {'measured':>{widths[1]}}  {'against':<{widths[2]}}  detail"]
-    lines += [f"{a:<{widths[0]}} {b:>{widths[1]}}  {c:<{widths[2]}}  {d}" for a, b, c, d in rows]
-    lines.append(f"total {time.perf_counter() - t0:.0f} s; sub-benchmark output in "
-                 f"{os.path.join(args.out_dir, 'bench.log')}")
-    print("\n".join(lines), flush=True)
-    with open(os.path.join(args.out_dir, "table.txt"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    rows, target = run_sections(args, size, device, t0)
+    write_table(rows, header(device, target, size), args.out_dir, t0)
     return rows
 
 

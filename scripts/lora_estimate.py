@@ -19,7 +19,7 @@ An entry point in scripts/ (nothing imports it): arithmetic, no model.
 import sys
 
 from compression.nf4 import NF4_DQ_BITS
-from core.cli import ArgumentParser, fmt_bytes, fmt_count, HelpFormatter
+from core.cli import command_line, fmt_bytes, fmt_count, knob
 from core.errors import UserError
 from core.runtime import print0, run_cli
 
@@ -57,13 +57,21 @@ def estimate(args):
                f"{fmt_bytes(act):>8} {total / 1e9:6.2f} GB  {'fits' if total < 48e9 else 'no'}")
 
 
+# ----------------------------------------------------------------------------------------
+# The command line: a row per knob (core/cli.py makes the flags and --help from it)
+
+KNOBS = [
+    knob("estimate", str, f"one of {', '.join(sorted(EST_SHAPES))}", metavar="MODEL",
+         choices=sorted(EST_SHAPES)),
+    knob("--est-rank", 64, "LoRA rank"),
+    knob("--est-seq", 512, "tokens per step"),
+]
+
+
 def main(argv=None):
-    p = ArgumentParser(description="QLoRA's memory arithmetic for the models its paper talks "
-                       "about: does it fit one 48 GB GPU?", formatter_class=HelpFormatter)
-    p.add_argument("estimate", metavar="MODEL", choices=sorted(EST_SHAPES),
-                   help=f"one of {', '.join(sorted(EST_SHAPES))}")
-    p.add_argument("--est-rank", type=int, default=64, help="LoRA rank")
-    p.add_argument("--est-seq", type=int, default=512, help="tokens per step")
+    p = command_line("QLoRA's memory arithmetic for the models its paper talks about: does "
+                     "it fit one 48 GB GPU?", {None: KNOBS})
+    # 65b, 70b: the model names in either case
     args = p.parse_args([a.upper() if a.lower() in ("65b", "70b") else a
                          for a in (sys.argv[1:] if argv is None else argv)])
     for name in ("est_rank", "est_seq"):

@@ -14,7 +14,7 @@ import math
 import torch
 
 from core.mla import mla_dims, set_absorb
-from core.cli import ArgumentParser, fmt_bytes, HelpFormatter
+from core.cli import command_line, fmt_bytes, knob
 from core.errors import UserError
 from core.meters import StepTimer
 from core.runtime import pick_device, run_cli
@@ -144,6 +144,37 @@ def print_decode_table(configs, args, device):
     return best, same
 
 
+# ----------------------------------------------------------------------------------------
+# The command line: a row per knob (core/cli.py makes the flags and --help from it)
+
+KNOBS = [
+    knob("--preset", "small", "model size (model.PRESETS)"),
+    knob("--kv-lora-rank", 0, "d_c; 0 = 4 x head_dim"),
+    knob("--rope-dim", 0, "d_R; 0 = head_dim / 2"),
+    knob("--q-lora-rank", 0, "0 = queries straight from x"),
+    knob("--gqa-kv-heads", 2, "the GQA row's kv heads"),
+    knob("--batch-size", 1, "sequences decoded together"),
+    knob("--context", 192, "prompt tokens before decoding (past the preset's block size: the "
+         "RoPE table grows)"),
+    knob("--new-tokens", 32, "decode steps timed"),
+    knob("--repeats", 3, "timed runs per row (best kept)"),
+    knob("--threads", 1, "torch CPU threads"),
+    knob("--device", "cpu", "cpu, cuda or auto"),
+    knob("--seed", 0, "prompt seed"),
+]
+
+
+def parse_args(argv=None):
+    args = command_line("Multi-head latent attention, measured: KV bytes per token and "
+                        "decode time, against MHA and GQA.", {None: KNOBS}).parse_args(argv)
+    for name in ("batch_size", "context", "new_tokens", "repeats", "threads", "gqa_kv_heads"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if min(args.kv_lora_rank, args.rope_dim, args.q_lora_rank) < 0:
+        raise UserError("--kv-lora-rank, --rope-dim and --q-lora-rank must be >= 0")
+    return args
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -160,33 +191,6 @@ def main(argv=None):
           f"GQA with {per_layer:.2f} kv heads")
     best, same = print_decode_table(configs, args, device)
     return dict(bytes=rows, decode=best, same_tokens=same)
-
-
-def parse_args(argv=None):
-    p = ArgumentParser(description="Multi-head latent attention, measured: KV bytes per "
-                       "token and decode time, against MHA and GQA.",
-                       formatter_class=HelpFormatter)
-    p.add_argument("--preset", default="small", help="model size (model.PRESETS)")
-    p.add_argument("--kv-lora-rank", type=int, default=0, help="d_c; 0 = 4 x head_dim")
-    p.add_argument("--rope-dim", type=int, default=0, help="d_R; 0 = head_dim / 2")
-    p.add_argument("--q-lora-rank", type=int, default=0, help="0 = queries straight from x")
-    p.add_argument("--gqa-kv-heads", type=int, default=2, help="the GQA row's kv heads")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences decoded together")
-    p.add_argument("--context", type=int, default=192,
-                   help="prompt tokens before decoding (past the preset's block size: the "
-                        "RoPE table grows)")
-    p.add_argument("--new-tokens", type=int, default=32, help="decode steps timed")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (best kept)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    p.add_argument("--seed", type=int, default=0, help="prompt seed")
-    args = p.parse_args(argv)
-    for name in ("batch_size", "context", "new_tokens", "repeats", "threads", "gqa_kv_heads"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-    if min(args.kv_lora_rank, args.rope_dim, args.q_lora_rank) < 0:
-        raise UserError("--kv-lora-rank, --rope-dim and --q-lora-rank must be >= 0")
-    return args
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ import torch
 import serve
 from kvcache import PagedKVCache
 from model import KVCache
-from core.cli import ArgumentParser, fmt_bytes, HelpFormatter
+from core.cli import add_knobs, ArgumentParser, fmt_bytes, HelpFormatter, knob
 from core.errors import UserError
 from core.runtime import Progress, run_cli
 from serve import POLICIES, SamplingParams, engine_from_args
@@ -517,55 +517,60 @@ def _int_list(text, name):
 # ----------------------------------------------------------------------------------------
 # The command line: `python -m scripts.serve_bench ...` (gpu_bench.py calls main with a list)
 
+BENCH_KNOBS = [
+    knob("--num-requests", 64, "requests in the workload"),
+    knob("--rate", math.inf, "Poisson arrivals per second (inf = all at once)"),
+    knob("--prompt-len", "32:128", "uniform range LO:HI of prompt tokens"),
+    knob("--output-len", "16:128", "uniform range LO:HI of output tokens"),
+    knob("--shared-prefix", 0, "tokens every prompt starts with (a system prompt; prefix "
+         "caching)"),
+    knob("--interactive-frac", 0.25, "fraction of requests with the tight TTFT SLO and "
+         "priority 0"),
+    knob("--slo-ttft", 0.5, "interactive TTFT SLO, s"),
+    knob("--slo-ttft-batch", 30.0, "batch TTFT SLO, s"),
+    knob("--slo-tpot", 0.25, "TPOT SLO (all requests), s"),
+    knob("--static-batch", 64, "static batching's batch size"),
+    knob("--no-baselines", False, "skip sequential and static batching"),
+    knob("--seed", 0, "workload seed"),
+    knob("--workload", "uniform", "uniform: the flags above; mixed: short (--prompt-len) and "
+         "long (--long-len) prompts; agent: multi-turn sessions, pool sizes x second tiers",
+         choices=["uniform", "mixed", "agent"]),
+    knob("--long-len", "160:224", "mixed: long prompts' range LO:HI"),
+    knob("--long-frac", 0.25, "mixed: share of long prompts"),
+    knob("--repeats", 1, "run each system this many times, report the fastest run"),
+    knob("--clock", "wall", "time with the wall clock, or with this process's CPU time (fair "
+         "on a machine other jobs share; needs --rate inf)", choices=list(CLOCKS)),
+]
+
+AGENT_KNOBS = [
+    knob("--sessions", 16, "conversations"),
+    knob("--turns", 6, "turns per conversation"),
+    knob("--system-len", 64, "shared system prompt tokens"),
+    knob("--message-len", "16:48", "new message per turn, LO:HI"),
+    knob("--answer-len", "16:32", "answer per turn, LO:HI"),
+    knob("--think-time", 0.0, "seconds between an answer and the next turn"),
+    knob("--pool-sizes", None, "comma list of --num-blocks to run; not given: --num-blocks"),
+    knob("--tiers", None, "comma list of second tiers to run (none,host,file); not given: "
+         "none and --kv-tier's"),
+]
+
+
+# the whole command line: serve.py's model and engine tables (the same engine as serving,
+# built by serve.engine_from_args), then the workload's and the agent sessions'
+KNOBS = {None: serve.MODEL_KNOBS,
+         "engine": serve.engine_knobs("the engine's scheduling; not given: both, one after the "
+                                      "other"),
+         "bench": BENCH_KNOBS, "agent sessions (--workload agent)": AGENT_KNOBS}
+
+
 def build_parser():
     p = ArgumentParser(
         prog="python -m scripts.serve_bench",
         description="Benchmark the engine against sequential generate() and static "
                     "batching on one seeded workload.",
         formatter_class=HelpFormatter)
-    serve.add_model_args(p, policy_help="the engine's scheduling; not given: both, one after the "
-                                        "other")
-    g = p.add_argument_group("bench")
-    g.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
-    g.add_argument("--rate", type=float, default=math.inf,
-                   help="Poisson arrivals per second (inf = all at once)")
-    g.add_argument("--prompt-len", default="32:128", help="uniform range LO:HI of prompt tokens")
-    g.add_argument("--output-len", default="16:128", help="uniform range LO:HI of output tokens")
-    g.add_argument("--shared-prefix", type=int, default=0,
-                   help="tokens every prompt starts with (a system prompt; prefix caching)")
-    g.add_argument("--interactive-frac", type=float, default=0.25,
-                   help="fraction of requests with the tight TTFT SLO and priority 0")
-    g.add_argument("--slo-ttft", type=float, default=0.5, help="interactive TTFT SLO, s")
-    g.add_argument("--slo-ttft-batch", type=float, default=30.0, help="batch TTFT SLO, s")
-    g.add_argument("--slo-tpot", type=float, default=0.25, help="TPOT SLO (all requests), s")
-    g.add_argument("--static-batch", type=int, default=64, help="static batching's batch size")
-    g.add_argument("--no-baselines", action="store_true",
-                   help="skip sequential and static batching")
-    g.add_argument("--seed", type=int, default=0, help="workload seed")
-    g.add_argument("--workload", choices=["uniform", "mixed", "agent"], default="uniform",
-                   help="uniform: the flags above; mixed: short (--prompt-len) and long "
-                        "(--long-len) prompts; agent: multi-turn sessions, pool sizes x "
-                        "second tiers")
-    g.add_argument("--long-len", default="160:224", help="mixed: long prompts' range LO:HI")
-    g.add_argument("--long-frac", type=float, default=0.25, help="mixed: share of long prompts")
-    g.add_argument("--repeats", type=int, default=1,
-                   help="run each system this many times, report the fastest run")
-    g.add_argument("--clock", choices=list(CLOCKS), default="wall",
-                   help="time with the wall clock, or with this process's CPU time (fair on "
-                        "a machine other jobs share; needs --rate inf)")
-    g = p.add_argument_group("agent sessions (--workload agent)")
-    g.add_argument("--sessions", type=int, default=16, help="conversations")
-    g.add_argument("--turns", type=int, default=6, help="turns per conversation")
-    g.add_argument("--system-len", type=int, default=64, help="shared system prompt tokens")
-    g.add_argument("--message-len", default="16:48", help="new message per turn, LO:HI")
-    g.add_argument("--answer-len", default="16:32", help="answer per turn, LO:HI")
-    g.add_argument("--think-time", type=float, default=0.0,
-                   help="seconds between an answer and the next turn")
-    g.add_argument("--pool-sizes", default=None,
-                   help="comma list of --num-blocks to run; not given: --num-blocks")
-    g.add_argument("--tiers", default=None,
-                   help="comma list of second tiers to run (none,host,file); not given: none "
-                   "and --kv-tier's")
+    for title, knobs in KNOBS.items():
+        add_knobs(p, knobs, title)
     return p
 
 

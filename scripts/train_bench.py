@@ -16,10 +16,11 @@ imports train.py for the loop's pieces and flags; train.py does not know it exis
 import argparse
 
 from training import data_parallel
-from core.cli import fmt_bytes, fmt_count
+from core.cli import add_knobs, fmt_bytes, fmt_count, knob
+from core.distributed import setup_runtime
 from core.errors import UserError
 from core.meters import comm, StepTimer
-from core.runtime import print0, Progress, run_cli, seed_everything, setup_runtime
+from core.runtime import print0, Progress, run_cli, seed_everything
 import train
 from train import activation_formula, build, micro_batches, state_rows, train_step
 
@@ -103,10 +104,9 @@ def bench(args, rt):
             batches = micro_batches(run.corpus, run_args, step, rt.device, rt.rank)
             wire = comm.total_wire
             with StepTimer(rt.device) as timer:
-                _, act, _ = train_step(run.model, run.optimizer, batches, run_args, rt.device,
-                                       run.scaler, run.master, run.sync, run.qk_clip)
+                _, act, _ = train_step(run, batches, run_args, rt.device)
             sent = comm.total_wire - wire
-            ledger = state_rows(run, rt)
+            ledger = state_rows(run)
             state = ledger["total"] - ledger["opt_scalars"]
             run.sync.zero_grad()
             times.append(timer.seconds)
@@ -128,18 +128,25 @@ def bench(args, rt):
     return results
 
 
+# ----------------------------------------------------------------------------------------
+# The command line: train.py's knobs (the loop's), and this file's own group
+
+BENCH_KNOBS = [
+    knob("--estimate", False, "print the memory formulas for --params parameters on --gpus "
+         "ranks and exit"),
+    knob("--params", "7B", "--estimate: parameter count (7B, 1.5e9)"),
+    knob("--gpus", 64, "--estimate: data-parallel ranks"),
+    knob("--est-shape", "32,4096,32,4096,1", "layers,hidden,heads,seq,batch for --estimate's "
+         "activation rows"),
+    knob("--bench-steps", 3, "steps per bench row"),
+]
+
+
 def parse_args(argv=None):
     p = train.build_parser("What each one-process technique costs, as ratios measured in "
                            "one run (under torchrun: every --dp mode too); --estimate: the "
                            "memory formulas at any size.")
-    g = p.add_argument_group("bench and estimate")
-    g.add_argument("--estimate", action="store_true", help="print the memory formulas for "
-                   "--params parameters on --gpus ranks and exit")
-    g.add_argument("--params", default="7B", help="--estimate: parameter count (7B, 1.5e9)")
-    g.add_argument("--gpus", type=int, default=64, help="--estimate: data-parallel ranks")
-    g.add_argument("--est-shape", default="32,4096,32,4096,1",
-                   help="layers,hidden,heads,seq,batch for --estimate's activation rows")
-    g.add_argument("--bench-steps", type=int, default=3, help="steps per bench row")
+    add_knobs(p, BENCH_KNOBS, "bench and estimate")
     # the configuration the README's trade-off rows state: 4 sequences of 256 tokens a
     # step (train.py's own default, 8, doubles every activation and every step time)
     p.set_defaults(batch_size=4)
@@ -153,7 +160,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.estimate:
         return estimate(args)
-    return bench(args, setup_runtime(args.device, args.timeout))
+    with setup_runtime(args.device, args.timeout) as rt:
+        return bench(args, rt)
 
 
 if __name__ == "__main__":

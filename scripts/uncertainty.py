@@ -26,7 +26,7 @@ from core import data
 import evaluate as ev
 from core import scores
 from core.plots import svg_line_plot, terminal_plot
-from core.cli import ArgumentParser, HelpFormatter
+from core.cli import command_line, knob
 from core.errors import UserError
 from core.runtime import print0, run_cli
 
@@ -114,14 +114,20 @@ def run(args, device):
     return result
 
 
+# ----------------------------------------------------------------------------------------
+# The command line: evaluate.py's model and task flags, and this experiment's own
+
+KNOBS = [
+    knob("--samples", 10, "K answers sampled per problem"),
+    knob("--temperature", 1.0, "sampling temperature"),
+]
+
+
 def parse_args(argv=None):
-    common, task = ev.parent_parsers()
-    p = ArgumentParser(description=(
-        "Wrong-answer detectors (max probability, entropy, self-consistency, semantic "
-        "entropy): AUROC and accuracy-coverage."
-    ), parents=[common, task], formatter_class=HelpFormatter)
-    p.add_argument("--samples", type=int, default=10, help="K answers sampled per problem")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    # evaluate.py's two shared groups, then this experiment's own knobs under "options"
+    p = command_line("Wrong-answer detectors (max probability, entropy, self-consistency, "
+                     "semantic entropy): AUROC and accuracy-coverage.",
+                     dict([ev.COMMON_GROUP, ev.TASK_GROUP, (None, KNOBS)]))
     return ev.check_args(p.parse_args(argv))
 
 
