@@ -41,7 +41,6 @@ Imports only the shared modules. The metrics lora.py, rl.py and train.py report
 (exact_match, answer_loss, greedy_answers, validation_loss) live in core/scores.py, which
 this file imports too, so it imports none of those scripts.
 """
-import argparse
 import hashlib
 import math
 import os
@@ -784,7 +783,7 @@ def eval_problems(args):
 # the flags, --help and the "did you mean" line from these tables). Calibration, uncertainty
 # and contamination: scripts/calibration.py, uncertainty.py and contamination.py (split out
 # by concept) run those experiments with this file's metrics, models and first two knob
-# groups (parent_parsers); they import this file, never the other way.
+# groups (COMMON_GROUP, TASK_GROUP); they import this file, never the other way.
 
 COMMON_KNOBS = [
     knob("--checkpoint", None, f"model checkpoint; not given: ppl reads {DEFAULT_CKPT} (a tiny "
@@ -832,18 +831,9 @@ MODES = {"ppl": (run_ppl, "val loss, perplexity, bits/byte with bootstrap CIs",
                   [COMMON_GROUP, TASK_GROUP, (None, RANKING_KNOBS)])}
 
 
-def parent_parsers():
-    """The two shared groups as parent parsers: (common, task), for the scripts/
-    experiments' ArgumentParser(parents=[...])."""
-    # add_help=False: a parent parser must not define -h, or every child that includes it
-    # would define it twice (argparse's conflict error)
-    return tuple(add_knobs(argparse.ArgumentParser(add_help=False), knobs, title)
-                 for title, knobs in (COMMON_GROUP, TASK_GROUP))
-
-
 def check_args(args):
     """Every count and range a user can get wrong, one line each (shared by the modes here
-    and the experiments under scripts/, which build their parsers from parent_parsers)."""
+    and the experiments under scripts/, which build their parsers from its knob groups)."""
     # getattr(args, name, 1) and the like: a flag the mode does not define reads as valid,
     # so one function checks every parser (this file's and the scripts')
     for name in ("bootstrap", "threads", "base_steps", "sft_steps", "sft_batch", "n_train",

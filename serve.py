@@ -69,7 +69,7 @@ from kvcache import (TIER_KINDS, BlockAllocator, KVTier, PagedKVCache, blocks_fo
                      extend_hash_chain)
 from core.checkpoint import load_model
 from model import sample_next
-from core.cli import add_knobs, command_line, knob
+from core.cli import command_line, knob
 from core.errors import UserError
 from core.runtime import pick_device, run_cli
 from serving import api_server
@@ -736,7 +736,7 @@ class Engine:
 # ----------------------------------------------------------------------------------------
 # The command line: every knob once, a row each (flag, default, help; core/cli.py turns the
 # rows into flags). The model and engine tables are shared with scripts/serve_bench.py
-# (add_model_args); the server's sit beside the HTTP layer (serving/api_server.py).
+# (the same engine from the same command line); the server's sit beside the HTTP layer (serving/api_server.py).
 
 MODEL_KNOBS = [
     knob("--checkpoint", DEFAULT_CHECKPOINT, "written by train.py"),
@@ -766,13 +766,6 @@ def engine_knobs(policy_help):
         knob("--kv-tier-dir", "out/serve/kv_tier", "directory of the file tier (an unlinked "
                                                    "temporary file)"),
     ]
-
-
-def add_model_args(p, policy_help):
-    """--checkpoint, --device, --threads and the engine's flags: serving and the benchmark
-    build the same engine from the same command line (engine_from_args)."""
-    add_knobs(p, MODEL_KNOBS)
-    add_knobs(p, engine_knobs(policy_help), "engine")
 
 
 def engine_from_args(model, enc, args, policy, clock=time.perf_counter):
