@@ -16,6 +16,7 @@ there, never in the reader's `out/`.
 """
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -55,6 +56,28 @@ def torchrun_cmd(nproc, script, *args, extra=()):
     extra: more torchrun flags (e.g. --max-restarts=1)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={nproc}", *extra, *script_argv(script), *map(str, args)]
+
+
+def torchrun_node_cmd(launch, script, *args):
+    """The argv of one torchrun agent of a multi-node launch: `torchrun LAUNCH... script
+    args...`, launch holding its rendezvous flags (--nnodes 2 --node-rank 0 --master-addr
+    127.0.0.1 ...; docs/data_parallel.md, "Multi-node"). No --standalone: that would give
+    each agent a rendezvous of its own, and the two "nodes" would never meet."""
+    return [sys.executable, "-m", "torch.distributed.run", *map(str, launch),
+            *script_argv(script), *map(str, args)]
+
+
+def free_ports(n):
+    """n distinct TCP ports free on 127.0.0.1 now (all held open together while the OS picks,
+    so no two are the same; free again once returned, for a launch to take)."""
+    held = [socket.socket() for _ in range(n)]
+    try:
+        for s in held:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def run_python(script, args=(), timeout=120, env=None, cwd=None):
