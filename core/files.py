@@ -4,17 +4,21 @@ core/files.py -- writing and opening files so that nothing is lost and nothing r
   - atomic_write / atomic_save: a temporary file renamed into place, so a reader (another
     rank, the next run after a crash) sees the old file or the new one, never half of one;
     `keep` generations (ckpt.pt, ckpt.pt.1, ...) are the fallback for an unreadable newest;
-  - load_checkpoint: torch.load(weights_only=True), every failure one line naming the file
-    (core/checkpoint.py builds models on top of it);
+  - load_checkpoint: torch.load(weights_only=True), every failure one line naming the file:
+    "not a PyTorch checkpoint" for text or another format, and safe loading named only
+    for a pickle that asks to run code (core/checkpoint.py builds models on top of it);
   - disks: `check_writable` before training; `os_reason` finds the OSError ("No space
     left on device") behind torch.save's RuntimeError.
 """
+import io
 import os
 import pickle
+import pickletools
 import re
 import shutil
 import tempfile
 import warnings
+import zipfile
 
 import torch
 
@@ -57,6 +61,11 @@ def atomic_save(obj, path, keep=1):
 # may name any Python callable and unpickling calls it: a file from someone else, opened
 # with weights_only=False, can run anything. core/checkpoint.py builds models on top.
 CONVERT_HINT = "python -m core.checkpoint convert {path} NEW.pt"
+# What a file that is not a checkpoint at all (README.md, a JSON file, random bytes) gets:
+# what it is first. Safe loading is no part of that answer -- nothing was refused -- so it
+# is named only where a file really is a pickle that asks to run code (refusal below).
+NOT_A_CHECKPOINT = "{path} is not a PyTorch checkpoint (it holds text or another format, " \
+                   "not what torch.save writes)"
 
 
 def load_checkpoint(path, map_location="cpu", what="checkpoint", fix=None):
@@ -72,18 +81,9 @@ def load_checkpoint(path, map_location="cpu", what="checkpoint", fix=None):
             warnings.simplefilter("ignore", UserWarning)
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        if refused:
-            raise UserError(
-                f"{path} asks to run {refused[1]} when opened, which safe loading refuses "
-                f"(weights_only=True). " + (fix or "If it is an older checkpoint of this repo "
-                f"and you trust its source, convert it once: {CONVERT_HINT.format(path=path)}")
-            ) from None
-        raise UserError(f"{path} is not a PyTorch checkpoint of plain data (safe loading, "
-                        "weights_only=True, cannot read it)") from None
+        raise UserError(refusal(path, e, fix)) from None
     except KeyError:           # torch.load's "invalid load key": not a pickle at all
-        raise UserError(f"{path} is not a PyTorch checkpoint (text, or another format)") \
-            from None
+        raise UserError(NOT_A_CHECKPOINT.format(path=path)) from None
     except EOFError:
         raise UserError(f"{path} is empty or truncated (not a PyTorch checkpoint)") from None
     except Exception as e:
@@ -92,9 +92,70 @@ def load_checkpoint(path, map_location="cpu", what="checkpoint", fix=None):
         # empty list" for a text file whose first byte happens to be a pickle opcode),
         # struct.error, UnicodeDecodeError... -- is the same answer to the user: this file
         # is not a checkpoint. (KeyboardInterrupt and SystemExit are not Exceptions.)
+        # Text gets the text line; a damaged zip (torch.save's format) or pickle, this one.
+        with open(path, "rb") as f:
+            zipped = f.read(2) == b"PK"
+        if not zipped and not pickle_callables(path)[0]:
+            raise UserError(NOT_A_CHECKPOINT.format(path=path)) from None
         first = (str(e).splitlines() or [""])[0][:120] or type(e).__name__
         raise UserError(f"{path} is not a readable PyTorch checkpoint (truncated or another "
                         f"format: {first})") from None
+
+
+def refusal(path, error, fix=None):
+    """The one line for a file torch.load(weights_only=True) stopped with an
+    UnpicklingError. Its restricted unpickler stops at the first opcode it does not
+    handle, so README.md ('#' is no opcode) and a plain pickle.dump (protocol 4's FRAME)
+    fail the same way as a planted payload: which one it is comes from torch's message
+    (it names a refused callable) or from reading the file's opcodes (pickle_callables)."""
+    named = re.search(r"GLOBAL (\S+) (?:was not|whose module)", str(error))
+    if named:
+        is_pickle, calls = True, [named[1]]
+    elif zipfile.is_zipfile(path):      # torch.save's format, its pickle damaged
+        first = (str(error).split("error:")[-1].strip().splitlines() or [""])[0][:120]
+        return f"{path} is not a readable PyTorch checkpoint (corrupted: {first})"
+    else:
+        is_pickle, calls = pickle_callables(path)
+    if calls:
+        return (f"{path} asks to run {calls[0]} when opened, which safe loading refuses "
+                f"(weights_only=True). " + (fix or "If it is an older checkpoint of this repo "
+                f"and you trust its source, convert it once: {CONVERT_HINT.format(path=path)}"))
+    if is_pickle:
+        return (f"{path} is not a PyTorch checkpoint (a plain Python pickle, not what "
+                "torch.save writes)")
+    return NOT_A_CHECKPOINT.format(path=path)
+
+
+# Reading a pickle's opcodes runs nothing (pickletools.genops only decodes them); the ones
+# that import a callable -- the first step of every payload (GLOBAL, INST; STACK_GLOBAL
+# takes the two strings pushed before it; EXTn looks one up in copyreg's registry) -- are
+# what "asks to run code" means. Only the first 16 MiB are read: a file that big and not a
+# checkpoint is not worth reading whole to say so.
+SCAN_BYTES = 16 << 20
+
+
+def pickle_callables(path):
+    """-> (whether the file is a whole pickle, the callables it would import). Text that
+    happens to start with an opcode ('d' is DICT, 'i' is INST) decodes a few opcodes and
+    then fails, so only a pickle that decodes to its STOP counts."""
+    with open(path, "rb") as f:
+        blob = f.read(SCAN_BYTES)
+    calls, strings = [], []
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(blob)):
+            if op.name in ("GLOBAL", "INST"):
+                calls.append(".".join(arg.split(" ", 1)))
+            elif op.name == "STACK_GLOBAL":
+                calls.append(".".join(strings[-2:]) or "a callable")
+            elif op.name.startswith("EXT"):
+                calls.append(f"extension callable {arg}")
+            elif isinstance(arg, str):
+                strings.append(arg)
+            if op.name == "STOP":
+                return True, [re.sub(r"^(__builtin__|builtins)\.", "", c) for c in calls]
+    except Exception:          # ValueError (unknown opcode, cut short) and the like: no pickle
+        pass
+    return False, []
 
 
 def generation_paths(path, keep):

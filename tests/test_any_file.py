@@ -177,3 +177,37 @@ def test_every_file_is_read_or_refused_in_one_line(files, loader, tmp_path):
     if loader not in ("read_documents", "load_checkpoint"):   # a text file IS a corpus;
         # any plain-data pickle IS a readable .pt -- the loaders above it check the shape
         assert refused >= len(files) - 10      # nearly every one of them is refused
+
+
+
+# The generated files that ask to run code: the Evil / EvilSystem pickles (objects 8-11
+# above) of every protocol and the text "cos\nsystem\n" (protocol 0's GLOBAL os.system).
+# Plain objects that pickle rebuilds by calling a function -- a numpy array
+# (numpy's _reconstruct), a set and bytes at protocol 0 (set, _codecs.encode) -- ask too,
+# honestly named; nothing else may mention safe loading.
+PROTOCOLS = range(pickle.HIGHEST_PROTOCOL + 1)
+PAYLOADS = {f"pickle{proto}_{i}.pkl" for proto in PROTOCOLS for i in (8, 9, 10, 11)} | {
+    "text9.txt"}
+REBUILT_BY_A_CALL = {f"pickle{proto}_{i}.pkl" for proto in PROTOCOLS for i in (5, 6, 7)}
+
+
+def test_safe_loading_is_named_only_for_a_pickle_that_asks_to_run_code(files):
+    """load_checkpoint's line for a file that is not a checkpoint says so first; it names
+    safe loading (weights_only=True) only for a pickle that asks to run code -- every
+    payload among them -- and then names what it asks to run. Text never reads like a
+    refused payload (the old line for README.md did: "...of plain data (safe loading,
+    weights_only=True, cannot read it)")."""
+    named, texts = set(), []
+    for name, path in files:
+        try:
+            load_checkpoint(path)
+        except UserError as e:
+            message = str(e)
+            if "weights_only" in message or "safe loading" in message:
+                named.add(name)
+                assert message.startswith(f"{path} asks to run "), message
+            elif message.startswith(f"{path} is not a PyTorch checkpoint (it holds text"):
+                texts.append(name)
+    assert PAYLOADS <= named <= PAYLOADS | REBUILT_BY_A_CALL, sorted(named)
+    assert {"text0.txt", "text1.txt", "text5.txt", "text11.txt"} <= set(texts), texts
+    assert sum(name.startswith("random") for name in texts) >= 30, texts

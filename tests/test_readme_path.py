@@ -69,10 +69,35 @@ def readme():
         return f.read()
 
 
+TABLE_HEAD = "| command | what it shows | `out/ckpt.pt` | time |"
+# What the `out/ckpt.pt` column may say (the demo model's file; each cell starts with one):
+CHECKPOINT_NEEDS = ("writes it", "needs it", "used if present", "not used")
+
+
+def readme_rows():
+    """{command: its cells after the command} of the README's "how to run" table, in order."""
+    table = readme().split(TABLE_HEAD, 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `([^`]+)` \| (.*) \|$", table, flags=re.M)
+    return {command: [cell.strip() for cell in rest.split(" | ")] for command, rest in rows}
+
+
 def readme_commands():
     """The commands of the README's "how to run" table, in order."""
-    table = readme().split("| command | what it shows | time |", 1)[1].split("\n\n", 1)[0]
-    return re.findall(r"^\| `([^`]+)` \|", table, flags=re.M)
+    return list(readme_rows())
+
+
+def test_every_readme_row_says_what_it_needs_of_the_demo_model():
+    """Each row's `out/ckpt.pt` cell says whether the command reads the demo model and, where
+    it needs or prefers one, what it does without (the demo row also names the previous
+    generation it keeps, out/ckpt.pt.1, and its size)."""
+    rows = readme_rows()
+    assert all(len(cells) == 3 for cells in rows.values()), rows
+    for command, (_, need, _) in rows.items():
+        assert need.startswith(CHECKPOINT_NEEDS), (command, need)
+        if need.startswith(("needs it", "used if present")):
+            assert "without" in need, (command, need)
+    shows, need, _ = rows["python train.py"]
+    assert need == "writes it" and "`out/ckpt.pt.1`" in shows and "MB" in shows, shows
 
 
 def test_every_readme_command_has_a_tiny_equivalent():
