@@ -40,7 +40,8 @@ The labs live in labs/<topic>.md, plain Markdown a reader can open on GitHub. On
     @@ ...
     ```
 
-Costs: each lab copies the repo's tracked files (a few MB) into a temporary folder and
+Costs: each lab copies the repo's files (a few MB: what git tracks plus the reader's own new
+files, not what git ignores and never a virtual environment) into a temporary folder and
 runs its command or its tests twice, in that copy and in an untouched copy: never the
 reader's tree, never the reader's out/. The data cache (the trained tokenizers) is shared
 between the copies of one invocation so the tokenizer is trained once.
@@ -64,6 +65,8 @@ LABS_DIR = os.path.join(ROOT, "labs")
 KINDS = ("knob", "break")
 # What a copy holds: the repo's code, tests, labs and docs -- not the reader's outputs, the
 # caches, git's objects or bytecode (a copy is rebuilt for every lab, so it stays small).
+# In a git checkout git says what to leave out (.gitignore: see copy_repo); SKIP is the
+# fall-back for a tree without git (a tarball), and .git is never copied.
 SKIP = {".git", "out", ".cache", "__pycache__", ".pytest_cache"}
 
 
@@ -203,13 +206,57 @@ def cmd_check(labs, ws, timeout, jobs=1):
 # ----------------------------------------------------------------------------------------
 # Copies of the repo, and running things in them
 
-def copy_repo(dest):
-    """The repo's files (not SKIP) into dest. -> dest."""
-    # A copy, not a git worktree: a reader's uncommitted edits are part of what they want
-    # to try the lab on, and a tarball download has no .git at all.
+def git_env():
+    """os.environ without GIT_*: git then asks the repo of its working folder."""
+    # pytest run from a pre-commit hook inherits GIT_DIR / GIT_INDEX_FILE, which would
+    # point git at the reader's repo instead of the folder asked about
+    return {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+
+
+def git_ignored(root):
+    """The paths under root that git ignores (relative, "/"-separated; a folder git ignores
+    whole is one entry), or None where root is not a git checkout or git is missing."""
+    # Asked once per copy, not once per file: `--directory` names an ignored folder once
+    # (.venv/, out/) instead of listing its thousands of files; -z keeps odd names unquoted.
+    # Only a folder holding .git counts: a tarball unpacked inside some other repo (a
+    # dotfiles home) must not take that repo's rules.
+    if not os.path.exists(os.path.join(root, ".git")):
+        return None
+    try:
+        r = subprocess.run(["git", "ls-files", "--others", "--ignored", "--exclude-standard",
+                            "--directory", "-z"], cwd=root, env=git_env(), capture_output=True,
+                           timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return None
+    paths = r.stdout.decode("utf-8", "surrogateescape").split("\0")
+    return {p.rstrip("/") for p in paths if p}
+
+
+def is_venv(path):
+    """A virtual environment: the folder holds pyvenv.cfg (PEP 405), whatever its name."""
+    return os.path.isfile(os.path.join(path, "pyvenv.cfg"))
+
+
+def copy_repo(dest, root=ROOT):
+    """The repo's files into dest: tracked and untracked ones, not what git ignores (not
+    SKIP without git), never a virtual environment. -> dest."""
+    # A copy, not a git worktree: a reader's uncommitted edits and new files are part of what
+    # they want to try the lab on, and a tarball download has no .git at all. A venv is
+    # skipped by its pyvenv.cfg, not its name: the README's .venv is ~1 GB with torch, and
+    # copying it twice made `labs.py run` take minutes instead of seconds (docs/labs.md).
+    ignored = git_ignored(root)
+
     def ignore(folder, names):
-        return [n for n in names if n in SKIP or n.endswith(".pyc")]
-    shutil.copytree(ROOT, dest, ignore=ignore)
+        rel = os.path.relpath(folder, root).replace(os.sep, "/")
+        rel = "" if rel == "." else rel + "/"
+        if ignored is None:
+            skip = {n for n in names if n in SKIP or n.endswith(".pyc")}
+        else:
+            skip = {n for n in names if n == ".git" or rel + n in ignored}
+        return skip | {n for n in names if is_venv(os.path.join(folder, n))}
+    shutil.copytree(root, dest, ignore=ignore)
     return dest
 
 

@@ -1,12 +1,14 @@
 """
 labs.py and labs/*.md kept true: every lab parses, every lab's patch still applies to the
-current files (a patch that no longer fits fails here, naming the lab), a knob lab's
-recorded figures come back, and a fixed subset of break labs -- about one per topic
+current files (a patch that no longer fits fails here, naming the lab), a copy of the tree
+leaves out virtual environments and what git ignores but keeps the reader's files, a knob
+lab's recorded figures come back, and a fixed subset of break labs -- about one per topic
 family -- is caught by its tests on a patched copy and not on an untouched one (what
 `python labs.py check` does for all of them, docs/labs.md).
 """
 import os
 import shutil
+import subprocess
 
 import pytest
 
@@ -74,6 +76,39 @@ def test_the_subset_names_real_labs_of_several_topics(every_lab):
     assert all(by_name[n].kind == "break" for n in CHECKED)
     assert len({by_name[n].topic for n in CHECKED}) == len(CHECKED)     # one per topic
     assert by_name[RUN].kind == "knob"
+
+
+def reader_tree(root, git):
+    """A reader's checkout in miniature: a tracked file, their own new file, a git-ignored
+    folder, out/, and a virtual environment under a name no ignore rule knows (a 4 MB
+    dummy in it, as torch would be). -> the paths a copy must have and must not have."""
+    for rel, size in (("model.py", 0), ("mine.py", 0), ("scratch/big.bin", 1 << 20),
+                      ("out/ckpt.pt", 1 << 20), ("env-3.12/pyvenv.cfg", 0),
+                      ("env-3.12/lib/torch.so", 4 << 20)):
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * size)
+    (root / ".gitignore").write_text("scratch/\nout/\n")
+    if git:      # tracked = in git's index; mine.py stays untracked, not ignored
+        for command in (["init", "-q"], ["add", "model.py", ".gitignore"]):
+            subprocess.run(["git", *command], cwd=root, env=labs.git_env(), check=True)
+    kept = ["model.py", "mine.py", ".gitignore"]
+    # without git there is no .gitignore to ask: scratch/ is copied, SKIP's out/ is not
+    left = ["env-3.12", "out", ".git"] + (["scratch"] if git else [])
+    return kept, left
+
+
+@pytest.mark.parametrize("git", [True, False], ids=["git-checkout", "tarball"])
+def test_a_copy_has_the_readers_files_and_no_venv_or_ignored_folder(tmp_path, git):
+    """The reader's venv (found by its pyvenv.cfg, whatever its name) and what git ignores
+    are never copied -- a venv with torch is ~1 GB per lab -- while tracked files and the
+    reader's untracked ones are: a lab runs on their tree as it is."""
+    if git and shutil.which("git") is None:
+        pytest.skip("git is not installed: the tarball case covers the fall-back")
+    kept, left = reader_tree(tmp_path / "tree", git)
+    copy = labs.copy_repo(str(tmp_path / "copy"), root=str(tmp_path / "tree"))
+    assert all(os.path.isfile(os.path.join(copy, rel)) for rel in kept), os.listdir(copy)
+    assert not any(os.path.exists(os.path.join(copy, rel)) for rel in left), os.listdir(copy)
 
 
 @pytest.mark.slow
