@@ -68,7 +68,8 @@ from core.cli import command_line, fmt_bytes, fmt_count, knob, require_at_least_
 from core.distributed import all_reduce_flat, Runtime, setup_runtime
 from core.errors import UserError
 from core.files import atomic_save
-from core.meters import ActivationMeter, comm, model_state_bytes, StepTimer, tensor_bytes
+from core.meters import (ActivationMeter, comm, model_state_bytes, StepTimer, tensor_bytes,
+                         TimingConditions)
 from core.recipe import warmup_cosine
 from core.runtime import print0, Progress, run_cli, seed_everything
 
@@ -615,6 +616,8 @@ def finetune(model, method, pairs, args, rt=Runtime(), log=True):
     params = [p for p in model.parameters() if p.requires_grad]  # all-reduced, clipped
     model.train()  # adapter dropout on (the GPT has none)
     times, peak_act = [], 0
+    # % of the steps and an eta, at most every 10 s (and at the end): the unit that moves
+    progress = Progress(method, args.steps, unit="steps") if log else None
     for step in range(args.steps):          # linear warmup, then cosine decay to 10%
         f = warmup_cosine(step, args.steps, args.warmup, 1.0, 0.1)
         for g in optimizer.param_groups:  # f: 1/warmup → 1 → 0.1
@@ -645,6 +648,8 @@ def finetune(model, method, pairs, args, rt=Runtime(), log=True):
             print0(f"step {step + 1:4d} | {method} | answer loss {loss_t.item():.4f} | "
                    f"{timer.seconds * 1000:.0f} ms | state {fmt_bytes(state['total'])} | "
                    f"act {fmt_bytes(meter.bytes)} | sent {fmt_bytes(comm.total_wire)}")
+        if progress:
+            progress.update(step + 1)
     # median of steps 2..N: step 1 pays one-off costs (allocator warm-up, Adam state creation)
     return dict(state=state, act=peak_act, seconds=sum(times),
                 step_ms=1000 * statistics.median(times[1:] or times))
@@ -924,16 +929,20 @@ def main(argv=None):
                f"rank(s) | base exact match {base_quality[0]:.1%}, answer loss "
                f"{base_quality[1]:.3f}")
         rows = []
-        # one progress line as each method starts (a compare at the default sizes takes minutes)
+        # one progress line as each method of a compare starts (minutes at the default
+        # sizes); one method alone counts its steps (finetune's progress), not 0 of 1 methods
         progress = Progress("lora compare", len(methods), every=0)
-        for i, method in enumerate(methods):  # adapt a copy of the base, fine-tune, evaluate, merge
-            progress.update(i, now_on=method)
-            model, spec, row = fine_tune_method(method, base, enc, args, rt, loaded, task,
-                                                base_quality)
-            rows.append(row)
+        with TimingConditions() as conditions:   # the load around the ledger's ms/step
+            for i, method in enumerate(methods):  # adapt a copy, fine-tune, evaluate, merge
+                if len(methods) > 1:
+                    progress.update(i, now_on=method)
+                model, spec, row = fine_tune_method(method, base, enc, args, rt, loaded, task,
+                                                    base_quality)
+                rows.append(row)
         cmd = " ".join(["python lora.py", *(sys.argv[1:] if argv is None else argv)])
         print0(f"\nledger ({cmd}; {rt.world_size} rank(s), device {rt.device}):")
         print_ledger(rows)
+        conditions.report(out=print0)            # one line when too busy to trust ms/step
         nf4_bits_report(target_linears(base, args.targets), args.quant_block, args.dq_block)
         print0(f"total {time.perf_counter() - t0:.0f} s")
         # The last method's model: train mode runs one, and compare refuses --save/--export

@@ -45,7 +45,7 @@ from core import data
 from model import GPT, get_config
 from core.cli import command_line, given, knob, require_at_least_one
 from core.errors import UserError
-from core.meters import comm, model_state_bytes, StepTimer
+from core.meters import comm, model_state_bytes, StepTimer, TimingConditions
 from core.recipe import warmup_cosine
 from core.runtime import pick_device, run_cli
 
@@ -696,10 +696,11 @@ def compare(args, device):
           f"kv, vocab {cfg.vocab_size}: {probe.num_params():,} params ({n_hidden:,} in hidden "
           f"matrices) | {args.steps} steps × {tps:,} tokens | warmup {args.warmup_steps}, "
           f"cosine to 10% | seed {args.seed} | {torch.get_num_threads()} thread(s)")
-    runs = [train_run(cfg, corpus, args, device, "adamw", lr) for lr in args.lrs]
-    adamw = min(runs, key=lambda r: r["final"])
-    for mlr in args.muon_lrs:   # Muon's matrices at mlr; the rest keeps AdamW's best lr
-        runs.append(train_run(cfg, corpus, args, device, "muon", adamw["lr"], mlr))
+    with TimingConditions() as conditions:      # the load around the runs' wall times
+        runs = [train_run(cfg, corpus, args, device, "adamw", lr) for lr in args.lrs]
+        adamw = min(runs, key=lambda r: r["final"])
+        for mlr in args.muon_lrs:   # Muon's matrices at mlr; the rest keeps AdamW's best lr
+            runs.append(train_run(cfg, corpus, args, device, "muon", adamw["lr"], mlr))
     muon = min(runs[len(args.lrs):], key=lambda r: r["final"])
     # the worse of the two best final losses: a level both best runs reach, so "tokens to
     # target" is defined for both
@@ -714,8 +715,9 @@ def compare(args, device):
     ratio = t_a / t_m if t_a and t_m else float("nan")
     print(f"\nval loss {target:.3f}: AdamW needs {t_a or float('nan'):,.0f} tokens, Muon "
           f"{t_m or float('nan'):,.0f}: AdamW/Muon = {ratio:.2f}× (Moonlight: ≈2× at scale)\n"
-          f"(wall times: a shared CPU, contended, and Muon's Newton–Schulz is large at this d;"
-          f" the claim is about tokens)\n\nval loss (A = AdamW, M = Muon, * = both):")
+          f"(wall times: Muon's Newton–Schulz is large at this d; the claim is about tokens)")
+    conditions.report()               # one line when the machine was too busy to time
+    print("\nval loss (A = AdamW, M = Muon, * = both):")
     print(ascii_plot({"A": [(s * tps, l) for s, l in adamw["curve"][1:]],
                       "M": [(s * tps, l) for s, l in muon["curve"][1:]]}))
     why(adamw, muon)
@@ -743,7 +745,10 @@ def why(adamw, muon):
 # ----------------------------------------------------------------------------------------
 # bench: what each optimizer holds and what its step costs, hand vs torch, same run
 
-def bench(args, device):
+def bench(args, device, conditions=None):
+    """conditions: a core.meters.TimingConditions (None: the machine's own), which judges
+    the timings and prints the one warning line when they cannot be trusted."""
+    conditions = conditions or TimingConditions()
     cfg = model_config(args, args.vocab_size)
     model = GPT(cfg, seed=args.seed).to(device)
     x = torch.randint(cfg.vocab_size, (args.batch_size, args.seq_len), device=device)
@@ -771,22 +776,27 @@ def bench(args, device):
           f"{fwd_bwd.seconds * 1e3:.0f} ms; optimizer.step(): best of {args.bench_steps}, hand and "
           f"torch alternating, same gradients, {torch.get_num_threads()} thread(s)")
     print(f"{'optimizer':<24} {'state B/param':>13} {'hand ms':>8} {'torch ms':>9} hand/torch")
-    for label, ps, hand, ref in rows:
-        # Hand and torch step the SAME tensors, alternately: the weights drift, which the
-        # timing does not mind; the best of N (min) drops a busy machine's noise.
-        opts, times = [hand(ps), ref(ps)], [[], []]
-        for _ in range(args.bench_steps):
-            for opt, ts in zip(opts, times):
-                t0 = time.perf_counter()
-                opt.step()
-                ts.append(time.perf_counter() - t0)
-        state = model_state_bytes(None, opts[0])["optimizer"] / sum(p.numel() for p in ps)
-        t_hand, t_ref = min(times[0]), min(times[1])
-        print(f"{label:<24} {state:13.2f} {t_hand * 1e3:8.2f} {t_ref * 1e3:9.2f} "
-              f"{t_hand / t_ref:10.2f}")
+    repeats = {}                      # every timed step of every row: their spread is judged
+    with conditions:                  # the load average as the timing starts and ends
+        for label, ps, hand, ref in rows:
+            # Hand and torch step the SAME tensors, alternately: the weights drift, which
+            # the timing does not mind; the best of N (min) drops a busy machine's noise.
+            opts, times = [hand(ps), ref(ps)], [[], []]
+            for _ in range(args.bench_steps):
+                for opt, ts in zip(opts, times):
+                    t0 = time.perf_counter()
+                    opt.step()
+                    ts.append(time.perf_counter() - t0)
+            state = model_state_bytes(None, opts[0])["optimizer"] / sum(p.numel() for p in ps)
+            t_hand, t_ref = min(times[0]), min(times[1])
+            print(f"{label:<24} {state:13.2f} {t_hand * 1e3:8.2f} {t_ref * 1e3:9.2f} "
+                  f"{t_hand / t_ref:10.2f}")
+            repeats.update({f"{label} hand": times[0], f"{label} torch": times[1]})
     print(f"Newton–Schulz: {ns_flops / 1e6:.0f} MFLOP per step = {100 * ns_flops / step_flops:.1f}%"
           f" of the step's {step_flops / 1e9:.2f} GFLOP forward+backward (≈ 5·d/tokens for the "
-          f"hidden matrices)\n(timings on a shared CPU: contended; read the ratios)")
+          f"hidden matrices)")
+    # one line, only when the load or the spread says the times above cannot be trusted
+    return conditions.report(repeats)
 
 
 # ----------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ from core.moe import MoE
 from core.cli import ArgumentParser, add_knobs, fmt_bytes, given, knob, require_at_least_one
 from core.distributed import all_reduce_flat, setup_runtime
 from core.errors import UserError
-from core.meters import StepTimer, comm
+from core.meters import StepTimer, comm, TimingConditions
 from core.recipe import decay_groups, warmup_cosine
 from core.runtime import print0, run_cli, seed_everything
 from parallelism.tensor_parallel import (GatheredInputs, SavedActivations,
@@ -834,7 +834,11 @@ def train(args, rt):
 # its own split model and loss; parallelism/parallel_check.py builds DTensor's, runs and
 # compares both.
 
-def bench_tp(args, rt):
+def bench_tp(args, rt, conditions=None):
+    """Hand TP vs DTensor TP (parallelism/parallel_check.py times and prints both), then
+    one warning line when core.meters.TimingConditions (None: the machine's own) finds
+    the machine too loaded to trust the step times."""
+    conditions = conditions or TimingConditions()
     if not rt.distributed:
         raise UserError("bench-tp compares tensor-parallel runs: launch it with torchrun "
                         "--standalone --nproc_per_node=T parallel.py bench-tp")
@@ -857,7 +861,11 @@ def bench_tp(args, rt):
     # DTensor's caches), see parallel_check._time_steps
     batches = [data.get_batch(corpus.train, args.batch_size, args.seq_len, args.seed, s,
                               device=rt.device) for s in range(args.steps + 1)]
-    parallel_check.bench_against_dtensor(hand, hand_loss, cfg, mesh["tp"], batches, rt.device)
+    # the load only: parallel_check keeps its per-step times to itself, so no spread here
+    with conditions:
+        parallel_check.bench_against_dtensor(hand, hand_loss, cfg, mesh["tp"], batches,
+                                             rt.device)
+    conditions.report(out=print0)
 
 
 # ----------------------------------------------------------------------------------------

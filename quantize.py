@@ -65,7 +65,7 @@ from model import GPT, get_config
 from core.cli import (ArgumentParser, HelpFormatter, add_knobs, fmt_bytes, knob,
                       require_at_least_one)
 from core.errors import UserError
-from core.meters import tensor_bytes
+from core.meters import tensor_bytes, TimingConditions
 from core.runtime import print0, run_cli, seed_everything
 
 # train.py's default output. Absent on a clean clone: load_base then trains a fresh tiny
@@ -146,12 +146,13 @@ def awq_note(args, alphas):
 
 def measure_int_mm(in_features, out_features, rows=(1, 16, 64, 256), repeats=20):
     """Time torch._int_mm (int8 x int8 -> int32) against the fp32 matmul it would replace.
-    -> (smallest row count from which int8 wins at every measured size, or None; lines)."""
+    -> (smallest row count from which int8 wins at every measured size, or None; lines;
+    {row label: every call's seconds}, for core.meters.TimingConditions' spread)."""
     # torch._int_mm is a private op (the leading underscore): a build may lack it, and
     # W8A8 must then fall back to the fp32 path, which gives the same numbers.
     if not hasattr(torch, "_int_mm"):
-        return None, ["torch._int_mm: not in this torch build"]
-    lines, wins = [], []
+        return None, ["torch._int_mm: not in this torch build"], {}
+    lines, wins, timed = [], [], {}
     # Random codes in [-127, 127], the symmetric int8 range of code_range(8): timing depends
     # on dtype and shape only. w is (out, in) as QuantLinear.codes is, so x @ w.t() is the
     # very call QuantLinear.w8a8 makes (w.t() a strided view, no copy).
@@ -160,16 +161,18 @@ def measure_int_mm(in_features, out_features, rows=(1, 16, 64, 256), repeats=20)
         # m = tokens in one forward: 1 is a decode step of one sequence, 256 a prefill.
         x = torch.randint(-127, 128, (m, in_features), dtype=torch.int8)
         try:
-            t_int = _best_time(lambda: torch._int_mm(x, w.t()), repeats)
+            ts_int = _times(lambda: torch._int_mm(x, w.t()), repeats)
         except RuntimeError as e:
             # a backend without a kernel for this shape (CUDA's has wanted more than 16 rows
             # and sizes in multiples of 8): "never use it" is the safe decision.
-            return None, [f"torch._int_mm fails here: {str(e).splitlines()[0]}"]
+            return None, [f"torch._int_mm fails here: {str(e).splitlines()[0]}"], {}
         # The fp32 copies are made outside the timed call. The real fallback also pays a
         # codes.float() per call, so this baseline is a little faster than it: int8 has to
         # beat the stronger opponent before W8A8 switches to it.
         xf, wf = x.float(), w.float()
-        t_fp = _best_time(lambda: xf @ wf.t(), repeats)
+        ts_fp = _times(lambda: xf @ wf.t(), repeats)
+        timed.update({f"int8 rows {m}": ts_int, f"fp32 rows {m}": ts_fp})
+        t_int, t_fp = min(ts_int), min(ts_fp)
         wins.append(t_int < t_fp)
         lines.append(f"  rows {m:4d} x {in_features}x{out_features}: int8 {t_int * 1e6:7.1f} us"
                      f" | fp32 {t_fp * 1e6:7.1f} us")
@@ -177,18 +180,23 @@ def measure_int_mm(in_features, out_features, rows=(1, 16, 64, 256), repeats=20)
     # flips back at a bigger m (cache effects) would otherwise route prefills to the
     # slower kernel. None when int8 loses at the largest size.
     first = next((m for i, m in enumerate(rows) if all(wins[i:])), None)
-    return first, lines
+    return first, lines, timed
+
+
+def _times(fn, repeats):
+    """The seconds of each of `repeats` calls of fn."""
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - t0)
+    return seconds
 
 
 def _best_time(fn, repeats):
     """The fastest of `repeats` calls of fn, in seconds. The minimum, not the mean: on a
     shared machine noise only ever adds time, so the minimum is the least noisy estimate."""
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return min(_times(fn, repeats))
 
 
 
@@ -197,7 +205,8 @@ def int_mm_decision(base):
     # One decision for every layer, from the largest weight (an MLP linear, ffn_hidden ×
     # dim): a simplification -- a per-shape table would suit a model of mixed widths better.
     widest = max((lin for _, lin in target_linears(base)), key=lambda m: m.weight.numel())
-    rows, lines = measure_int_mm(widest.in_features, widest.out_features)
+    with TimingConditions() as conditions:    # the load as the timing starts and ends
+        rows, lines, timed = measure_int_mm(widest.in_features, widest.out_features)
     print0("int8 x int8 -> int32 matmul (torch._int_mm) vs fp32, best of 20:")
     for line in lines:
         print0(line)
@@ -205,6 +214,8 @@ def int_mm_decision(base):
     # integers fp32 holds exactly (QuantLinear.w8a8): the choice changes speed, not numbers
     print0(f"  -> W8A8 uses torch._int_mm from {rows} rows on" if rows is not None else
            "  -> W8A8 uses the fp32 matmul on integer values (exact, and faster here)")
+    # a busy machine can flip the choice (it changes speed only): say so when it was busy
+    conditions.report(timed, out=print0)
     return rows
 
 
@@ -729,10 +740,12 @@ def main(argv=None):
     table = Table(f"ledger ({command}):")
     # The reference row checks the ledger itself: Δ loss 0, top-1 and greedy 100%,
     # × fp32 = 1.00. Anything else there means the Evaluator is not deterministic.
-    table.add(ev.row(base, "fp32", "fp32"))
-    model = MODES[args.mode][0](args, base, corpus, ev, table, int_mm_rows)
+    with TimingConditions() as conditions:   # the load around every row's ms/token
+        table.add(ev.row(base, "fp32", "fp32"))
+        model = MODES[args.mode][0](args, base, corpus, ev, table, int_mm_rows)
     seconds = time.perf_counter() - t_start
-    print0(f"total {seconds:.0f} s; timings: wall clock on this (possibly shared) CPU")
+    print0(f"total {seconds:.0f} s; timings: wall clock on this CPU")
+    conditions.report(out=print0)              # one line when it was too busy to trust them
     if args.mode == "compare":
         write_compare(args.out_dir, command, source, seconds, table.rows)
     if args.save:

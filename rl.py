@@ -66,7 +66,8 @@ from core.cli import command_line, fmt_count, knob, require_at_least_one
 from core.distributed import all_reduce_flat, setup_runtime
 from core.errors import UserError
 from core.files import atomic_save
-from core.meters import ActivationMeter, comm, model_state_bytes, StepTimer, tensor_bytes
+from core.meters import (ActivationMeter, comm, model_state_bytes, StepTimer, tensor_bytes,
+                         TimingConditions)
 from core.runtime import print0, Progress, run_cli
 
 # RL_ALGOS each get a frozen copy of the start policy as π_ref, DISTILL_ALGOS the teacher
@@ -597,6 +598,8 @@ def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teache
     m["start"] = m["end"] = evaluate(policy, enc, test_probs, args.eval_samples, args.max_new)
     print0(f"{algo}: start | held-out greedy {m['start']['greedy']:.1%} sampled "
            f"{m['start']['sampled']:.1%} | length {m['start']['length']:.2f}")
+    # % of the steps and an eta, at most every 10 s (and at the end): the unit that moves
+    progress = Progress(algo, args.steps, unit="steps")
     for step in range(args.steps):
         with StepTimer(rt.device) as t:
             b = rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, reward_fn)
@@ -613,6 +616,7 @@ def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teache
             if critic:  # after each policy pass
                 critic_step(critic, copt, b, args, m, rt)
         log_step(m, algo, step, args, policy, enc, test_probs)
+        progress.update(step + 1)
     critic_params = critic.num_params() if critic else 0
     m.update(algo=algo, params=policy.num_params(), critic_params=critic_params,
              held=held_besides_policy(ref, teacher, critic, m))
@@ -825,9 +829,12 @@ def run_algorithms(algos, policy, teacher, enc, args, rt, train_probs, test_prob
         start = evaluate(policy, enc, test_probs, 1, args.max_new)["greedy"]
         metrics = distill_metrics(policy, teacher, enc, test_probs, args.max_new)
         d_rows.append(("init", "-", "-", 0, 0, start, metrics))
-    progress = Progress("rl compare", len(algos), every=0)     # one line as each starts
+    # one line as each algorithm of a compare starts; one alone counts its steps (train's
+    # progress), not 0 of 1 algorithms
+    progress = Progress("rl compare", len(algos), every=0)
     for i, algo in enumerate(algos):
-        progress.update(i, now_on=algo)
+        if len(algos) > 1:
+            progress.update(i, now_on=algo)
         comm.reset()
         model = copy.deepcopy(policy)        # every algorithm starts from the same SFT'd policy
         # π_ref: a frozen copy of the START policy (REINFORCE's loss ignores it: only the KL
@@ -954,12 +961,14 @@ def main(argv=None):
                f"{args.digits}-digit '{args.ops}', {len(test_probs)} held-out problems | "
                f"{args.steps} steps × "
                f"{args.prompts * rt.world_size} prompts × G={args.group}, {rt.world_size} rank(s)")
-        rows, d_rows, saved = run_algorithms(algos, policy, teacher, enc, args, rt, train_probs,
-                                             test_probs)
+        with TimingConditions() as conditions:     # the load around the ledger's seconds
+            rows, d_rows, saved = run_algorithms(algos, policy, teacher, enc, args, rt,
+                                                 train_probs, test_probs)
         cmd = " ".join(["python rl.py", *(sys.argv[1:] if argv is None else argv)])
-        print0(f"\nledger ({cmd}; {rt.world_size} rank(s), {rt.device}; times are wall seconds "
-               f"on a shared CPU: compare ratios, not absolutes):")
+        print0(f"\nledger ({cmd}; {rt.world_size} rank(s), {rt.device}; times are wall "
+               f"seconds: compare ratios, not absolutes):")
         rl_ledger.print_rl_table(rows)
+        conditions.report(out=print0)              # one line when too busy to trust them
         if len(d_rows) > 1:
             teacher_acc = evaluate(teacher, enc, test_probs, 1, args.max_new)["greedy"]
             print0(f"distillation: teacher {fmt_count(teacher.num_params())} params, held-out "

@@ -61,7 +61,7 @@ from core.distributed import (long_phase, set_collective_timeout, setup_runtime,
                               STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_STEPS, tighten_after_first_step)
 from core.errors import Interrupted, UserError
 from core.files import check_writable
-from core.meters import ActivationMeter, comm, gpu_peak_flops, StepTimer
+from core.meters import ActivationMeter, comm, gpu_peak_flops, StepTimer, TimingConditions
 from core.recipe import warmup_cosine
 from core.runtime import attempt, GracefulStop, print0, run_cli, seed_everything
 
@@ -643,7 +643,9 @@ def train(args, rt):
         return run.history
     state, act_bytes, sent, t_start = None, 0, 0, time.time()
     tight = 0.0                     # the collective timeout after the first step (0: none)
-    with GracefulStop() as stop:    # Ctrl-C: finish the step, save, say how to resume
+    # Ctrl-C: finish the step, save, say how to resume; and the machine's load as the loop
+    # starts and ends, the judge of the tok/s and ms in its log lines (core/meters.py)
+    with GracefulStop() as stop, TimingConditions() as conditions:
         while run.step < last:
             crash_on_purpose(args, rt, run.step)
             # every group's lr (× its lr_scale: Muon's own) is written before each step
@@ -664,7 +666,9 @@ def train(args, rt):
             loss, signum = global_mean(loss, rt, stop.signum)   # every rank stops together
             run.history["loss"].append(loss)
             run.step += 1
-            if run.step % args.log_interval == 0 or run.step == args.steps:
+            # the first step of this invocation too: at --log-interval 10 a loaded CPU
+            # would otherwise stay silent for minutes before the first line and its eta
+            if run.step % args.log_interval == 0 or run.step in (args.steps, first_step + 1):
                 per_step = (time.time() - t_start) / (run.step - first_step)
                 print0(log_line(args, rt, run, loss, lr, timer, state, act_bytes,
                                 sent / (run.step - first_step), skipped, tokens_per_step)
@@ -680,7 +684,7 @@ def train(args, rt):
     run.history["elapsed"] = time.time() - t_start
     if state is not None:
         final_report(args, rt, run, state, n_params, act_bytes, sent / (run.step - first_step))
-    wrap_up(args, rt, run)
+    wrap_up(args, rt, run, conditions)
     return run.history
 
 
@@ -705,9 +709,11 @@ def start(args, rt):
     return run, n_params, tokens_per_step, last
 
 
-def wrap_up(args, rt, run):
-    """After the loop: the time, how to go on, the loss curve, the sample, what next."""
+def wrap_up(args, rt, run, conditions):
+    """After the loop: the time (and one warning line when the machine was too loaded to
+    trust it), how to go on, the loss curve, the sample, what next."""
     print0(f"trained {run.step} steps in {run.history['elapsed']:.1f} s")
+    conditions.report(out=print0)
     if run.step < args.steps and args.save_interval:
         print0(f"stopped at step {run.step} of {args.steps} (--stop-after): continue with "
                f"the same command and --resume")

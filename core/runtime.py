@@ -104,11 +104,14 @@ class Progress:
     """One line now and then for a phase that takes more than a few seconds (building a
     cache, training a drafter, SFT before RL), so a first run is never silent:
         sft policy: 40% (240/600) | 31 s | eta 46 s
+        lora: 40% (80/200 steps) | 12 s | eta 18 s        (unit="steps")
     printed on rank 0 at most every `every` seconds, and once at the end. The estimate
-    assumes the remaining items cost what the done ones did on average."""
+    assumes the remaining items cost what the done ones did on average. Count in the unit
+    that moves: a run of one method counts its steps, not its 0 of 1 methods."""
 
-    def __init__(self, label, total, every=10.0, clock=time.time):
+    def __init__(self, label, total, every=10.0, clock=time.time, unit=""):
         self.label, self.total, self.every, self.clock = label, max(1, total), every, clock
+        self.unit = f" {unit}" if unit else ""
         self.t0 = self.last = clock()
 
     def update(self, done, now_on=""):
@@ -120,7 +123,7 @@ class Progress:
         elapsed = now - self.t0
         # no estimate before the first item is done: nothing to base it on
         left = fmt_duration(elapsed / done * (self.total - done)) if done else "?"
-        print0(f"{self.label}: {100 * done // self.total}% ({done}/{self.total}) | "
+        print0(f"{self.label}: {100 * done // self.total}% ({done}/{self.total}{self.unit}) | "
                f"{fmt_duration(elapsed)} | eta {left}" + (f" | now: {now_on}" if now_on else ""))
 
 

@@ -44,7 +44,7 @@ from model import GPT, get_config
 from core.cli import command_line, fmt_bytes, given, knob, require_at_least_one
 from core.distributed import setup_runtime
 from core.errors import UserError
-from core.meters import comm
+from core.meters import comm, TimingConditions
 from core.runtime import print0, run_cli
 
 SCHEDULES = ("gpipe", "1f1b", "zb", "dualpipev")
@@ -641,8 +641,8 @@ def torch_pipeline_step(schedule, stages, pp_group, M, device):
 
 
 def timed(step, args, model, device):
-    """Median wall time of a step (barrier to barrier), the last step's result, and each
-    timed step's start (step(t0) may use it, e.g. to keep that step's timeline)."""
+    """The wall time of each timed step (barrier to barrier), the last step's result, and
+    each timed step's start (step(t0) may use it, e.g. to keep that step's timeline)."""
     times, starts = [], []
     for i in range(args.warmup + args.steps):
         model.zero_grad(set_to_none=True)
@@ -657,7 +657,7 @@ def timed(step, args, model, device):
         if dist.is_initialized():
             dist.barrier()
         times.append(time.perf_counter() - t0)
-    return sorted(times[args.warmup:])[args.steps // 2], result, starts
+    return times[args.warmup:], result, starts
 
 
 def bench_schedule(schedule, args, rt, cfg, batch, pp_group):
@@ -678,18 +678,18 @@ def bench_schedule(schedule, args, rt, cfg, batch, pp_group):
         return run_schedule(stages, actions, xs, ys, pp_group,
                             (args.microbatch_size, T, cfg.n_embd), torch.float32, device,
                             timeline)
-    hand_s, hand_loss, starts = timed(hand_step, args, model, device)
+    hand_times, hand_loss, starts = timed(hand_step, args, model, device)
     sent = (comm.total_wire - wire) / (args.warmup + args.steps)
     # every timed step's timeline: the bubble is the median over steps (one step on a
     # shared CPU is noisy), the picture is the last step's
     per_step = [gather_timelines(tl, t0) for tl, t0 in zip(steps_run[args.warmup:], starts)]
     bubbles = sorted(sum(measured_bubbles(tls)) / P for tls in per_step)
-    torch_s, torch_loss = None, None
+    torch_times, torch_loss = [], None
     note = "needs torchrun" if not rt.distributed else "skipped" if args.no_torch else ""
     if not note:
         try:
             step = torch_pipeline_step(schedule, stages, pp_group, M, device)
-            torch_s, torch_loss, _ = timed(lambda: step(xs, ys), args, model, device)
+            torch_times, torch_loss, _ = timed(lambda: step(xs, ys), args, model, device)
         except Exception as e:   # a schedule torch cannot drive here: say so, no number
             note = f"torch failed: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
     f, b, w = mean_times([tl for tls in per_step for tl in tls])
@@ -697,8 +697,11 @@ def bench_schedule(schedule, args, rt, cfg, batch, pp_group):
     everyone = [mine] * P
     if rt.distributed:
         dist.all_gather_object(everyone, mine)
-    row = dict(schedule=schedule, hand_ms=hand_s * 1e3, torch_note=note,
-               torch_ms=torch_s and torch_s * 1e3,
+    # the median step (the upper one of an even count), and every step for the spread
+    row = dict(schedule=schedule, hand_ms=sorted(hand_times)[args.steps // 2] * 1e3,
+               torch_note=note,
+               torch_ms=sorted(torch_times)[args.steps // 2] * 1e3 if torch_times else None,
+               times={f"{schedule} hand": hand_times, f"{schedule} torch": torch_times},
                hand_loss=next(e[0] for e in everyone if e[0] is not None),
                torch_loss=next((e[1] for e in everyone if e[1] is not None), None),
                sent=max(e[2] for e in everyone),
@@ -718,7 +721,11 @@ def print_bench(rows):
                f"{r['theory']:7.1%} {fmt_bytes(r['sent']):>13}  {r['hand_loss']:.6f} / {versus}")
 
 
-def bench(args, rt):
+def bench(args, rt, conditions=None):
+    """Every --schedules schedule timed by hand and through torch; the table, one warning
+    line when core.meters.TimingConditions (None: the machine's own) doubts the times,
+    then each schedule's timeline."""
+    conditions = conditions or TimingConditions()
     P, M, T, device = rt.world_size, args.microbatches, args.seq_len, rt.device
     pp_group = dist.new_group(list(range(P))) if rt.distributed else None
     if pp_group is not None:
@@ -735,11 +742,13 @@ def bench(args, rt):
            f"tokens, {args.preset} with n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
            f"vocab {cfg.vocab_size}, {device}")
     rows, pictures = [], []
-    for schedule in args.schedules:
-        row, picture = bench_schedule(schedule, args, rt, cfg, batch, pp_group)
-        rows.append(row)
-        pictures.append(picture)
+    with conditions:                # the load average as the first schedule starts, the last ends
+        for schedule in args.schedules:
+            row, picture = bench_schedule(schedule, args, rt, cfg, batch, pp_group)
+            rows.append(row)
+            pictures.append(picture)
     print_bench(rows)
+    conditions.report({k: v for r in rows for k, v in r["times"].items()}, out=print0)
     for picture in pictures:
         print0("\n" + picture)
     return rows

@@ -45,7 +45,7 @@ import train
 from model import GPT, KVCache, get_config
 from core.cli import command_line, fmt_bytes, fmt_count, knob
 from core.errors import UserError
-from core.meters import gpu_peak_flops, model_state_bytes, StepTimer
+from core.meters import gpu_peak_flops, model_state_bytes, StepTimer, TimingConditions
 from core.runtime import pick_device, run_cli, seed_everything
 
 # Peak HBM/GDDR bandwidth (bytes/s) from the vendors' data sheets; the first key found in
@@ -305,14 +305,16 @@ def header(device, target, size):
             f"{target.config.vocab_size}), train batch {size['batch']}×{size['seq']} tokens")
 
 
-def write_table(rows, head, out_dir, t0):
-    """The rows under the header, printed and written to <out-dir>/table.txt."""
+def write_table(rows, head, out_dir, t0, warning=None):
+    """The rows under the header, printed and written to <out-dir>/table.txt; `warning`:
+    core.meters.TimingConditions' line when the machine was too busy to trust the times."""
     widths = (28, 16, 34)
     lines = [head,
              f"{'row':<{widths[0]}} {'measured':>{widths[1]}}  {'against':<{widths[2]}}  detail"]
     lines += [f"{a:<{widths[0]}} {b:>{widths[1]}}  {c:<{widths[2]}}  {d}" for a, b, c, d in rows]
     lines.append(f"total {time.perf_counter() - t0:.0f} s; sub-benchmark output in "
                  f"{os.path.join(out_dir, 'bench.log')}")
+    lines += [warning] if warning else []
     print("\n".join(lines), flush=True)
     with open(os.path.join(out_dir, "table.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -377,8 +379,11 @@ def main(argv=None):
     size["batch"] = args.batch_size or size["batch"]
     os.makedirs(args.out_dir, exist_ok=True)
     t0 = time.perf_counter()
-    rows, target = run_sections(args, size, device, t0)
-    write_table(rows, header(device, target, size), args.out_dir, t0)
+    # the load as the first section starts and the last ends (a GPU's times suffer from a
+    # busy host too: every kernel is launched from Python on the CPU)
+    with TimingConditions() as conditions:
+        rows, target = run_sections(args, size, device, t0)
+    write_table(rows, header(device, target, size), args.out_dir, t0, conditions.verdict())
     return rows
 
 

@@ -9,14 +9,12 @@ decode step spends per cached token.
 
 A harness over model.py and kvcache.py (an entry point; nothing imports it).
 """
-import math
-
 import torch
 
 from core.mla import mla_dims, set_absorb
 from core.cli import command_line, fmt_bytes, knob
 from core.errors import UserError
-from core.meters import StepTimer
+from core.meters import StepTimer, TimingConditions
 from core.runtime import pick_device, run_cli
 from kvcache import PagedKVCache
 from model import GPT, KVCache, get_config
@@ -107,10 +105,13 @@ def macs_per_cached_token(cfg, absorb=None):
     return d["d_c"] * H * (d["d_nope"] + d["d_v"]) + H * (d["d_nope"] + d["d_rope"] + d["d_v"])
 
 
-def print_decode_table(configs, args, device):
+def print_decode_table(configs, args, device, conditions=None):
     """Decode time per step, best of `repeats` runs, the runs of all rows alternated; next
     to it what one step does per cached token and layer: multiply-adds and KV bytes read
-    (their ratio: the arithmetic intensity that decides CPU vs bandwidth-bound GPU)."""
+    (their ratio: the arithmetic intensity that decides CPU vs bandwidth-bound GPU). Then
+    one warning line when core.meters.TimingConditions (None: the machine's own) doubts
+    the times."""
+    conditions = conditions or TimingConditions()
     runs, costs = {}, {}
     for name, cfg in configs.items():
         paths = (("absorbed", True), ("unabsorbed", False)) if cfg.mla else (("", None),)
@@ -123,12 +124,14 @@ def print_decode_table(configs, args, device):
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(configs["MHA"].vocab_size, (args.batch_size, args.context),
                            generator=gen).to(device)
-    best, outs = {k: math.inf for k in runs}, {}
-    for repeat in range(args.repeats + 1):             # round 0 warms up, not counted
-        for label, model in runs.items():
-            seconds, outs[label] = decode_seconds(model, prompt, args.new_tokens)
-            if repeat:
-                best[label] = min(best[label], seconds)
+    timed, outs = {k: [] for k in runs}, {}
+    with conditions:                      # the load as the first run starts, the last ends
+        for repeat in range(args.repeats + 1):             # round 0 warms up, not counted
+            for label, model in runs.items():
+                seconds, outs[label] = decode_seconds(model, prompt, args.new_tokens)
+                if repeat:
+                    timed[label].append(seconds)
+    best = {k: min(v) for k, v in timed.items()}
     same = torch.equal(outs["MLA absorbed"], outs["MLA unabsorbed"])
     ref = next(k for k in runs if k.startswith("GQA"))
     print(f"\ndecode time per step (one token for each of {args.batch_size} sequence(s)) on "
@@ -141,6 +144,7 @@ def print_decode_table(configs, args, device):
         macs, nbytes = costs[label]
         print(f"{label:<18}{best[label] * 1e3:>9.2f}{best[label] / best[ref]:>19.2f}x"
               f"{macs:>22,}{nbytes:>11,}{macs / nbytes:>7.1f}")
+    conditions.report(timed)
     return best, same
 
 

@@ -19,7 +19,7 @@ from training import data_parallel
 from core.cli import add_knobs, fmt_bytes, fmt_count, knob
 from core.distributed import setup_runtime
 from core.errors import UserError
-from core.meters import comm, StepTimer
+from core.meters import comm, StepTimer, TimingConditions
 from core.runtime import print0, Progress, run_cli, seed_everything
 import train
 from train import activation_formula, build, micro_batches, state_rows, train_step
@@ -71,11 +71,14 @@ def parse_count(text):
         raise UserError(f"cannot read a parameter count from {text!r} (try 7B, 124M, 1.5e9)")
 
 
-def bench(args, rt):
+def bench(args, rt, conditions=None):
     """Same model, same tokens per step; what each technique does to model state (per
     rank), activations, step time and bytes sent. One process: the memory techniques vs
     fp32 (on CPU, bf16/fp16 matmuls are emulated and slow: read their memory columns, not
-    their time). Under torchrun: every --dp mode, hand ZeRO-3 next to PyTorch's FSDP2."""
+    their time). Under torchrun: every --dp mode, hand ZeRO-3 next to PyTorch's FSDP2.
+    conditions: a core.meters.TimingConditions (None: the machine's own) that ends the
+    table with one warning line when the load or the steps' spread make the times doubtful."""
+    conditions = conditions or TimingConditions()
     if rt.distributed:
         rows = [(f"--dp {mode}", {"dp": mode}) for mode in data_parallel.MODES]
     else:
@@ -88,33 +91,20 @@ def bench(args, rt):
                 ("fp16 + master + loss scaling", {"precision": "fp16"})]
         if args.batch_size % 4:
             raise UserError("bench needs --batch-size divisible by 4 (for the accumulation row)")
-    results = []
     # one progress line per configuration: a full bench takes minutes and the table
     # comes only at the end (the estimate assumes the rows cost alike; they do not quite)
     progress = Progress("bench", len(rows), every=0)
-    for i, (label, changes) in enumerate(rows):
-        progress.update(i, now_on=label)
-        run_args = argparse.Namespace(**{**vars(args), **changes, "steps": args.bench_steps,
-                                         "save_interval": 0, "sample_tokens": 0,
-                                         "resume": False})
-        seed_everything(run_args.seed)
-        run = build(run_args, rt)
-        times, act = [], 0
-        for step in range(run_args.steps):
-            batches = micro_batches(run.corpus, run_args, step, rt.device, rt.rank)
-            wire = comm.total_wire
-            with StepTimer(rt.device) as timer:
-                _, act, _ = train_step(run, batches, run_args, rt.device)
-            sent = comm.total_wire - wire
-            ledger = state_rows(run)
-            state = ledger["total"] - ledger["opt_scalars"]
-            run.sync.zero_grad()
-            times.append(timer.seconds)
-        t = min(times[1:] or times)          # the first step pays one-time costs
-        results.append((label, state, act, t, sent))
+    results, repeats = [], {}
+    with conditions:                 # the load average as the first row starts, the last ends
+        for i, (label, changes) in enumerate(rows):
+            progress.update(i, now_on=label)
+            times, state, act, sent, seq_len = bench_row(args, rt, changes)
+            # the first step pays one-time costs: the best of the others, and their spread
+            results.append((label, state, act, min(times[1:] or times), sent))
+            repeats[label] = times[1:]
     base = results[0]
     print0(f"bench: preset {args.preset or 'small'}, attention {args.attn}, {args.batch_size}×"
-           f"{run_args.seq_len} tokens/step/rank, {rt.world_size} rank(s), best of "
+           f"{seq_len} tokens/step/rank, {rt.world_size} rank(s), best of "
            f"{args.bench_steps} steps, device {rt.device}")
     print0(f"{'technique':<30} {'state/rank':>11} {'activations':>12} {'act ×':>6} "
            f"{'step ms':>8} {'time ×':>7} {'sent/step':>10}")
@@ -125,7 +115,32 @@ def bench(args, rt):
         t = {label: seconds for label, _, _, seconds, _ in results}
         print0(f"hand zero3 / fsdp step time: {t['--dp zero3'] / t['--dp fsdp']:.2f} "
                f"(fsdp's own collectives are not in 'sent')")
+    # "selective checkpointing 0.58x" (faster than none) came from a loaded machine: say so
+    conditions.report(repeats, out=print0)
     return results
+
+
+def bench_row(args, rt, changes):
+    """One configuration: the run built with `changes`, --bench-steps steps timed. ->
+    (seconds of each step, model state per rank, activation bytes, bytes sent per step,
+    the sequence length build() settled on)."""
+    run_args = argparse.Namespace(**{**vars(args), **changes, "steps": args.bench_steps,
+                                     "save_interval": 0, "sample_tokens": 0,
+                                     "resume": False})
+    seed_everything(run_args.seed)
+    run = build(run_args, rt)
+    times, act = [], 0
+    for step in range(run_args.steps):
+        batches = micro_batches(run.corpus, run_args, step, rt.device, rt.rank)
+        wire = comm.total_wire
+        with StepTimer(rt.device) as timer:
+            _, act, _ = train_step(run, batches, run_args, rt.device)
+        sent = comm.total_wire - wire
+        ledger = state_rows(run)
+        state = ledger["total"] - ledger["opt_scalars"]
+        run.sync.zero_grad()
+        times.append(timer.seconds)
+    return times, state, act, sent, run_args.seq_len
 
 
 # ----------------------------------------------------------------------------------------
@@ -156,12 +171,13 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
+def main(argv=None, conditions=None):
+    """conditions: bench's TimingConditions (a test passes a loaded or quiet machine)."""
     args = parse_args(argv)
     if args.estimate:
         return estimate(args)
     with setup_runtime(args.device, args.timeout) as rt:
-        return bench(args, rt)
+        return bench(args, rt, conditions)
 
 
 if __name__ == "__main__":

@@ -544,6 +544,8 @@ def test_cli_save_continue_eval_export(tmp_path):
     r = run_python("lora.py", [*common, "--method", "vera", "--steps", 2, "--save",
                                tmp_path / "a.pt"], timeout=120)
     assert r.returncode == 0, r.output
+    # one method: its progress counts steps (not "lora compare: 0% (0/1) | 0 s | eta ?")
+    assert "vera: 100% (2/2 steps) | " in r.output and "compare:" not in r.output, r.output
     r = run_python("lora.py", [*common, "--load", tmp_path / "a.pt", "--steps", 2, "--seed", 3,
                                "--save", tmp_path / "b.pt"], timeout=120)
     assert r.returncode == 0, r.output

@@ -541,6 +541,22 @@ def test_compare_runs_end_to_end(tmp_path):
     assert res["ratio"] == pytest.approx(res["adamw"] / res["muon"])
 
 
+def test_bench_says_when_its_timings_cannot_be_trusted(capsys):
+    """`optim.py bench` ends with core.meters.TimingConditions' judgement: one warning line
+    on a loaded machine (the load as measured; here a fake one), none on a quiet one."""
+    from core.meters import TimingConditions
+    args = optim.parse_args(["bench", "--n-layer", "1", "--n-embd", "32", "--vocab-size", "64",
+                             "--batch-size", "2", "--seq-len", "16", "--bench-steps", "2"])
+    loaded = TimingConditions(reader=lambda: 7.5, cores=2)
+    line = optim.bench(args, torch.device("cpu"), loaded)
+    out = capsys.readouterr().out
+    assert line.startswith("warning: ") and "load average 7.5 -> 7.5 on 2 cores" in line
+    assert out.splitlines()[-1] == line and "contended" not in out
+    quiet = TimingConditions(reader=lambda: 0.5, cores=2, max_spread=math.inf)
+    assert optim.bench(args, torch.device("cpu"), quiet) is None
+    assert "warning" not in capsys.readouterr().out
+
+
 def test_sharded_muon_over_two_processes_equals_one_process():
     from harness import torchrun
     result = torchrun(os.path.abspath(__file__), ["sharded"], nproc=2, timeout=120)

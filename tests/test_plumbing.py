@@ -91,3 +91,44 @@ def test_progress_names_the_configuration_it_starts_and_guesses_no_eta_before_on
         "bench: 0% (0/3) | 0 s | eta ? | now: fp32",
         "bench: 33% (1/3) | 4 s | eta 8 s | now: bf16",
         "bench: 66% (2/3) | 8 s | eta 4 s | now: fp16"]
+
+
+def test_progress_counts_in_its_unit(capsys):
+    """A run of one method counts its steps: `lora: 40% (80/200 steps)`, not 0 of 1 methods."""
+    from core.runtime import Progress
+    now = [0.0]
+    progress = Progress("lora", total=200, every=10.0, clock=lambda: now[0], unit="steps")
+    now[0] = 12.0
+    progress.update(80)
+    assert capsys.readouterr().out.splitlines() == ["lora: 40% (80/200 steps) | 12 s | eta 18 s"]
+
+
+def test_timing_conditions_warn_on_a_loaded_machine_or_a_wide_spread():
+    """One judge for every command that prints a time: a load average over the cores, read
+    as the timed part starts or ends, or repeats whose median is far off their best, give
+    ONE warning line naming why; a quiet machine with steady repeats gives none."""
+    from core.meters import spread, TimingConditions
+    narrow, wide = {"a": [1.0, 1.05, 1.1]}, {"a": [1.0, 1.05], "b": [1.0, 1.6, 1.7]}
+    assert spread([1.0, 1.6, 1.7]) == pytest.approx(1.6)
+    loads = iter([0.5, 4.5])                 # quiet as it starts, loaded as it ends
+    with TimingConditions(reader=lambda: next(loads), cores=2) as busy:
+        pass
+    line = busy.verdict(narrow)
+    assert line.startswith("warning: ") and "load average 0.5 -> 4.5 on 2 cores" in line
+    assert "\n" not in line and "spread" not in line
+    printed = []                             # report: the same line, printed once
+    assert busy.report(narrow, out=printed.append) == line and printed == [line]
+    with TimingConditions(reader=lambda: 1.5, cores=2) as quiet:
+        pass
+    assert quiet.verdict(narrow) is None and quiet.verdict({"one run": [9.0]}) is None
+    assert quiet.report(narrow, out=printed.append) is None and len(printed) == 1
+    line = quiet.verdict(wide)               # the worst row is named, with its spread
+    assert "repeats of 'b' spread 1.60x" in line and "load" not in line
+    both = TimingConditions(reader=lambda: 3.0, cores=2)
+    with both:
+        pass
+    assert "load average" in both.verdict(wide) and "spread" in both.verdict(wide)
+    # no load average on this OS (Windows): judged on the spread alone
+    with TimingConditions(reader=lambda: None, cores=2) as blind:
+        pass
+    assert blind.verdict(narrow) is None and blind.verdict(wide) is not None

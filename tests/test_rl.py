@@ -330,6 +330,16 @@ def test_bad_input_errors(tmp_path, monkeypatch):
             rl.main(["--ckpt", str(tmp_path / name), "--algo", "grpo"])
 
 
+def test_one_algorithm_counts_its_steps(capsys):
+    """A single-algorithm run shows its progress in steps, the unit that moves (not
+    `rl compare: 0% (0/1) | 0 s | eta ?`)."""
+    rl.main(["--ckpt", "none", "--preset", "tiny", "--algo", "reinforce", "--steps", "2",
+             "--prompts", "2", "--group", "2", "--max-new", "2", "--sft-steps", "2",
+             "--eval-problems", "4", "--eval-samples", "1", "--cache-dir", ""])
+    out = capsys.readouterr().out
+    assert "reinforce: 100% (2/2 steps) | " in out and "compare:" not in out, out
+
+
 class Evil:
     def __reduce__(self):
         return (print, ("unpickled!",))

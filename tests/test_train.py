@@ -6,7 +6,7 @@ from scripts import train_bench
 from harness import run_python
 from model import GPT, get_config
 from core.errors import UserError
-from core.meters import ActivationMeter, model_state_bytes
+from core.meters import ActivationMeter, model_state_bytes, TimingConditions
 
 
 def tiny_args(text_file, *extra):
@@ -178,11 +178,17 @@ def test_a_fresh_run_does_not_write_over_another_model(text_file, tmp_path, caps
         train.main(tiny_args(text_file, "--steps", "4", "--n-layer", "1", "--ckpt", ckpt))
 
 
-def test_training_learns_below_the_unigram_baseline(text_file, tmp_path):
+def test_training_learns_below_the_unigram_baseline(text_file, tmp_path, capsys):
     hist = train.main(tiny_args(text_file, "--steps", "150", "--eval-interval", "150",
                                 "--eval-iters", "8", "--batch-size", "16", "--seq-len", "64",
                                 "--log-interval", "50", "--ckpt", str(tmp_path / "c.pt")))
     assert hist["val"][-1][1] < hist["unigram"] - 0.3
+    # the first status line comes after step 1, with its eta, not at the first interval
+    # (the demo's step 10 came after ~90 s of silence on a loaded machine); then every 50
+    steps = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("step ") and " | loss " in line]
+    assert [int(line.split("|")[0].split()[1]) for line in steps] == [1, 50, 100, 150]
+    assert " | eta " in steps[0]
 
 
 def test_estimate_prints_the_formulas(capsys):
@@ -194,13 +200,18 @@ def test_estimate_prints_the_formulas(capsys):
 
 
 def test_bench_rows(text_file, capsys):
+    # a loaded machine (a fake load average: 9 on 2 cores): the table ends with the warning
+    loaded = TimingConditions(reader=lambda: 9.0, cores=2)
     rows = train_bench.main(["--preset", "tiny", "--data", text_file, "--batch-size", "4",
-                       "--seq-len", "64", "--bench-steps", "2"])
+                       "--seq-len", "64", "--bench-steps", "2"], loaded)
     by = {label: (state, act) for label, state, act, *_ in rows}
     assert by["full checkpointing"][1] < by["selective checkpointing"][1] < by["baseline fp32"][1]
     assert by["grad accumulation ×4"][1] < 0.4 * by["baseline fp32"][1]
     assert by["bf16 + fp32 master"][0] == by["baseline fp32"][0]     # 16 B/param either way
-    assert "technique" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "technique" in out
+    assert out.splitlines()[-1].startswith("warning: these timings may be off: load average "
+                                           "9.0 -> 9.0 on 2 cores")
 
 
 @pytest.mark.parametrize("argv,message", [
