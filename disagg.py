@@ -57,7 +57,7 @@ from core.cli import ArgumentParser, add_knobs, fmt_bytes, knob, require_at_leas
 from core.distributed import setup_runtime
 from core.errors import UserError
 from core.meters import comm
-from core.runtime import job_store, run_cli
+from core.runtime import job_store, run_cli, TimingConditions
 from serve import FINISHED, PREFILLED, Engine, PoolFull, SamplingParams
 from serving.workloads import bench_model, length_range, mixed_workload, pct
 
@@ -628,22 +628,25 @@ def bench(rt, args):
                ("colocated x2 (half each)", lambda e, i: serve_colocated(rt, e, reqs, 2)),
                ("disaggregated 1P + 1D",
                 lambda e, i: serve_disaggregated(rt, e, reqs, tag=f"bench{i}")[0]))
-    rows = []
-    for name, serve_all in systems:
-        best = None
-        for i in range(args.repeats):   # the fastest run: the least disturbed by neighbours
-            engine = make_engine(model, args)
-            results = serve_all(engine, i)
-            # both ranks call it (a send/recv pair), whatever the system: rank 1 idle too
-            steps = gather_steps(rt, engine)
-            if rt.rank == PREFILL:
-                row = latency(results, reqs)
-                row.update(step_stats(*steps))
-                if best is None or row["tok_s"] > best[1]["tok_s"]:
-                    best = (name, row, results)
-        rows.append(best)
+    rows, per_token = [], {}     # per_token: seconds per output token of every repeat
+    with TimingConditions() as timing:
+        for name, serve_all in systems:
+            best, per_token[name] = None, []
+            for i in range(args.repeats):   # the fastest run: the least disturbed by neighbours
+                engine = make_engine(model, args)
+                results = serve_all(engine, i)
+                # both ranks call it (a send/recv pair), whatever the system: rank 1 idle too
+                steps = gather_steps(rt, engine)
+                if rt.rank == PREFILL:
+                    row = latency(results, reqs)
+                    row.update(step_stats(*steps))
+                    per_token[name].append(1 / row["tok_s"])
+                    if best is None or row["tok_s"] > best[1]["tok_s"]:
+                        best = (name, row, results)
+            rows.append(best)
     if rt.rank == PREFILL:
         print_bench(rows, reqs, args, model.config)
+        timing.report(per_token)
 
 
 def print_bench(rows, reqs, args, cfg):

@@ -60,7 +60,7 @@ from core.plots import svg_bar_chart, terminal_bars
 from core.cli import ArgumentParser, HelpFormatter, add_knobs, knob
 from core.errors import UserError
 from core.files import atomic_save, load_checkpoint
-from core.runtime import print0, run_cli, seed_everything
+from core.runtime import print0, run_cli, seed_everything, TimingConditions
 
 # train.py's default output: what ppl measures when --checkpoint is not given (the task
 # modes do not read it: task_base)
@@ -522,13 +522,15 @@ def run_task(args, device):
     # The harness primitive timed both ways on the same pairs: reusing the prompt's KV cache
     # must change only the time, the log-probs agreeing up to float rounding (max |Δ|)
     seconds, lps = {}, {}
-    for reuse in (True, False):                  # the harness primitive, both ways
-        t0 = time.perf_counter()
-        lps[reuse] = continuation_logprobs(tuned, pairs, reuse_cache=reuse)
-        seconds[reuse] = time.perf_counter() - t0
+    with TimingConditions() as timing:           # one run each: the load says if it is off
+        for reuse in (True, False):              # the harness primitive, both ways
+            t0 = time.perf_counter()
+            lps[reuse] = continuation_logprobs(tuned, pairs, reuse_cache=reuse)
+            seconds[reuse] = time.perf_counter() - t0
     diff = max((a - b).abs().max().item() for a, b in zip(lps[True], lps[False]))
     print0(f"scoring {len(pairs)} continuations: prompt KV cache reused {seconds[True]:.2f} s, "
            f"prompt re-run per candidate {seconds[False]:.2f} s; max |Δ log-prob| {diff:.1e}")
+    timing.report(out=print0)
     print0("Ranking only asks the model to put the answer above a few near misses (chance "
            f"{1 / args.choices:.0%}); generation must produce it from the whole vocabulary "
            "and stop.")

@@ -68,10 +68,9 @@ from core.cli import command_line, fmt_bytes, fmt_count, knob, require_at_least_
 from core.distributed import all_reduce_flat, Runtime, setup_runtime
 from core.errors import UserError
 from core.files import atomic_save
-from core.meters import (ActivationMeter, comm, model_state_bytes, StepTimer, tensor_bytes,
-                         TimingConditions)
+from core.meters import ActivationMeter, comm, model_state_bytes, StepTimer, tensor_bytes
 from core.recipe import warmup_cosine
-from core.runtime import print0, Progress, run_cli, seed_everything
+from core.runtime import print0, Progress, run_cli, seed_everything, TimingConditions
 
 METHODS = ("full", "lora", "loraplus", "qlora", "vera", "dora")
 # Per-method default learning rates (--lr 0 picks these). Full fine-tuning moves every

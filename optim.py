@@ -45,9 +45,9 @@ from core import data
 from model import GPT, get_config
 from core.cli import command_line, given, knob, require_at_least_one
 from core.errors import UserError
-from core.meters import comm, model_state_bytes, StepTimer, TimingConditions
+from core.meters import comm, model_state_bytes, StepTimer
 from core.recipe import warmup_cosine
-from core.runtime import pick_device, run_cli
+from core.runtime import pick_device, run_cli, TimingConditions
 
 # (a, b, c) of p(X) = aX + b(XXᵀ)X + c(XXᵀ)²X (newton_schulz). The textbook cubic
 # (1.5, -0.5, 0.0) converges to exactly 1 but grows a small σ only 1.5× per step (5 steps:

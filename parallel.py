@@ -64,9 +64,9 @@ from core.moe import MoE
 from core.cli import ArgumentParser, add_knobs, fmt_bytes, given, knob, require_at_least_one
 from core.distributed import all_reduce_flat, setup_runtime
 from core.errors import UserError
-from core.meters import StepTimer, comm, TimingConditions
+from core.meters import comm, StepTimer
 from core.recipe import decay_groups, warmup_cosine
-from core.runtime import print0, run_cli, seed_everything
+from core.runtime import print0, run_cli, seed_everything, TimingConditions
 from parallelism.tensor_parallel import (GatheredInputs, SavedActivations,
                                          VocabParallelCrossEntropy, apply_tensor_parallel,
                                          summed_over)

@@ -65,8 +65,8 @@ from model import GPT, get_config
 from core.cli import (ArgumentParser, HelpFormatter, add_knobs, fmt_bytes, knob,
                       require_at_least_one)
 from core.errors import UserError
-from core.meters import tensor_bytes, TimingConditions
-from core.runtime import print0, run_cli, seed_everything
+from core.meters import tensor_bytes
+from core.runtime import print0, run_cli, seed_everything, TimingConditions
 
 # train.py's default output. Absent on a clean clone: load_base then trains a fresh tiny
 # model, so every mode runs with no setup (the tests pass --checkpoint to a fixture instead).

@@ -66,9 +66,8 @@ from core.cli import command_line, fmt_count, knob, require_at_least_one
 from core.distributed import all_reduce_flat, setup_runtime
 from core.errors import UserError
 from core.files import atomic_save
-from core.meters import (ActivationMeter, comm, model_state_bytes, StepTimer, tensor_bytes,
-                         TimingConditions)
-from core.runtime import print0, Progress, run_cli
+from core.meters import ActivationMeter, comm, model_state_bytes, StepTimer, tensor_bytes
+from core.runtime import print0, Progress, run_cli, TimingConditions
 
 # RL_ALGOS each get a frozen copy of the start policy as π_ref, DISTILL_ALGOS the teacher
 # (run_algorithms): what the ledger's "extra held" column counts.

@@ -61,9 +61,10 @@ from core.distributed import (long_phase, set_collective_timeout, setup_runtime,
                               STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_STEPS, tighten_after_first_step)
 from core.errors import Interrupted, UserError
 from core.files import check_writable
-from core.meters import ActivationMeter, comm, gpu_peak_flops, StepTimer, TimingConditions
+from core.meters import ActivationMeter, comm, gpu_peak_flops, StepTimer
 from core.recipe import warmup_cosine
-from core.runtime import attempt, GracefulStop, print0, run_cli, seed_everything
+from core.runtime import (attempt, GracefulStop, print0, run_cli, seed_everything,
+                          TimingConditions)
 
 # The two 16-bit formats. bf16 keeps fp32's 8 exponent bits (range to ~3e38) with only 8
 # significant bits; fp16 has 5 exponent bits (max 65504, smallest subnormal ~6e-8) and 11

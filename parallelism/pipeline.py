@@ -44,8 +44,8 @@ from model import GPT, get_config
 from core.cli import command_line, fmt_bytes, given, knob, require_at_least_one
 from core.distributed import setup_runtime
 from core.errors import UserError
-from core.meters import comm, TimingConditions
-from core.runtime import print0, run_cli
+from core.meters import comm
+from core.runtime import print0, run_cli, TimingConditions
 
 SCHEDULES = ("gpipe", "1f1b", "zb", "dualpipev")
 

@@ -45,8 +45,8 @@ import train
 from model import GPT, KVCache, get_config
 from core.cli import command_line, fmt_bytes, fmt_count, knob
 from core.errors import UserError
-from core.meters import gpu_peak_flops, model_state_bytes, StepTimer, TimingConditions
-from core.runtime import pick_device, run_cli, seed_everything
+from core.meters import gpu_peak_flops, model_state_bytes, StepTimer
+from core.runtime import pick_device, run_cli, seed_everything, TimingConditions
 
 # Peak HBM/GDDR bandwidth (bytes/s) from the vendors' data sheets; the first key found in
 # torch.cuda.get_device_name() wins (so the specific names come before the general ones).

@@ -14,8 +14,8 @@ import torch
 from core.mla import mla_dims, set_absorb
 from core.cli import command_line, fmt_bytes, knob
 from core.errors import UserError
-from core.meters import StepTimer, TimingConditions
-from core.runtime import pick_device, run_cli
+from core.meters import StepTimer
+from core.runtime import pick_device, run_cli, TimingConditions
 from kvcache import PagedKVCache
 from model import GPT, KVCache, get_config
 

@@ -50,8 +50,7 @@ from kvcache import PagedKVCache
 from model import KVCache
 from core.cli import add_knobs, ArgumentParser, fmt_bytes, HelpFormatter, knob
 from core.errors import UserError
-from core.meters import load_average, TimingConditions
-from core.runtime import Progress, run_cli
+from core.runtime import load_average, Progress, run_cli, TimingConditions
 from serve import POLICIES, SamplingParams, engine_from_args
 from serving.workloads import AgentSessions, BenchRequest, length_range, mixed_workload
 

@@ -19,8 +19,8 @@ from training import data_parallel
 from core.cli import add_knobs, fmt_bytes, fmt_count, knob
 from core.distributed import setup_runtime
 from core.errors import UserError
-from core.meters import comm, StepTimer, TimingConditions
-from core.runtime import print0, Progress, run_cli, seed_everything
+from core.meters import comm, StepTimer
+from core.runtime import print0, Progress, run_cli, seed_everything, TimingConditions
 import train
 from train import activation_formula, build, micro_batches, state_rows, train_step
 

@@ -107,7 +107,7 @@ def test_timing_conditions_warn_on_a_loaded_machine_or_a_wide_spread():
     """One judge for every command that prints a time: a load average over the cores, read
     as the timed part starts or ends, or repeats whose median is far off their best, give
     ONE warning line naming why; a quiet machine with steady repeats gives none."""
-    from core.meters import spread, TimingConditions
+    from core.runtime import spread, TimingConditions
     narrow, wide = {"a": [1.0, 1.05, 1.1]}, {"a": [1.0, 1.05], "b": [1.0, 1.6, 1.7]}
     assert spread([1.0, 1.6, 1.7]) == pytest.approx(1.6)
     loads = iter([0.5, 4.5])                 # quiet as it starts, loaded as it ends

@@ -6,7 +6,8 @@ from scripts import train_bench
 from harness import run_python
 from model import GPT, get_config
 from core.errors import UserError
-from core.meters import ActivationMeter, model_state_bytes, TimingConditions
+from core.meters import ActivationMeter, model_state_bytes
+from core.runtime import TimingConditions
 
 
 def tiny_args(text_file, *extra):
