@@ -534,7 +534,7 @@ def build(args, rt):
     run_id = resume.get("run_id") if resume else None
     run = Run(model, optimizer, scaler, master, sync,
               optim.QKClip(model, args.qk_clip) if args.qk_clip else None, corpus=corpus,
-              run_id=run_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12])
+              run_id=run_id or saved.launch_id() or uuid.uuid4().hex[:12])
     if resume:
         _, full, where = found
         # Adam's m, v and step counts continue: fresh moments would re-run Adam's bias

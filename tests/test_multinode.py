@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -147,3 +148,17 @@ def test_slurm_script_is_valid_bash_and_the_docs_show_it_verbatim():
     doc = open(DOC, encoding="utf-8").read()
     assert "## Multi-node" in doc
     assert f"```bash\n{text}```" in doc, "docs/data_parallel.md: show slurm_train.sh as it is"
+
+
+def test_a_launch_without_a_run_id_does_not_claim_another_launchs_saves(monkeypatch):
+    """A static multi-node launch without --rdzv-id gets torchrun's default run id "none"
+    in every launch: it must not count as a launch identity (a restart would adopt
+    another launch's save), nor become the run's id (every such run would share it)."""
+    for value, want in (("none", None), (None, None), ("job-7", "job-7")):
+        if value is None:
+            monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        else:
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", value)
+        assert saved.launch_id() == want
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert saved.identity(types.SimpleNamespace(run_id="r1"), 3)["launch_id"] is None

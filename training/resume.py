@@ -92,11 +92,19 @@ def location(args):
     return shards_dir(args) if args.dp else args.ckpt
 
 
+def launch_id():
+    """torchrun's run id: the same for every rank and every restart of one torchrun command.
+    None for a plain `python train.py`, and for a static multi-node launch without
+    --rdzv-id, whose id is torchrun's default "none" in EVERY launch: it cannot tell this
+    launch's saves from another's (docs/data_parallel.md, Multi-node)."""
+    launch = os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if launch in (None, "none") else launch
+
+
 def identity(run, step):
     """What every save records about who wrote it. run_id: one per training run (a resume
-    keeps it); launch_id: torchrun's run id, the same for every rank and every restart of
-    one torchrun command (None for a plain `python train.py`); save_id: this save."""
-    launch = os.environ.get("TORCHELASTIC_RUN_ID")
+    keeps it); launch_id: torchrun's run id (launch_id()); save_id: this save."""
+    launch = launch_id()
     return dict(run_id=run.run_id, launch_id=launch,
                 save_id=f"{run.run_id}/step_{step}/attempt-{attempt()}")
 
@@ -126,8 +134,13 @@ def find_resume(args, restarted=False):
         except UserError as e:
             problems.append(str(e))
             continue
-        if restarted and resume.get("launch_id") != os.environ.get("TORCHELASTIC_RUN_ID"):
-            return None       # another launch's: not adopted (check_overwrite refuses it)
+        if restarted and (launch_id() is None or resume.get("launch_id") != launch_id()):
+            # another launch's, or no launch id to tell: not adopted (check_overwrite
+            # refuses it); a static multi-node launch resumes with --rdzv-id ID
+            print0("restart: no save of this launch to resume" + (
+                "" if launch_id() else " (a launch without --rdzv-id cannot tell its saves "
+                "from another launch's: pass --rdzv-id, or --resume explicitly)"))
+            return None
         if problems:
             print0(f"warning: {problems[0]}; falling back to the previous checkpoint {path} "
                    f"(step {resume['step']})")
