@@ -746,7 +746,7 @@ def why(adamw, muon):
 # bench: what each optimizer holds and what its step costs, hand vs torch, same run
 
 def bench(args, device, conditions=None):
-    """conditions: a core.meters.TimingConditions (None: the machine's own), which judges
+    """conditions: a core.runtime.TimingConditions (None: the machine's own), which judges
     the timings and prints the one warning line when they cannot be trusted."""
     conditions = conditions or TimingConditions()
     cfg = model_config(args, args.vocab_size)

@@ -836,7 +836,7 @@ def train(args, rt):
 
 def bench_tp(args, rt, conditions=None):
     """Hand TP vs DTensor TP (parallelism/parallel_check.py times and prints both), then
-    one warning line when core.meters.TimingConditions (None: the machine's own) finds
+    one warning line when core.runtime.TimingConditions (None: the machine's own) finds
     the machine too loaded to trust the step times."""
     conditions = conditions or TimingConditions()
     if not rt.distributed:

@@ -147,7 +147,7 @@ def awq_note(args, alphas):
 def measure_int_mm(in_features, out_features, rows=(1, 16, 64, 256), repeats=20):
     """Time torch._int_mm (int8 x int8 -> int32) against the fp32 matmul it would replace.
     -> (smallest row count from which int8 wins at every measured size, or None; lines;
-    {row label: every call's seconds}, for core.meters.TimingConditions' spread)."""
+    {row label: every call's seconds}, for core.runtime.TimingConditions' spread)."""
     # torch._int_mm is a private op (the leading underscore): a build may lack it, and
     # W8A8 must then fall back to the fp32 path, which gives the same numbers.
     if not hasattr(torch, "_int_mm"):

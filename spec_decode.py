@@ -28,7 +28,7 @@ import hashlib
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -38,11 +38,13 @@ import torch.nn.functional as F
 from core import data
 from core.checkpoint import load_model
 from core.files import load_checkpoint
-from model import Block, KVCache, RMSNorm
+from model import Block, RMSNorm
 from core.cli import command_line, fmt_bytes, fmt_duration, knob, require_at_least_one
 from core.errors import UserError
 from core.recipe import warmup_cosine
-from core.runtime import print0, Progress, run_cli
+from core.runtime import print0, Progress, run_cli, TimingConditions
+from serving.ragged import (attend_mask, causal_pass, causal_rows, feed, one_row, pad_rows,
+                            RaggedCache, rows_at, Tree)
 
 METHODS = ("draft", "tree", "medusa", "mtp", "eagle", "dflash")
 DEFAULT_WIDTH = {"tree": 3, "medusa": 3}           # others draft a chain (width 1)
@@ -51,155 +53,44 @@ TRAIN = dict(pool=384, seq=96, batch=8, lr=3e-3)    # drafter training: self-dis
 # cache's key (build_drafters): change a value and the cached drafters are retrained.
 
 
-# -- A KV cache with a length per row, and the attention mask that goes with it ----------
+# -- Draft trees (serving/ragged.py's Tree): node 0 = the root (last committed token, unseen
+# by the target), then breadth-first, `width` nodes per depth (a chain: width 1).
 
-class RaggedCache(KVCache):
-    """model.KVCache whose rows have their own lengths `lens`: row b writes at lens[b]..;
-    later slots are stale, masked, overwritten later: a rollback is `lens[b] = n`."""
-
-    def __init__(self, cfg, batch_size, max_len, device="cpu", dtype=torch.float32):
-        super().__init__(cfg, batch_size, max_len, device, dtype)
-        # KVCache.length stays 0: every forward here passes explicit positions and masks,
-        # and GPT.forward only starts its default positions and causal mask at .length
-        self.lens = torch.zeros(batch_size, dtype=torch.long, device=device)
-
-    def update(self, layer, k, v):
-        B, H, T, _ = k.shape
-        # (B, 1, T, 1) slot indices: row b's T new entries go to lens[b]..lens[b]+T-1. A
-        # scatter, not a slice, since every row starts elsewhere; past max_len it raises
-        # (speculative_generate sizes the caches with slack for that)
-        index = (self.lens[:, None] + torch.arange(T, device=k.device))[:, None, :, None]
-        # widths from each tensor: MLA's "keys" (latents) and "values" (rope keys) differ
-        self.k[layer].scatter_(2, index.expand(B, H, T, k.shape[-1]), k)
-        self.v[layer].scatter_(2, index.expand(B, H, T, v.shape[-1]), v)
-        # Every row gets keys up to max(lens) + T: a shorter row's slots past its own new
-        # entries are stale, hidden by attend_mask, built from the same base so that its
-        # width S equals this end (a mismatch is a shape error in the attention).
-        end = int(self.lens.max()) + T
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-
-    def advance(self, n):
-        # GPT.forward's call after all layers: every row moves by T, pads included; the
-        # callers that pad (feed, the feature drafters) set lens to the real lengths after
-        self.lens += n
-
-    def keep(self, b, base, nodes):
-        """Row b: kept tree nodes (slots base + nodes) move to base, base+1, ... where plain
-        decoding puts them (RoPE positions were already base + depth); the rest is dropped."""
-        if nodes != list(range(len(nodes))):       # a chain is already in place
-            src = base + torch.tensor(nodes, device=self.lens.device)
-            dst = base + torch.arange(len(nodes), device=self.lens.device)
-            # index_select copies the sources out first, so a kept node moving onto the slot
-            # of another kept node is safe; cost: len(nodes) slots × layers × heads × width
-            for buf in (self.k, self.v):
-                buf[:, b].index_copy_(2, dst, buf[:, b].index_select(2, src))
-        self.lens[b] = base + len(nodes)
-
-
-def attend_mask(base, vis):
-    """(B, 1, Nq, S) mask: row b's prefix (slots < base[b]) is seen by all; new entry j sits at
-    slot base[b] + j, seen by query i iff vis[b, i, j] (causal, tree ancestors, block)."""
-    B, Nq, Nk = vis.shape
-    # rel = slot − base[b]: < 0 the row's prefix, 0..Nk-1 its new entries, ≥ Nk stale slots
-    # (rows with base[b] < max(base) have some); S = max(base) + Nk, RaggedCache.update's end
-    rel = torch.arange(int(base.max()) + Nk, device=base.device)[None, :] - base[:, None]
-    # vis looked up at each slot's entry index, clamped for gather; out-of-range slots are
-    # overruled next: the prefix always seen, stale slots never
-    seen = vis.gather(2, rel.clamp(0, Nk - 1)[:, None, :].expand(B, Nq, -1))
-    # the [:, None] head axis broadcasts over heads; True = may attend, the convention of
-    # model.py's attention functions (masked_fill(~mask) and SDPA's boolean attn_mask)
-    return ((seen & ((rel >= 0) & (rel < Nk))[:, None]) | (rel < 0)[:, None])[:, None]
-
-
-def pad_rows(rows, device):
-    """Ragged lists of token ids -> right-padded (B, N) tensor, lengths (B,), causal vis
-    (B, N, N). Pads sit after each row's tokens, so causal queries never see them."""
-    n = torch.tensor([len(r) for r in rows], device=device)
-    N = int(n.max())
-    # pad id 0: its K/V land past the row's real length (feed sets lens = base + n), stale
-    # slots that the next write overwrites
-    toks = torch.tensor([r + [0] * (N - len(r)) for r in rows], device=device)
-    tril = torch.ones(N, N, dtype=torch.bool, device=device).tril()
-    return toks, n, tril.expand(len(rows), N, N)
-
-
-def rows_at(x, idx):
-    """x: (B, S, d), idx: (B, N) -> (B, N, d) with x[b, idx[b, i]] (clamped into range)."""
-    return x.gather(1, idx.clamp(0, x.shape[1] - 1)[..., None].expand(-1, -1, x.shape[-1]))
-
-
-def feed(model, cache, rows):
-    """Append ragged token rows to a GPT's RaggedCache (prefill, or catching a drafter up)."""
-    (toks, n, vis), base = pad_rows(rows, cache.lens.device), cache.lens.clone()
-    # Clamped: a short row's PAD positions may pass the context, and GPT.forward raises on
-    # any position ≥ block_size; real tokens never need it (check_request).
-    pos = (base[:, None] + torch.arange(toks.shape[1], device=toks.device)).clamp(
-        max=model.config.block_size - 1)
-    logits, _, h = model(toks, positions=pos, mask=attend_mask(base, vis), cache=cache,
-                         return_hidden=True)
-    cache.lens = base + n         # undo advance()'s count of the pads
-    # h: the final norm's output, the LM head's input -- "the feature" of every drafter here
-    return logits, h, n
-
-
-# -- Draft trees: node 0 = the root (last committed token, unseen by the target), then ---
-# breadth-first, `width` nodes per depth (a chain: width 1).
-
-@dataclass
-class Tree:
-    tokens: torch.Tensor          # (B, N) token ids
-    parents: torch.Tensor         # (B, N) parent node, -1 for the root
-    vis: torch.Tensor             # (B, N, N) vis[b, i, j]: j is i or an ancestor of i
-    score: torch.Tensor           # (B, N) drafter log-probability of the path to the node
-    depth: list                   # (N,) depth of each node, the same in every row
-    q: dict = field(default_factory=dict)  # node -> q it was SAMPLED from (else one-hot)
-
-    def add(self, tok, par, score, d):
-        """Append one level: w nodes per row at depth d, par their parents' node ids."""
-        (B, w), N = tok.shape, self.tokens.shape[1]
-        # A new node's row of vis = its parent's row (the parent's ancestors and the parent)
-        # plus itself; siblings never see each other. Rebuilt per level: (B, N, N) bools,
-        # N = 1 + γ·width, small.
-        vis = torch.zeros(B, N + w, N + w, dtype=torch.bool, device=tok.device)
-        vis[:, :N, :N] = self.vis
-        vis[:, N:, :N] = self.vis.gather(1, par[:, :, None].expand(B, w, N))  # ancestors
-        vis[:, N:, N:] = torch.eye(w, dtype=torch.bool, device=tok.device)   # and itself
-        self.tokens, self.parents, self.vis = (torch.cat([self.tokens, tok], 1),
-                                               torch.cat([self.parents, par], 1), vis)
-        self.score, self.depth = torch.cat([self.score, score], 1), self.depth + [d] * w
-
-
-def grow_tree(drafter, roots, depth, width, temperature, gen):
+def grow_tree(drafter, roots, depth, width, temperature, gen, tree=None):
     """`depth` levels of `width` nodes. T = 0: the `width` best paths by summed log q
     (EAGLE-2's dynamic tree). T > 0: `width` i.i.d. samples from q of the first node of the
-    level above, which alone grows further (SpecInfer: exact for i.i.d. siblings)."""
-    B, dev = roots.shape[0], roots.device
+    level above, which alone grows further (SpecInfer: exact for i.i.d. siblings).
+    tree: last step's, its buffers refilled (None: new ones)."""
     # node 0: the root, no parent, sees itself, path score 0, depth 0; the drafter's start
     # gives its children's logits, (B, 1, V). [lo, hi): the level whose children come next.
     # Drafter passes: start + depth - 1 extends (the last level is drawn, never fed).
-    tree = Tree(roots[:, None], torch.full((B, 1), -1, device=dev), torch.ones(
-        B, 1, 1, dtype=torch.bool, device=dev), torch.zeros(B, 1, device=dev), [0])
-    logits, lo = drafter.start(roots, depth).float(), 0
+    if tree is None:
+        tree = Tree.empty(roots.shape[0], depth, width, roots.device)
+    tree.begin(roots)
+    logits, lo = drafter.start(tree), 0
     for d in range(1, depth + 1):
-        hi = tree.tokens.shape[1]
+        hi = tree.n
         if d > 1:                                  # (B, hi - lo, V): children of lo..hi-1
-            logits = drafter.extend(tree, lo, hi).float()
+            logits = drafter.extend(tree, lo, hi)
         if temperature > 0:
             # q at T: the draft distribution verify divides by, kept per node in tree.q.
             # With replacement: i.i.d. siblings (duplicates allowed), the case SpecInfer's
             # multi-round rule is exact for; only node lo (logits[:, 0]) grows further.
-            q = (logits[:, 0] / temperature).softmax(-1)
-            tok = torch.multinomial(q, width, replacement=True, generator=gen)
+            q = (logits[:, 0].float() / temperature).softmax(-1)
+            tok, par, score = torch.multinomial(q, width, replacement=True, generator=gen), lo, None
             tree.q.update({hi + j: q for j in range(width)})
-            par, score = torch.full_like(tok, lo), q.gather(1, tok).log()
+        elif width == 1:
+            # a chain at T = 0: the drafter's argmax; one node per level, so ranking paths by
+            # summed log q (below) would pick the same token at the cost of a log-softmax
+            tok, par, score = logits[:, 0].argmax(-1, keepdim=True), lo, None
         else:
             # EAGLE-2: rank every (node of the level, token) pair by the drafter's log q of
             # the whole path, so one confident branch may take all `width` children;
             # idx // V and idx % V unflatten a pair into (parent, token)
-            cand = logits.log_softmax(-1) + tree.score[:, lo:hi, None]
+            cand = logits.float().log_softmax(-1) + tree.score[:, lo:hi, None]
             score, idx = cand.flatten(1).topk(width)
             par, tok = lo + idx // logits.shape[-1], idx % logits.shape[-1]
-        tree.add(tok, par, score, d)
+        tree.add(tok, par, score)
         lo = hi
     return tree
 
@@ -308,23 +199,26 @@ def speculative_generate(target, drafter, prompts, max_new_tokens, gamma=4, widt
         h = feed(target, cache, [s[:-1] for s in seqs])[1]
         feats[:, 1:h.shape[1] + 1] = h
     drafter.reset(target, seqs, feats, cap)
+    tree = Tree.empty(len(seqs), gamma, width, dev)     # every step's, refilled (grow_tree)
     # one target pass per step for the whole batch, however many tokens each row accepts
     while any(len(s) < g for s, g in zip(seqs, goal)):
         t0 = time.perf_counter()
         roots = torch.tensor([s[-1] for s in seqs], device=dev)
-        tree = grow_tree(drafter, roots, gamma, width, temperature, gen)
+        tree = grow_tree(drafter, roots, gamma, width, temperature, gen, tree)
         t1 = time.perf_counter()
         base = cache.lens.clone()
-        # a node's RoPE position is base + its depth -- the one plain decoding would give it,
-        # so siblings share a position; its slot is base + its node index
-        # finished rows may run past the context: their positions are clamped (and undone)
-        pos = (base[:, None] + torch.tensor(tree.depth, device=dev)).clamp(
-            max=target.config.block_size - 1)
         # ALL 1 + γ·width nodes of every row in one pass: each sees its row's prefix and its
         # own ancestors, so it gets the logits of the plain forward over prefix + its path
-        # (tests/test_spec_decode.py: test_tree_attention_equals_decoding_each_path)
-        logits, _, h = target(tree.tokens, positions=pos, mask=attend_mask(base, tree.vis),
-                              cache=cache, return_hidden=True)
+        # (tests/test_spec_decode.py: test_tree_attention_equals_decoding_each_path). A
+        # node's RoPE position is base + its depth -- the one plain decoding would give it,
+        # so siblings share one; its slot is base + its node index. A chain: causal.
+        if tree.width == 1:
+            logits, _, h = causal_pass(target, cache, tree.tokens, return_hidden=True)
+        else:     # finished rows may run past the context: positions clamped (and undone)
+            pos = (base[:, None] + torch.tensor(tree.depth, device=dev)).clamp(
+                max=target.config.block_size - 1)
+            logits, _, h = target(tree.tokens, positions=one_row(pos), cache=cache,
+                                  mask=attend_mask(base, tree.vis), return_hidden=True)
         accept_rows(TreePass(tree, logits, h, base), Rows(seqs, goal, cache, feats),
                     temperature, rand, drafter, stats)
         stats.rounds += 1
@@ -391,7 +285,7 @@ def accept_rows(step, rows, temperature, rand, drafter, stats):
         stats.accepted += len(path)
 
 
-# -- Drafters: start(roots, depth) catches up, -> the root's child logits (B, 1, V); ------
+# -- Drafters: start(tree) catches up, -> the root's child logits (B, 1, V); -------------
 # extend(tree, lo, hi) -> those of nodes lo..hi-1; commit(b, path) / rollback(b) after it.
 
 class Drafter:
@@ -405,9 +299,9 @@ class Drafter:
         lists), feats the target's feature cache, cap the longest a row can get."""
         self.seqs, self.feats, self.calls = seqs, feats, 0
 
-    def start(self, roots, depth):
+    def start(self, tree):
         """Catch up on the tokens committed since the last step; -> the logits (B, 1, V) of
-        the children of each row's root (depth: how deep this step's tree will grow)."""
+        the children of each row's root (tree: this step's, its root filled in)."""
         raise NotImplementedError
 
     def extend(self, tree, lo, hi):
@@ -426,9 +320,22 @@ class Drafter:
         """Each row's committed tokens, root included, that the drafter's cache lacks."""
         return [s[n:] for s, n in zip(self.seqs, self.cache.lens.tolist())]
 
-    def node_positions(self, tree, lo, hi):
-        """RoPE positions of tree nodes lo..hi-1: root slot + depth, as the target's."""
-        return self.base[:, None] + torch.tensor(tree.depth[lo:hi], device=self.base.device)
+    def open_round(self, tree):
+        """After the catch-up: the root's slot base (node i goes to base + i), and for a
+        chain (node i at depth i, causal) all its nodes' positions and mask at once: built
+        once per step where a tree builds each level's (node_inputs)."""
+        self.base = self.cache.lens - 1
+        if tree.width == 1:
+            self.pos, self.mask = causal_rows(self.base, tree.tokens.shape[1])
+
+    def node_inputs(self, tree, lo, hi):
+        """RoPE positions (B, hi − lo) of one level's nodes lo..hi-1 (root slot + depth, as
+        the target's) and their attend-mask over the cache, max(base) + hi keys wide."""
+        if tree.width == 1:
+            S = self.mask.shape[-1] - tree.tokens.shape[1] + hi
+            return self.pos[:, lo:hi], self.mask[:, :, lo:hi, :S]
+        pos = (self.base + tree.depth[lo])[:, None].expand(-1, hi - lo)
+        return pos, attend_mask(self.base, tree.vis[:, lo:hi, :hi])
 
 
 class ModelDrafter(Drafter):
@@ -443,19 +350,26 @@ class ModelDrafter(Drafter):
         w = self.model.output.weight
         self.cache = RaggedCache(self.model.config, len(seqs), cap, w.device, w.dtype)
 
-    def start(self, roots, depth):             # pending: committed tokens not seen yet
-        logits, _, n = feed(self.model, self.cache, self.pending())
+    def start(self, tree):                     # pending: committed tokens not seen yet
+        rows = self.pending()
+        logits, _, n = feed(self.model, self.cache, rows)
         # base: the root's slot (the last token fed); fed = 1: of the tree, only node 0 is
-        # in the cache so far. Each row's last real token's logits = the root's children.
+        # in the cache so far. Each row's last real token's logits = the root's children
+        # (rows of one length, as at B = 1: the last column, no gather).
         self.base, self.fed, self.calls = self.cache.lens - 1, 1, self.calls + 1
+        if len({len(r) for r in rows}) == 1:
+            return logits[:, -1:]
         return rows_at(logits, (n - 1)[:, None])
 
     def extend(self, tree, lo, hi):
         # levels are appended in node order, so node i sits at slot base + i and the mask's
         # new-entry columns are nodes 0..hi-1; positions: base + depth, as the target's
-        pos = self.node_positions(tree, lo, hi)
-        logits, _ = self.model(tree.tokens[:, lo:hi], positions=pos, cache=self.cache,
-                               mask=attend_mask(self.base, tree.vis[:, lo:hi, :hi]))
+        if tree.width == 1:       # a chain: node lo goes to slot lens = base + lo, causal
+            logits, _ = causal_pass(self.model, self.cache, tree.tokens[:, lo:hi])
+        else:
+            pos, mask = self.node_inputs(tree, lo, hi)
+            logits, _ = self.model(tree.tokens[:, lo:hi], positions=one_row(pos), mask=mask,
+                                   cache=self.cache)
         self.fed, self.calls = hi, self.calls + 1
         return logits
 
@@ -509,7 +423,8 @@ class MedusaHeads(nn.Module, PerDepth):
         want = torch.stack([y[:, k:y.shape[1] - K + k] for k in range(1, K + 1)], -1)
         return F.cross_entropy(self.heads(h[:, :-K], K).flatten(0, 2), want.flatten())
 
-    def start(self, roots, depth):
+    def start(self, tree):
+        depth = tree.depth[-1]
         if depth > len(self.proj):
             raise UserError(f"gamma={depth} needs {depth} Medusa heads, there are {len(self.proj)}")
         # feats[len(s) − 1] = f at position len(s) − 2, the newest feature the target has:
@@ -540,7 +455,7 @@ class FeatureDrafter(nn.Module, Drafter):
 
     def body(self, x, pos, mask=None, cache=None):
         # clamped: pads and finished rows' drafts may pass the context (as in feed)
-        cos, sin = self.shared[0].rope(pos.clamp(max=self.cfg.block_size - 1))
+        cos, sin = self.shared[0].rope(one_row(pos.clamp(max=self.cfg.block_size - 1)))
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i)
         if cache is not None:                   # drafting (training passes no cache)
@@ -575,26 +490,26 @@ class FeatureDrafter(nn.Module, Drafter):
         # EAGLE: smooth-L1 regression + 0.1 × classification, its paper's weighting
         return ce if self.kind == "mtp" else F.smooth_l1_loss(out, h[:, 1:]) + 0.1 * ce
 
-    def start(self, roots, depth):
+    def start(self, tree):
         lens = self.cache.lens.clone()          # entries lens.. up to the root's
-        toks, n, vis = pad_rows(self.pending(), lens.device)
+        toks, n = pad_rows(self.pending(), lens.device)
         # pending entries, the cache's end through the root, each with the TRUE feature
-        pos = lens[:, None] + torch.arange(toks.shape[1], device=lens.device)
+        pos, mask = causal_rows(lens, toks.shape[1])
         out = self.body(self.inputs(rows_at(self.feats, pos), toks), pos,  # feats[k] = f_k-1
-                        attend_mask(lens, vis), self.cache)
+                        mask, self.cache)
         self.cache.lens = lens + n
+        self.open_round(tree)                   # base: the root's slot, as ModelDrafter's
         # node_out[:, i]: the drafter's output at tree node i -- for EAGLE its predicted
         # feature -- which node i's children take as their f; node 0 = the root
-        self.base, self.node_out = self.cache.lens - 1, rows_at(out, (n - 1)[:, None])
+        self.node_out = rows_at(out, (n - 1)[:, None])
         return self.logits(self.node_out)
 
     def extend(self, tree, lo, hi):
-        pos = self.node_positions(tree, lo, hi)
+        pos, mask = self.node_inputs(tree, lo, hi)
         # entry = (the parent's drafter output, the node's token): predicted features chain
         # down the tree; node_out grows in node order, so parent ids index it directly
         out = self.body(self.inputs(rows_at(self.node_out, tree.parents[:, lo:hi]),
-                                    tree.tokens[:, lo:hi]), pos,
-                        attend_mask(self.base, tree.vis[:, lo:hi, :hi]), self.cache)
+                                    tree.tokens[:, lo:hi]), pos, mask, self.cache)
         self.node_out = torch.cat([self.node_out, out], 1)
         return self.logits(out)
 
@@ -653,7 +568,8 @@ class DFlashDrafter(PerDepth, FeatureDrafter):
         want = x.gather(1, (anchors[..., None] + torch.arange(1, G, device=dev)).flatten(1))
         return F.cross_entropy(self.logits(out[:, :, 1:]).flatten(0, 2), want.flatten())
 
-    def start(self, roots, depth):
+    def start(self, tree):
+        roots, depth = tree.tokens[:, 0], tree.depth[-1]
         if depth > self.block - 1:
             raise UserError(f"gamma={depth} does not fit a DFlash block of {self.block}")
         lens = self.cache.lens.clone()
@@ -791,24 +707,35 @@ def run_method(target, drafter, groups, args, T, gamma, width):
     return outs, time.perf_counter() - t0, stats if drafter is not None else None
 
 
-def compared(target, entries, groups, args, T):
+def compared(target, entries, groups, args, T, draft=None):
     """Plain decoding and every entry (name, drafter, gamma, width) alternated --repeats
     times, the best time of each kept (on a shared CPU, the least disturbed run). ONE
     plain run is the baseline of the whole table, so each row's speedup is its tok/s over
-    the plain row's printed beside it. -> [plain row, one row per entry]."""
-    best = {}
+    the plain row's printed beside it. draft (a GPT): its own plain decoding joins the
+    alternation, its time per call kept in the plain row (print_costs' baseline for
+    drafting). -> [plain row, one row per entry]."""
+    best, times = {}, {}
+    runs = [(target, None, 0, 1)] + [(target, d, g, w) for _, d, g, w in entries]
+    if draft is not None:           # last: run_method's plain decoding, of the draft model
+        runs.append((draft, None, 0, 1))
     # plain, m1, m2, ..., plain, m1, ...: a slow patch on the shared CPU then hits every
     # method alike, and the minimum keeps each one's least disturbed run
     for _ in range(args.repeats):
-        for i, (_, drafter, gamma, width) in enumerate([(None, None, 0, 1)] + entries):
-            run = run_method(target, drafter, groups, args, T, gamma, width)
+        for i, (model, drafter, gamma, width) in enumerate(runs):
+            run = run_method(model, drafter, groups, args, T, gamma, width)
+            times.setdefault(i, []).append(run[1])
             if i not in best or run[1] < best[i][1]:
                 best[i] = run
     B = len(groups[0])
     # the plain row first: every other row divides by ITS time (the baseline printed above)
     plain = ledger_row("plain", 0, 1, T, B, *best[0])
-    return [plain] + [ledger_row(name, gamma, width, T, B, *best[i + 1], plain)
+    if draft is not None:           # the same calls as the target's: same prompts, lengths
+        plain["draft_step_s"] = best[len(runs) - 1][1] / plain["calls"]
+    rows = [plain] + [ledger_row(name, gamma, width, T, B, *best[i + 1], plain)
                       for i, (name, _, gamma, width) in enumerate(entries)]
+    for i, row in enumerate(rows):  # every repeat's time: TimingConditions' spread
+        row["repeats"] = times[i]
+    return rows
 
 
 def ledger_row(name, gamma, width, T, B, outs, secs, st, plain=None):
@@ -845,6 +772,43 @@ def print_ledger(rows, title):
                f"{r.get('same', '')}")
 
 
+def break_even_alpha(gamma, c_draft, c_verify):
+    """α where a chain of γ drafts breaks even: a step commits (1 − α^(γ+1))/(1 − α) = 1 +
+    α + … + α^γ tokens and costs γ·c_draft + c_verify plain target steps (drafting per
+    token and the verify pass, measured), so the speedup is 1 where the two are equal
+    (Leviathan et al. 2023, Thm 3.8, there c_verify = 1). -> α in [0, 1): 0.0 if α = 0
+    gains already (cost ≤ 1); None if none does (cost ≥ γ + 1, the most a step commits)."""
+    cost = gamma * c_draft + c_verify
+    if cost <= 1 or cost >= gamma + 1:
+        return 0.0 if cost <= 1 else None
+    # α^γ + … + α + (1 − cost) rises on [0, 1] from < 0 to > 0: its one real root there
+    return min(r.real for r in np.roots([1.0] * gamma + [1 - cost])
+               if abs(r.imag) < 1e-9 and 0 <= r.real <= 1)
+
+
+def print_costs(rows):
+    """Beside each (T, B) group's plain decode: per method, drafting per level (one draft
+    token of a chain; × the draft model's plain per-token time, where it drafts), one verify
+    pass (× one plain target step), and the break-even α those costs give (chains)."""
+    print0("\ncosts beside plain decoding (same run): drafting ms per draft token (×: over the "
+           "draft model's plain ms/token), verify ms of one target pass (×: over one plain "
+           "step); break-even α: (1 − α^(γ+1))/(1 − α) = γ·c_draft + c_verify, in steps\n"
+           "method   γ  w   T  B | plain ms/step draft ms/tok | drafting      × | verify      × "
+           "| break-even α measured α")
+    for r in rows:
+        if "alpha" not in r:        # a group's plain row: its step and the draft model's
+            step, dstep = r["secs"] / r["calls"], r.get("draft_step_s")
+            continue
+        per_tok, verify = r["dms"] / 1e3 / r["g"], r["vms"] / 1e3
+        over = per_tok / dstep if dstep and r["method"] in ("draft", "tree") else None
+        even = break_even_alpha(r["g"], per_tok / step, verify / step) if r["w"] == 1 else "-"
+        even = "none" if even is None else even if even == "-" else f"{even:.2f}"
+        print0(f"{r['method']:<7}{r['g']:>3}{r['w']:>3}{r['T']:>4g}{r['B']:>3} | "
+               f"{1e3 * step:>13.2f} {'-' if dstep is None else f'{1e3 * dstep:.2f}':>12} | "
+               f"{1e3 * per_tok:>8.2f} {'-' if over is None else f'{over:.2f}x':>6} | "
+               f"{1e3 * verify:>6.2f} {verify / step:>5.2f}x | {even:>12} {r['alpha']:>10.2f}")
+
+
 def width_of(args, method):
     """--width, else the method's default: DEFAULT_WIDTH's, or 1 (a chain)."""
     return args.width or DEFAULT_WIDTH.get(method, 1)
@@ -871,12 +835,14 @@ def prompts_and_grid(args, enc, target, ckpt):
     return prompts, [float(t) for t in args.bench_temps.split(",")], [1, len(prompts)]
 
 
-def measure_grid(target, entries, prompts, temps, batches, args, enc):
-    """Every (T, B) of the grid: a table of plain decoding and every entry (compared).
-    generate also prints each method's text. -> the rows of all tables."""
+def measure_grid(target, entries, prompts, temps, batches, args, enc, draft=None):
+    """Every (T, B) of the grid: a table of plain decoding and every entry (compared; draft:
+    the draft model, whose plain decoding is timed too). generate also prints each method's
+    text. -> the rows of all tables."""
     # warm-up: first calls allocate and dispatch (plain decoding first, as in the tables)
-    for _, drafter, gamma, width in [(None, None, args.gamma, 1)] + entries:
-        run_method(target, drafter, [prompts[:1]], args, 0.0, gamma, width)
+    warm = [(target, None, 0, 1)] + [(target, d, g, w) for _, d, g, w in entries]
+    for model, drafter, gamma, width in warm + [(draft, None, 0, 1)] * (draft is not None):
+        run_method(model, drafter, [prompts[:1]], args, 0.0, gamma, width)
     rows = []
     # bench: one progress line per (T, B) configuration, each a table of every method
     progress = Progress("spec bench", len(temps) * len(batches), every=0)
@@ -885,7 +851,7 @@ def measure_grid(target, entries, prompts, temps, batches, args, enc):
             if args.mode == "bench":
                 progress.update(t_i * len(batches) + b_i, now_on=f"T={T:g}, B={B}")
             groups = [prompts[i:i + B] for i in range(0, len(prompts), B)]
-            table = compared(target, entries, groups, args, T)
+            table = compared(target, entries, groups, args, T, draft)
             rows += table
             for row in table[1:] if args.mode == "generate" else ():
                 print0(f"--- {row['method']}, T={T:g}: "
@@ -894,15 +860,14 @@ def measure_grid(target, entries, prompts, temps, batches, args, enc):
 
 
 def drafting_cost_sweep(target, drafters, methods, prompts, args):
-    """bench: drafting cost vs γ, sequential drafters (draft, EAGLE) vs one block (DFlash)."""
+    """bench: drafting cost vs γ, sequential drafters (draft, EAGLE) vs one block (DFlash).
+    -> its rows (none outside bench, or with --sweep '')."""
     sweep = [m for m in ("draft", "eagle", "dflash") if m in methods and args.mode == "bench"]
     if not (sweep and args.sweep):
-        return
+        return []
     gammas = [int(g) for g in args.sweep.split(",")]
-    print_ledger(compared(target, [(m, drafters[m], g, 1) for g in gammas for m in sweep],
-                          [prompts[:1]], args, 0.0),
-                 "drafting cost vs γ (T=0, B=1, prompt 0): the draft model and EAGLE pay "
-                 "one pass per draft token, DFlash one pass per step")
+    return compared(target, [(m, drafters[m], g, 1) for g in gammas for m in sweep],
+                    [prompts[:1]], args, 0.0)
 
 
 # -- The command line: every knob once, a row each (flag, default, help; core/cli.py makes
@@ -976,12 +941,23 @@ def main(argv=None):
            f"clock on a shared CPU")
     prompts, temps, batches = prompts_and_grid(args, enc, target, ckpt)
     entries = [(m, drafters[m], args.gamma, width_of(args, m)) for m in methods]
-    rows = measure_grid(target, entries, prompts, temps, batches, args, enc)
+    # the draft model (draft, tree): its own plain decoding is drafting's yardstick
+    draft = next((d.model for d in drafters.values() if isinstance(d, ModelDrafter)), None)
+    with TimingConditions() as conditions:      # the load as the timing starts and ends
+        rows = measure_grid(target, entries, prompts, temps, batches, args, enc, draft)
+        sweep = drafting_cost_sweep(target, drafters, methods, prompts, args)
     cmd = " ".join(["python spec_decode.py"] + (argv if argv is not None else sys.argv[1:]))
     print_ledger(rows, f"ledger ({cmd}); speedup = plain time / method time = method tok/s "
                        f"/ the plain row's above it, each the best of {args.repeats} "
                        f"alternated runs:")
-    drafting_cost_sweep(target, drafters, methods, prompts, args)
+    print_costs(rows)
+    if sweep:
+        print_ledger(sweep, "drafting cost vs γ (T=0, B=1, prompt 0): the draft model and "
+                            "EAGLE pay one pass per draft token, DFlash one pass per step")
+    # one line when the machine was too busy, or the repeats too far apart, to trust these
+    conditions.report({f"{part}{r['method']} γ={r['g']} T={r['T']:g} B={r['B']}": r["repeats"]
+                       for part, table in (("", rows), ("sweep: ", sweep)) for r in table},
+                      out=print0)
     return rows
 
 

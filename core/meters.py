@@ -9,16 +9,12 @@ lora.py:
   - ActivationMeter:   bytes of the tensors autograd saves for backward, seen through
                        torch.autograd.graph.saved_tensors_hooks;
   - StepTimer:         wall time per step (CUDA-synchronised), tokens/s; gpu_peak_flops
-                       for MFU;
-  - TimingConditions:  whether those times can be trusted: the machine's load around the
-                       timed part and the spread of its repeats, and ONE warning line
-                       when they say no (every command that prints a time or a speed
-                       ratio ends with it).
+                       for MFU. Whether such times can be trusted (the machine's load,
+                       the repeats' spread) is core/runtime.py's TimingConditions: every
+                       script judges its clock, not only those that read these meters.
 
 Nothing here is clever on purpose: a meter that is hard to read cannot be trusted.
 """
-import os
-import statistics
 import time
 from collections import defaultdict
 
@@ -255,79 +251,6 @@ class StepTimer:
     def __exit__(self, *exc):
         self._sync()
         self.seconds = time.perf_counter() - self.t0
-
-
-# ----------------------------------------------------------------------------------------
-# Can a timing be trusted? Two things a command sees for itself, judged in one place so
-# that every bench's warning line means the same thing.
-
-def load_average():
-    """The 1-minute load average: tasks running or waiting for a core, averaged (Linux,
-    macOS; os.getloadavg). None where the OS keeps none (Windows): no load judgement."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
-
-
-def spread(seconds):
-    """Median / best of a measurement's repeats; 1.0 when every repeat took the same time.
-    Noise on a shared machine only ever adds time, so the best is the least disturbed
-    repeat, and the median says how far a typical one was pushed off it (the worst would
-    flag a single stray page fault that the best-of-N already discards)."""
-    return statistics.median(seconds) / min(seconds)
-
-
-class TimingConditions:
-    """Whether the times measured inside `with TimingConditions() as cond:` can be
-    trusted, from what the command sees itself:
-      - the machine's load, read as the timed part starts and as it ends: a load average
-        above `max_load` x cores means more tasks wanted a core than there were cores
-        (ours included), so our work waited its turn and the clock counted the others'.
-        1.25, not 1: a process with a thread per core, alone but for the OS's own
-        housekeeping, sits just above 1 per core, and a quarter more is real contention;
-      - the spread of its own repeats (`spread`, median/best) above `max_spread`: the
-        repeats disagree by more than the differences most of our tables report.
-    cond.verdict(repeats) -> None, or ONE line saying why not; cond.report(repeats, out)
-    prints that line when there is one. The reader and the core count are arguments, so
-    a test shows a loaded or a quiet machine without touching the real one."""
-
-    def __init__(self, reader=load_average, cores=None, max_load=1.25, max_spread=1.25):
-        self.reader, self.cores = reader, cores or os.cpu_count() or 1
-        self.max_load, self.max_spread = max_load, max_spread
-        self.loads = []
-
-    def __enter__(self):
-        self.loads = [self.reader()]
-        return self
-
-    def __exit__(self, *exc):
-        self.loads.append(self.reader())
-
-    def verdict(self, repeats=None):
-        """repeats: {row label: [seconds of each timed repeat]} (warm-up left out; a row
-        with fewer than 2 repeats has no spread). -> None or the warning line."""
-        reasons, loads = [], [x for x in self.loads if x is not None]
-        if loads and max(loads) > self.max_load * self.cores:
-            reasons.append(f"load average {' -> '.join(f'{x:.1f}' for x in loads)} on "
-                           f"{self.cores} cores (over {self.max_load:g} per core: other "
-                           f"jobs shared our cores)")
-        spreads = {k: spread(v) for k, v in (repeats or {}).items() if len(v) > 1}
-        worst = max(spreads, key=spreads.get, default=None)
-        if worst is not None and spreads[worst] > self.max_spread:
-            reasons.append(f"repeats of '{worst}' spread {spreads[worst]:.2f}x (median/best, "
-                           f"over {self.max_spread:g}x)")
-        if not reasons:
-            return None
-        return (f"warning: these timings may be off: {'; '.join(reasons)}. Read the ratios "
-                f"with care, or rerun on a quiet machine")
-
-    def report(self, repeats=None, out=print):
-        """Print the verdict's line (rank 0 only: pass out=print0) when there is one."""
-        line = self.verdict(repeats)
-        if line:
-            out(line)
-        return line
 
 
 # Peak dense bf16 matmul throughput, for model-FLOPs utilisation (MFU = achieved model

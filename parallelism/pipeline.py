@@ -723,7 +723,7 @@ def print_bench(rows):
 
 def bench(args, rt, conditions=None):
     """Every --schedules schedule timed by hand and through torch; the table, one warning
-    line when core.meters.TimingConditions (None: the machine's own) doubts the times,
+    line when core.runtime.TimingConditions (None: the machine's own) doubts the times,
     then each schedule's timeline."""
     conditions = conditions or TimingConditions()
     P, M, T, device = rt.world_size, args.microbatches, args.seq_len, rt.device

@@ -307,7 +307,7 @@ def header(device, target, size):
 
 def write_table(rows, head, out_dir, t0, warning=None):
     """The rows under the header, printed and written to <out-dir>/table.txt; `warning`:
-    core.meters.TimingConditions' line when the machine was too busy to trust the times."""
+    core.runtime.TimingConditions' line when the machine was too busy to trust the times."""
     widths = (28, 16, 34)
     lines = [head,
              f"{'row':<{widths[0]}} {'measured':>{widths[1]}}  {'against':<{widths[2]}}  detail"]

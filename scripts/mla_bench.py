@@ -109,7 +109,7 @@ def print_decode_table(configs, args, device, conditions=None):
     """Decode time per step, best of `repeats` runs, the runs of all rows alternated; next
     to it what one step does per cached token and layer: multiply-adds and KV bytes read
     (their ratio: the arithmetic intensity that decides CPU vs bandwidth-bound GPU). Then
-    one warning line when core.meters.TimingConditions (None: the machine's own) doubts
+    one warning line when core.runtime.TimingConditions (None: the machine's own) doubts
     the times."""
     conditions = conditions or TimingConditions()
     runs, costs = {}, {}

@@ -419,7 +419,7 @@ def ledger_rows(rows, eng, static, n_engines):
 
 
 def bench(args, model, enc, conditions=None):
-    """Tables 0-4 on one workload, then one warning line when core.meters.TimingConditions
+    """Tables 0-4 on one workload, then one warning line when core.runtime.TimingConditions
     (None: the machine's own) finds the load or the repeats' spread too high to trust the
     times. -> (rows, outputs by system, engines by policy)."""
     conditions = conditions or clock_conditions(args)

@@ -76,7 +76,7 @@ def bench(args, rt, conditions=None):
     rank), activations, step time and bytes sent. One process: the memory techniques vs
     fp32 (on CPU, bf16/fp16 matmuls are emulated and slow: read their memory columns, not
     their time). Under torchrun: every --dp mode, hand ZeRO-3 next to PyTorch's FSDP2.
-    conditions: a core.meters.TimingConditions (None: the machine's own) that ends the
+    conditions: a core.runtime.TimingConditions (None: the machine's own) that ends the
     table with one warning line when the load or the steps' spread make the times doubtful."""
     conditions = conditions or TimingConditions()
     if rt.distributed:

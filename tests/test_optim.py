@@ -542,7 +542,7 @@ def test_compare_runs_end_to_end(tmp_path):
 
 
 def test_bench_says_when_its_timings_cannot_be_trusted(capsys):
-    """`optim.py bench` ends with core.meters.TimingConditions' judgement: one warning line
+    """`optim.py bench` ends with core.runtime.TimingConditions' judgement: one warning line
     on a loaded machine (the load as measured; here a fake one), none on a quiet one."""
     from core.runtime import TimingConditions
     args = optim.parse_args(["bench", "--n-layer", "1", "--n-embd", "32", "--vocab-size", "64",

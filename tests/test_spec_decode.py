@@ -1,7 +1,8 @@
 # Tests for spec_decode.py: every method reproduces plain greedy decoding token for token;
 # at T > 0 the output distribution is the target's (a chi-square test that three broken
 # variants fail); KV caches after rejections equal a plain decode of the accepted tokens;
-# tree attention equals decoding each root-to-node path; bad inputs give one-line errors.
+# tree attention equals decoding each root-to-node path; bad inputs give one-line errors;
+# the bench's costs table and the break-even α it prints.
 # Tiny models built in-test, fp64 (no near-ties between batched and one-token passes).
 import copy
 import itertools
@@ -71,6 +72,15 @@ def test_greedy_equals_plain(target, drafters, method, width):
     assert got == want
     assert 0 < st.accepted and st.row_rounds < 24 * len(PROMPTS)   # fewer target calls
     assert st.tries >= st.accepted                 # ... and the bookkeeping is consistent
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_one_row_takes_plain_decodings_path_and_equals_plain(target, drafters, method):
+    """B = 1: the rows always agree, so every chain pass goes through GPT.forward's own
+    positions and causal mask (causal_pass), not the ragged ones: still plain greedy."""
+    for prompt in PROMPTS:
+        got, cache = sd.speculative_generate(target, drafters[method], [prompt], 24, gamma=4)
+        assert got == plain_greedy(target, [prompt], 24) and cache.length > 0
 
 
 def test_drafter_that_is_the_target_accepts_everything(target):
@@ -290,6 +300,44 @@ def test_bench_speedups_are_ratios_to_the_plain_row_printed(target, drafters, ca
     for tps, speedup, same in printed[1:]:
         assert abs(float(speedup[:-1]) - float(tps) / plain_tps) <= 0.006 + 0.5 / plain_tps
         assert same == "yes"                                          # T = 0: plain greedy
+
+
+def test_break_even_alpha_is_where_the_speedup_formula_gives_one():
+    """Hand-computed: γ = 3, drafting 0.125 and verify 1.5 plain target steps cost 1.875
+    steps a round, and 1 + α + α² + α³ = 1.875 at α = 1/2 (Leviathan et al.'s speedup
+    (1 − α^(γ+1)) / ((1 − α)·cost) = 1 there); γ = 1: 1 + α = 0.3 + 1.2."""
+    assert sd.break_even_alpha(3, 0.125, 1.5) == pytest.approx(0.5, abs=1e-9)
+    assert sd.break_even_alpha(1, 0.3, 1.2) == pytest.approx(0.5, abs=1e-9)
+    a = sd.break_even_alpha(4, 0.2, 1.3)                # cost 2.1: some α in between
+    assert (1 - a ** 5) / ((1 - a) * 2.1) == pytest.approx(1.0, abs=1e-9)
+    assert sd.break_even_alpha(4, 0.0, 0.9) == 0.0     # cheaper than a step: any α gains
+    assert sd.break_even_alpha(2, 1.0, 1.5) is None     # 3.5 > γ + 1 = 3: no α can
+
+
+def test_bench_prints_drafting_and_verify_overheads(target, drafters, capsys):
+    """The costs table beside the plain decode: drafting per draft token over the draft
+    model's own plain ms per token, one verify pass over one plain target step, each ×
+    the ratio of the two printed figures, and the break-even α of those costs."""
+    args = types.SimpleNamespace(repeats=1, max_new_tokens=10, seed=0)
+    draft = drafters["draft"]
+    rows = sd.compared(target, [("draft", draft, 3, 1), ("medusa", drafters["medusa"], 3, 1)],
+                       [[[1, 2, 3, 4, 5]]], args, 0.0, draft=draft.model)
+    assert rows[0]["draft_step_s"] > 0                  # the draft model's plain decode, timed
+    sd.print_costs(rows)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "drafting" in lines[0] and "verify" in lines[0] and "break-even" in lines[0]
+    cells = {line.split()[0]: line.split("|") for line in lines[2:]}
+    plain_ms, draft_ms = map(float, cells["draft"][1].split())
+    per_tok, over = cells["draft"][2].split()
+    verify, v_over = cells["draft"][3].split()
+    for ratio, num, den in ((over, per_tok, draft_ms), (v_over, verify, plain_ms)):
+        r = float(ratio[:-1])          # printed to 0.01, from figures printed to 0.01 ms
+        assert abs(r - float(num) / den) <= 0.0051 + 0.0051 * (1 + r) / den
+    step = rows[0]["secs"] / rows[0]["calls"]          # of the unrounded measurements
+    want = sd.break_even_alpha(3, rows[1]["dms"] / 1e3 / 3 / step, rows[1]["vms"] / 1e3 / step)
+    even = cells["draft"][4].split()[0]
+    assert even == "none" if want is None else abs(float(even) - want) <= 0.0051
+    assert cells["medusa"][2].split()[1] == "-"         # no draft model: no × for drafting
 
 
 # DeepSeek-V3's ingredients at tiny size: MLA, routed + shared experts with sigmoid affinities
