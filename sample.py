@@ -26,7 +26,7 @@ import torch
 
 from core import data
 from core.checkpoint import load_model
-from core.cli import ArgumentParser, HelpFormatter, add_knobs, knob
+from core.cli import command_line, knob
 from core.errors import UserError
 from core.runtime import pick_device, run_cli
 
@@ -140,10 +140,9 @@ def check_args(args):
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(prog="sample.py", formatter_class=HelpFormatter,
-                       description="Sample completions from a checkpoint: one --prompt, or a "
-                                   "prompt loop on standard input.")
-    return check_args(add_knobs(p, KNOBS).parse_args(argv))
+    p = command_line("Sample completions from a checkpoint: one --prompt, or a prompt loop "
+                     "on standard input.", {None: KNOBS}, prog="sample.py")
+    return check_args(p.parse_args(argv))
 
 
 def main(argv=None):

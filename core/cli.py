@@ -125,9 +125,11 @@ def add_knobs(parser, knobs, title=None):
     return parser
 
 
-def command_line(description, groups, formatter=None):
-    """A parser from {heading: [knobs]}, in order: what every script's parse_args builds."""
-    p = ArgumentParser(description=description, formatter_class=formatter or HelpFormatter)
+def command_line(description, groups, formatter=None, prog=None):
+    """A parser from {heading: [knobs]}, in order: what every script's parse_args builds
+    (prog: the name --help shows, when it is not the file's: python -m scripts.NAME)."""
+    p = ArgumentParser(prog=prog, description=description,
+                       formatter_class=formatter or HelpFormatter)
     for title, knobs in groups.items():
         add_knobs(p, knobs, title)
     return p

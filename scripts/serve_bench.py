@@ -48,7 +48,7 @@ import torch
 import serve
 from kvcache import PagedKVCache
 from model import KVCache
-from core.cli import add_knobs, ArgumentParser, fmt_bytes, HelpFormatter, knob
+from core.cli import command_line, fmt_bytes, knob
 from core.errors import UserError
 from core.runtime import load_average, Progress, run_cli, TimingConditions
 from serve import POLICIES, SamplingParams, engine_from_args
@@ -579,14 +579,9 @@ KNOBS = {None: serve.MODEL_KNOBS,
 
 
 def build_parser():
-    p = ArgumentParser(
-        prog="python -m scripts.serve_bench",
-        description="Benchmark the engine against sequential generate() and static "
-                    "batching on one seeded workload.",
-        formatter_class=HelpFormatter)
-    for title, knobs in KNOBS.items():
-        add_knobs(p, knobs, title)
-    return p
+    return command_line("Benchmark the engine against sequential generate() and static "
+                        "batching on one seeded workload.", KNOBS,
+                        prog="python -m scripts.serve_bench")
 
 
 def main(argv=None):

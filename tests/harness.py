@@ -54,8 +54,8 @@ def python_cmd(script, *args):
 def torchrun_cmd(nproc, script, *args, extra=()):
     """The argv of `torchrun --standalone --nproc_per_node=nproc script args...`.
     extra: more torchrun flags (e.g. --max-restarts=1)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", *extra, *script_argv(script), *map(str, args)]
+    return torchrun_node_cmd(["--standalone", f"--nproc_per_node={nproc}", *extra],
+                             script, *args)
 
 
 def torchrun_node_cmd(launch, script, *args):
