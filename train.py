@@ -478,7 +478,7 @@ def build_model(args, rt, resume):
     return model, corpus
 
 
-def build_optimizer(args, model, sync, master):
+def build_optimizer(args, model, sync, master, rt):
     """AdamW over decay / no-decay groups, or Muon on the hidden matrices + AdamW."""
     if args.optimizer != "muon":
         # Groups from sync: matrices decay, 1-D norm gains do not; under ZeRO these are flat
@@ -486,18 +486,24 @@ def build_optimizer(args, model, sync, master):
         # schedule's value before every step.
         return torch.optim.AdamW(sync.optimizer_groups(args.weight_decay), lr=args.lr,
                                  betas=(args.beta1, args.beta2), eps=1e-8)
-    if args.dp not in (None, "ddp"):
-        raise UserError(f"--optimizer muon runs without --dp or with --dp ddp: --dp {args.dp} "
-                        "shards flat slices and Newton–Schulz needs whole matrices")
-    # names and trained_params iterate model.parameters() in the same order (requires_grad
-    # only), so the zip gives Muon the fp32 masters under the model's names. No rank or
-    # world_size is passed: under --dp ddp every rank runs Newton–Schulz on every matrix
-    # (optim.Muon's shard() would split that work, one owner per matrix).
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    params = trained_params(model, master)
-    return optim.build_optimizer(zip(names, params), "muon", lr=args.lr,
-                                 weight_decay=args.weight_decay, muon_lr=args.muon_lr,
-                                 betas=(args.beta1, args.beta2))
+    settings = dict(lr=args.lr, weight_decay=args.weight_decay, muon_lr=args.muon_lr,
+                    betas=(args.beta1, args.beta2))
+    if args.dp in (None, "ddp"):
+        # names and trained_params iterate model.parameters() in the same order
+        # (requires_grad only), so the zip gives Muon the fp32 masters under the model's
+        # names. No rank or world_size: under --dp ddp every rank runs Newton–Schulz on
+        # every matrix (optim.Muon's shard() would split that work, one owner per matrix).
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        return optim.build_optimizer(zip(names, trained_params(model, master)), "muon",
+                                     **settings)
+    # Sharded state (ZeRO's flat slices, FSDP2's rows): the wrapper's pieces, each with its
+    # parameter's name, shape and flat range -- optim.ShardedMuonAdamW gathers each matrix
+    # to one owner for Newton–Schulz and sends the update's pieces back.
+    pieces = sync.owned_ranges(rt.rank)
+    return optim.build_optimizer([(name, t) for name, _, _, _, t in pieces], "muon",
+                                 **settings, rank=rt.rank, world_size=rt.world_size,
+                                 layout={t: (name, tuple(p.shape), a, b)
+                                         for name, p, a, b, t in pieces})
 
 
 def build(args, rt):
@@ -528,7 +534,7 @@ def build(args, rt):
         sync = data_parallel.wrap(model, args.dp, rt, args.bucket_mb)
     else:
         sync = data_parallel.OneProcess(model, trained_params(model, master))
-    optimizer = build_optimizer(args, model, sync, master)
+    optimizer = build_optimizer(args, model, sync, master, rt)
     # only fp16 scales: bf16's 8 exponent bits cover fp32's range
     scaler = LossScaler(args.loss_scale, args.scale_window, enabled=args.precision == "fp16")
     run_id = resume.get("run_id") if resume else None
@@ -774,12 +780,16 @@ def final_report(args, rt, run, state, n_params, act_bytes, sent_per_step):
     """The model-state ledger (one process: next to the formula; --dp: every rank next to
     the ZeRO formulas) and the activations next to Korthikanti et al.'s formula."""
     cfg = run.model.config
+    # Muon's share (one momentum buffer, 4 B/param instead of Adam's 8), by the model's
+    # names and shapes: under ZeRO-3 the parameters themselves are freed shards
+    muon = sum(p.numel() for n, p in run.model.named_parameters()
+               if optim.is_hidden_matrix(n, p)) if args.optimizer == "muon" else 0
     if args.dp:
         run.history["ledger"] = data_parallel.ledger(args.dp, rt, state, n_params,
-                                                      sent_per_step)
+                                                      sent_per_step, muon)
+        if isinstance(run.optimizer, optim.ShardedMuonAdamW):
+            print0(run.optimizer.report())
     else:
-        muon = sum(p.numel() for n, p in run.model.named_parameters()
-                   if optim.is_hidden_matrix(n, p)) if args.optimizer == "muon" else 0
         print0(model_state_report(state, n_params, args.precision, muon))
     a = activation_formula(args.seq_len, args.batch_size, cfg.n_embd, cfg.n_head,
                            cfg.n_layer, 4 if args.precision == "fp32" else 2)

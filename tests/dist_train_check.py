@@ -10,10 +10,12 @@ ZeRO formulas and sends the expected bytes. Exits non-zero on any mismatch.
     torchrun --nproc_per_node=2 --max-restarts=1 tests/dist_train_check.py crash TMP DATA
 """
 import os
+import shutil
 import sys
 
 import torch
 
+import optim
 import train
 from core.distributed import Runtime, setup_runtime
 from core.runtime import print0
@@ -50,55 +52,114 @@ def close_losses(got, want, label):
         assert abs(a - b) <= 2e-5 * abs(b), (label, got, want)
 
 
-def close_weights(path, want, label):
+def close_weights(path, want, label, tol=1e-4):
     """1e-4 absolute after 5 AdamW steps of lr ≤ 3e-3: summing the ranks' gradients in
     another order changes them by ~1e-7 relative, and Adam's g/√v amplifies that on the
     few elements whose gradient is near zero. A missed, doubled or mis-scaled update moves
-    weights by ~lr = 3e-3 and fails."""
+    weights by ~lr = 3e-3 and fails. Muon: see MUON_TOL. -> the largest difference."""
     got = torch.load(path, weights_only=True)["model"]
+    worst = 0.0
     for name, w in want.items():
         err = (got[name] - w).abs().max().item()
-        assert err <= 1e-4, (label, name, err)
+        assert err <= tol, (label, name, err)
+        worst = max(worst, err)
+    return worst
+
+
+# Newton–Schulz runs in bf16 (8 significant bits): a gradient summed in another order
+# (~1e-7 relative) flips the bf16 rounding of a few momentum entries, and five NS
+# iterations carry that into the update. One Muon step moves every element by about
+# lr × 0.2·√max(A, B) ≈ 3e-3 × 1.1 here, so a missed, doubled or mis-scaled update of any
+# matrix (or a piece sent to the wrong place) is still >3× this tolerance.
+MUON_TOL = 1e-3
+
+
+def check_modes(argv, label):
+    """Every --dp mode against one process on the same global batches: losses, final
+    weights, the model-state ledger and the bytes sent."""
+    ref_losses, ref_weights = reference(argv, [N] * STEPS)
+    for mode in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
+        ckpt = os.path.join(tmp, f"{label}-{mode}-{N}", "ckpt.pt")
+        hist = train.main(argv + ["--dp", mode, "--ckpt", ckpt, "--save-interval", "3"])
+        close_losses(hist["loss"], ref_losses, f"{label} {mode}")
+        worst = close_weights(ckpt, ref_weights, f"{label} {mode}",
+                              MUON_TOL if "muon" in argv else 1e-4)
+        ledger = hist["ledger"]
+        for key in ("params", "grads", "optimizer"):
+            got, want = ledger["rows"][rt.rank][key], ledger["formula"][key]
+            assert abs(got - want) <= 0.05 * want, (label, mode, key, got, want)
+        if mode != "fsdp":       # FSDP2's collectives are inside PyTorch, not metered
+            sent, want = ledger["rows"][rt.rank]["sent"], ledger["expected_sent"]
+            assert abs(sent - want) <= 0.10 * want, (label, mode, "sent", sent, want)
+        print0(f"CHECK {label} {mode} N={N}: losses, weights, state and bytes sent match "
+               f"(weights within {worst:.1e})")
+
+
+def check_sharded_muon_is_exact():
+    """optim.ShardedMuonAdamW on pieces cut unevenly (as ZeRO cuts a flat buffer; some
+    empty) == MuonAdamW on the whole matrices, bit for bit, given the same gradients: the
+    all-to-alls assemble each matrix exactly and return exactly its update."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"a.weight": (48, 32), "b.weight": (32, 80), "c.weight": (16, 16),
+              "norm.weight": (32,)}
+    whole = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    grads = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()} for _ in range(3)]
+    ref_params = {n: torch.nn.Parameter(w.clone()) for n, w in whole.items()}
+    ref = optim.build_optimizer(ref_params.items(), "muon", lr=0.02, weight_decay=0.1)
+    pieces, layout = [], {}
+    for n, w in whole.items():     # the same cuts on every rank (one seeded generator)
+        cuts = sorted(torch.randint(0, w.numel() + 1, (N - 1,), generator=gen).tolist())
+        a, b = ([0, *cuts, w.numel()])[rt.rank:rt.rank + 2]
+        t = w.reshape(-1)[a:b].clone()
+        pieces.append((n, t))
+        layout[t] = (n, tuple(w.shape), a, b)
+    sharded = optim.build_optimizer(pieces, "muon", lr=0.02, weight_decay=0.1, layout=layout,
+                                    rank=rt.rank, world_size=N)
+    for g in grads:
+        for n, p in ref_params.items():
+            p.grad = g[n]
+        ref.step()
+        for n, t in pieces:
+            t.grad = g[n].reshape(-1)[layout[t][2]:layout[t][3]].clone()
+        sharded.step()
+    for n, t in pieces:
+        assert torch.equal(t, ref_params[n].detach().reshape(-1)[layout[t][2]:layout[t][3]]), n
+    print0(f"CHECK sharded Muon N={N} == whole-matrix Muon, bit for bit (uneven pieces, 3 steps)")
 
 
 rt = setup_runtime("cpu")
 N = rt.world_size
+MUON = COMMON + ["--optimizer", "muon"]
 
 if "equivalence" in checks:
-    ref_losses, ref_weights = reference(COMMON, [N] * STEPS)
-    for mode in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
-        ckpt = os.path.join(tmp, f"{mode}-{N}", "ckpt.pt")
-        hist = train.main(COMMON + ["--dp", mode, "--ckpt", ckpt, "--save-interval", "3"])
-        close_losses(hist["loss"], ref_losses, mode)
-        close_weights(ckpt, ref_weights, mode)
-        ledger = hist["ledger"]
-        for key in ("params", "grads", "optimizer"):
-            got, want = ledger["rows"][rt.rank][key], ledger["formula"][key]
-            assert abs(got - want) <= 0.05 * want, (mode, key, got, want)
-        if mode != "fsdp":       # FSDP2's collectives are inside PyTorch, not metered
-            sent, want = ledger["rows"][rt.rank]["sent"], ledger["expected_sent"]
-            assert abs(sent - want) <= 0.10 * want, (mode, "sent", sent, want)
-        print0(f"CHECK {mode} N={N}: losses, weights, state and bytes sent match")
-    # a zero2 run stopped (and saved) after 3 of 5 steps, for the reshard check
-    train.main(COMMON + ["--dp", "zero2", "--ckpt", os.path.join(tmp, f"half-{N}", "ckpt.pt"),
-                       "--save-interval", "3", "--stop-after", "3"])
-    print0(f"CHECK saved half run N={N}")
+    check_sharded_muon_is_exact()
+    check_modes(COMMON, "adamw")
+    # Muon on sharded state: each matrix gathered to one owner for Newton–Schulz
+    check_modes(MUON, "muon")
+    # zero2 runs stopped (and saved) after 3 of 5 steps, for the reshard check
+    for label, argv in (("half", COMMON), ("muon-half", MUON)):
+        train.main(argv + ["--dp", "zero2", "--ckpt", os.path.join(tmp, f"{label}-{N}", "ckpt.pt"),
+                           "--save-interval", "3", "--stop-after", "3"])
+    print0(f"CHECK saved half runs N={N}")
 
 if "reshard" in checks:
-    # saved by zero2 on 2 ranks after 3 steps; resumed by every mode on N ranks
-    ref_losses, ref_weights = reference(COMMON, [2] * 3 + [N] * (STEPS - 3))
-    for mode in ("ddp", "zero1", "zero3"):
-        src = os.path.join(tmp, "half-2")
-        dst = os.path.join(tmp, f"reshard-{mode}")
-        if rt.is_main:
-            import shutil
-            shutil.copytree(src, dst, dirs_exist_ok=True)
-        torch.distributed.barrier()
-        hist = train.main(COMMON + ["--dp", mode, "--ckpt", os.path.join(dst, "ckpt.pt"),
-                                    "--save-interval", "100", "--resume"])
-        close_losses(hist["loss"], ref_losses, f"reshard {mode}")
-        close_weights(os.path.join(dst, "ckpt.pt"), ref_weights, f"reshard {mode}")
-        print0(f"CHECK zero2 N=2 -> {mode} N={N}: resumed losses and weights match")
+    # saved by zero2 on 2 ranks after 3 steps; resumed by other modes on N ranks (Muon's
+    # momentum is resharded like Adam's moments)
+    for label, argv, modes in (("half", COMMON, ("ddp", "zero1", "zero3")),
+                               ("muon-half", MUON, ("zero3",))):
+        ref_losses, ref_weights = reference(argv, [2] * 3 + [N] * (STEPS - 3))
+        for mode in modes:
+            src = os.path.join(tmp, f"{label}-2")
+            dst = os.path.join(tmp, f"reshard-{label}-{mode}")
+            if rt.is_main:
+                shutil.copytree(src, dst, dirs_exist_ok=True)
+            torch.distributed.barrier()
+            hist = train.main(argv + ["--dp", mode, "--ckpt", os.path.join(dst, "ckpt.pt"),
+                                      "--save-interval", "100", "--resume"])
+            close_losses(hist["loss"], ref_losses, f"reshard {label} {mode}")
+            close_weights(os.path.join(dst, "ckpt.pt"), ref_weights, f"reshard {label} {mode}",
+                          MUON_TOL if "muon" in argv else 1e-4)
+            print0(f"CHECK {label} zero2 N=2 -> {mode} N={N}: resumed losses and weights match")
 
 if "crash" in checks:
     ref_losses, ref_weights = reference(COMMON, [N] * STEPS)

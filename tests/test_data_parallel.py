@@ -14,19 +14,28 @@ MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 @pytest.mark.slow
 def test_two_then_four_ranks_equal_one_process_and_reshard_two_to_four(text_file, tmp_path):
-    result = torchrun(CHECK, ["equivalence", tmp_path, text_file], nproc=2, timeout=300)
+    """AdamW and Muon (its matrices gathered to owners for Newton–Schulz) in every mode."""
+    result = torchrun(CHECK, ["equivalence", tmp_path, text_file], nproc=2, timeout=400)
     assert result.returncode == 0, result.output[-4000:]
-    for mode in MODES:
-        assert f"CHECK {mode} N=2: losses, weights, state and bytes sent match" in result.output
-    # 4 ranks, one launch: every mode against one process, then the zero2 checkpoint the
-    # 2 ranks wrote after 3 steps, resumed by 4 ranks in 3 modes
+    assert "CHECK sharded Muon N=2 == whole-matrix Muon, bit for bit" in result.output
+    for optimizer in ("adamw", "muon"):
+        for mode in MODES:
+            assert (f"CHECK {optimizer} {mode} N=2: losses, weights, state and bytes sent "
+                    "match") in result.output
+    # 4 ranks, one launch: every mode against one process, then the zero2 checkpoints the
+    # 2 ranks wrote after 3 steps, resumed by 4 ranks (AdamW in 3 modes, Muon in zero3)
     result = torchrun(CHECK, ["equivalence,reshard", tmp_path, text_file], nproc=4,
-                      timeout=400)
+                      timeout=500)
     assert result.returncode == 0, result.output[-4000:]
-    for mode in MODES:
-        assert f"CHECK {mode} N=4: losses, weights, state and bytes sent match" in result.output
-    for mode in ("ddp", "zero1", "zero3"):
-        assert f"CHECK zero2 N=2 -> {mode} N=4: resumed losses and weights match" in result.output
+    assert "CHECK sharded Muon N=4 == whole-matrix Muon, bit for bit" in result.output
+    for optimizer in ("adamw", "muon"):
+        for mode in MODES:
+            assert (f"CHECK {optimizer} {mode} N=4: losses, weights, state and bytes sent "
+                    "match") in result.output
+    for label, mode in [("half", "ddp"), ("half", "zero1"), ("half", "zero3"),
+                        ("muon-half", "zero3")]:
+        assert (f"CHECK {label} zero2 N=2 -> {mode} N=4: resumed losses and weights "
+                "match") in result.output
 
 
 @pytest.mark.slow

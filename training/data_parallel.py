@@ -49,6 +49,9 @@ from core.recipe import decay_groups
 from core.runtime import print0
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+# The elementwise optimizer state a sharded checkpoint carries: Adam's moments, Muon's
+# momentum (both shard like the parameter they follow)
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 # ZeRO-3 gathers the embedding before its backward like every other unit (as FSDP does),
 # though an embedding's backward needs only the token ids; torch warns about that hook.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
@@ -452,25 +455,28 @@ def clip_grad_norm(dp, max_norm):
     return float(total)
 
 
-def formula_bytes(mode, n_params, world, k=8, b=4):
-    """ZeRO paper's per-rank model state in bytes (fp32: b = 4 bytes per value, K = 8)."""
+def formula_bytes(mode, n_params, world, k=8, b=4, muon_params=0):
+    """ZeRO paper's per-rank model state in bytes (fp32: b = 4 bytes per value, K = 8).
+    muon_params: the hidden matrices under Muon keep one buffer (K = 4 there)."""
     n = world
-    return {"ddp": dict(params=b * n_params, grads=b * n_params, optimizer=k * n_params),
-            "zero1": dict(params=b * n_params, grads=b * n_params, optimizer=k * n_params / n),
-            "zero2": dict(params=b * n_params, grads=b * n_params / n, optimizer=k * n_params / n),
+    state = k * n_params - 4 * muon_params
+    return {"ddp": dict(params=b * n_params, grads=b * n_params, optimizer=state),
+            "zero1": dict(params=b * n_params, grads=b * n_params, optimizer=state / n),
+            "zero2": dict(params=b * n_params, grads=b * n_params / n, optimizer=state / n),
             "zero3": dict(params=b * n_params / n, grads=b * n_params / n,
-                          optimizer=k * n_params / n)}[
-        "zero3" if mode == "fsdp" else mode]
+                          optimizer=state / n)}["zero3" if mode == "fsdp" else mode]
 
 
-def expected_wire_bytes(mode, n_params, world, b=4):
+def expected_wire_bytes(mode, n_params, world, b=4, muon_params=0):
     """Bytes one rank sends per step with ring collectives: 2Ψ (all-reduce = reduce-scatter
-    + all-gather) for ddp/zero1/zero2, 3Ψ for zero3 (one more all-gather in backward)."""
+    + all-gather) for ddp/zero1/zero2, 3Ψ for zero3 (one more all-gather in backward).
+    Sharded Muon adds its two bf16 all-to-alls: 2 × 2 B × Ψ_m(N−1)/N² (optim.py, 8.)."""
     ring = (world - 1) / world * b * n_params
-    return 3 * ring if mode in ("zero3", "fsdp") else 2 * ring
+    muon = 2 * 2 * muon_params * (world - 1) / world ** 2 if mode != "ddp" else 0
+    return (3 * ring if mode in ("zero3", "fsdp") else 2 * ring) + muon
 
 
-def ledger(mode, rt, state, n_params, sent_per_step):
+def ledger(mode, rt, state, n_params, sent_per_step, muon_params=0):
     """Every rank's measured model state and bytes sent, next to the ZeRO formulas."""
     rows = [None] * rt.world_size
     mine = dict(state, sent=sent_per_step)
@@ -479,9 +485,11 @@ def ledger(mode, rt, state, n_params, sent_per_step):
         torch.distributed.all_gather_object(rows, mine)
     else:
         rows = [mine]
-    formula = formula_bytes(mode, n_params, rt.world_size)
-    expected = expected_wire_bytes(mode, n_params, rt.world_size)
-    print0(f"ledger --dp {mode}, N = {rt.world_size}, Ψ = {n_params:,} (fp32, Adam K = 8):")
+    formula = formula_bytes(mode, n_params, rt.world_size, muon_params=muon_params)
+    expected = expected_wire_bytes(mode, n_params, rt.world_size, muon_params=muon_params)
+    muon = f", Muon K = 4 on Ψ_m = {muon_params:,}" if muon_params else ""
+    print0(f"ledger --dp {mode}, N = {rt.world_size}, Ψ = {n_params:,} (fp32, Adam K = 8"
+           f"{muon}):")
     print0(f"  {'rank':<6}{'params':>12}{'grads':>12}{'optimizer':>12}{'sent/step':>12}")
     for r, row in enumerate(rows):
         print0(f"  {r:<6}" + "".join(f"{fmt_bytes(row[k]):>12}" for k in
@@ -550,7 +558,7 @@ def read_generation(directory):
         try:
             for name, e in shard["ranges"].items():
                 f = full.setdefault(name, {"numel": e["numel"], "step": e["step"]})
-                for key in ("param", "exp_avg", "exp_avg_sq"):
+                for key in ("param", *STATE_KEYS):
                     if key in e:
                         f.setdefault(key, torch.zeros(e["numel"]))[e["start"]:e["end"]] = \
                             e[key][:e["end"] - e["start"]]
@@ -574,12 +582,12 @@ def apply_generation(full, directory, dp, optimizer, rank):
             target = key if not isinstance(dp, FSDP2) else p
             local_flat(target)[:b - a].copy_(f["param"][a:b])
         state = {"step": torch.tensor(f["step"])}
-        for k in ("exp_avg", "exp_avg_sq"):
+        for k in STATE_KEYS:
             if k in f:
                 t = torch.zeros_like(key)
                 local_flat(t)[:b - a].copy_(f[k][a:b])
                 state[k] = t
-        if "exp_avg" in f:
+        if len(state) > 1:                    # a saved step had begun any optimizer state
             optimizer.state[key] = state
     dp.after_step()          # stages 1-2: gather the full parameters from the slices
 
