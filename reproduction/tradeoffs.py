@@ -201,6 +201,20 @@ RUNS = [
         "--bench-steps 2",
         {**table_figures(DP_ROWS, {"state": 0, "timex": 4, "sent": 5}),
          "zero3_fsdp": grab(r"hand zero3 / fsdp step time: ([\d.]+)")}),
+    # Muon on ZeRO-2's sharded state, 2 ranks: momentum on each rank's pieces, each matrix
+    # gathered at its owner for Newton–Schulz, the update's pieces sent back (two bf16
+    # all-to-alls, counted by the meter and from the layout). quick: tiny, 4 steps.
+    Run("muon_zero", "torchrun --standalone --nproc_per_node=2 train.py --dp zero2 "
+        "--optimizer muon --steps 60 --eval-interval 30 --ckpt out/muon_zero2.pt "
+        "--sample-tokens 0",
+        f"torchrun --standalone --nproc_per_node=2 train.py {TINY} --dp zero2 "
+        "--optimizer muon --steps 4 --eval-interval 2 --eval-iters 1 "
+        "--ckpt out/muon_zero2_quick.pt --sample-tokens 0",
+        {"a2a": grab(r"all-to-alls sent (\S+ \S+)/step"),
+         "layout": grab(r"all-to-alls sent \S+ \S+/step \(layout: (\S+ \S+)\)"),
+         "ns_share": grab(r"MFLOP/step \((\d+%)"),
+         "state": grab(r"(?m)^  0 +\S+ \S+ +\S+ \S+ +(\S+ \S+)"),
+         "val": last(r"step +\d+ \| val loss ([\d.]+)")}),
     # Megatron tensor parallelism on 2 ranks, --check: every loss, gradient and weight
     # compared with one process each step (the run fails if they differ). Sent = the 4
     # all-reduces of b·s·h per layer (Shoeybi et al. 2019) the ledger counts.
@@ -672,6 +686,13 @@ ROWS = [
      "step {optim_bench.muon_ms} vs {optim_bench.adamw_ms} ms",
      "needs whole matrices (ZeRO must shard by matrix); {optim.speedup} fewer tokens than "
      "AdamW to val loss {optim.target}"),
+    # Muon under ZeRO: Newton–Schulz needs whole matrices, so each goes to one owner
+    ("Muon on sharded state, ZeRO-2 N=2 (`{muon_zero.cmd}`)",
+     "momentum ÷N like Adam's moments: optimizer state {muon_zero.state}/rank",
+     "two bf16 all-to-alls (to the owners, back): {muon_zero.a2a}/step, "
+     "≈ 2·2 B·Ψ_m(N−1)/N²",
+     "Newton–Schulz split by matrix: {muon_zero.ns_share} of one process's FLOPs on rank 0; "
+     "val loss {muon_zero.val}"),
     # Hu et al. 2021: W0 + (α/r)·BA, B = 0 at start; r(in+out) trainable per matrix
     # state = frozen base (4 B/param) + 16 B per trainable parameter
     ("LoRA r=8, all linears (`{lora.cmd}`)",

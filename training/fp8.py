@@ -10,7 +10,8 @@ What it teaches
     float8_e5m2    5 exponent bits, 2 mantissa bits, max 57,344 (fp16's range, fewer bits).
   A number is stored as q = round(x / scale), the scale chosen so the tensor fills the
   format: scale = amax / fmax, quantize = clamp(x / scale, -fmax, fmax).to(fp8). The clamp
-  matters: a value past fmax becomes NaN in e4m3fn, not a saturated 448.
+  makes saturation explicit: without it an e5m2 overflow is inf, and e4m3fn (no inf) is
+  NaN or 448 depending on the cast (torch's CPU cast saturates; the OCP spec allows both).
   They are FLOATS: the relative rounding error is ~2^-4 (e4m3) or ~2^-3 (e5m2) for every
   value between fmax and the smallest normal (2^-6 · scale for e4m3: a dynamic range of
   448 / 2^-6 ≈ 2.9e4). A ×100 outlier, which ruins an int8 scale (range 127), costs a
@@ -90,8 +91,9 @@ def fp8_scale(amax, dtype):
 
 
 def quantize(x, scale, dtype):
-    """x / scale, clamped to ±fmax (e4m3fn has no inf: an overflow would be NaN), rounded
-    to the nearest fp8 number by the cast. `scale` broadcasts (a scalar or per tile)."""
+    """x / scale, clamped to ±fmax (so an overflow saturates on every device instead of
+    becoming inf or NaN), rounded to the nearest fp8 number (ties to even) by the cast.
+    `scale` broadcasts (a scalar, or one per tile)."""
     fmax = FP8_MAX[dtype]
     return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
 
@@ -301,7 +303,9 @@ def fp8_linear(x, weight, recipe="tensorwise", block=128, amax_for=current_amax)
     flattened to (M, K) tokens × channels, the matmul's shape, and back."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if recipe == "block":
+    if x2.shape[0] == 0:       # an expert no token was routed to (expert parallelism)
+        y = x2.float() @ weight.float().T        # empty: nothing to scale (amax of nothing)
+    elif recipe == "block":
         y = BlockFP8Matmul.apply(x2, weight, block)
     else:
         y = TensorwiseFP8Matmul.apply(x2, weight, amax_for)
@@ -339,6 +343,11 @@ class Float8Linear(nn.Module):
                  block=128, history=16):
         super().__init__()
         check_options(recipe, scaling, block)
+        if recipe == "block" and (weight.shape[0] % block or weight.shape[1] % block):
+            raise UserError(f"fp8 block {block} does not divide the linear's "
+                            f"{weight.shape[0]}x{weight.shape[1]} weight")
+        if history < 1:
+            raise UserError(f"fp8 amax history must hold at least 1 step, got {history}")
         self.weight, self.bias = weight, bias      # Parameters, not copies
         self.recipe, self.scaling, self.block = recipe, scaling, int(block)
         self.register_buffer("amax_history",
