@@ -4,6 +4,7 @@ of train.py gives the same losses and final weights, holds the model-state bytes
 ZeRO formulas and sends the expected bytes. Exits non-zero on any mismatch.
 
     torchrun --nproc_per_node=N tests/dist_train_check.py equivalence TMP DATA
+    torchrun --nproc_per_node=N tests/dist_train_check.py muon-exact TMP DATA
     torchrun --nproc_per_node=4 tests/dist_train_check.py reshard TMP DATA   (after N=2)
     torchrun --nproc_per_node=4 tests/dist_train_check.py equivalence,reshard TMP DATA
                                        (both in one launch: 4 ranks take seconds to start)
@@ -21,7 +22,7 @@ from core.distributed import Runtime, setup_runtime
 from core.runtime import print0
 
 checks, tmp, data_path = set(sys.argv[1].split(",")), sys.argv[2], sys.argv[3]
-assert checks <= {"equivalence", "reshard", "crash"}, f"no such check: {sorted(checks)}"
+assert checks <= {"muon-exact", "equivalence", "reshard", "crash"}, f"no such check: {sorted(checks)}"
 STEPS = 5
 COMMON = ["--preset", "tiny", "--data", data_path, "--batch-size", "2", "--seq-len", "32",
           "--steps", str(STEPS), "--warmup-steps", "2", "--eval-interval", "1000",
@@ -131,8 +132,10 @@ rt = setup_runtime("cpu")
 N = rt.world_size
 MUON = COMMON + ["--optimizer", "muon"]
 
-if "equivalence" in checks:
+if "muon-exact" in checks:
     check_sharded_muon_is_exact()
+
+if "equivalence" in checks:
     check_modes(COMMON, "adamw")
     # Muon on sharded state: each matrix gathered to one owner for Newton–Schulz
     check_modes(MUON, "muon")
