@@ -24,11 +24,12 @@ with torchrun against one process:
   - whole matrices per rank (Muon/MuonAdamW with rank, world_size): each rank owns whole
     matrices (balanced by size), keeps their momentum (4/N B/param), orthogonalises only
     those and broadcasts them: Ψ_muon bytes per step in all;
-  - on sharded state (ShardedMuonAdamW: train.py --optimizer muon --dp zero1|2|3|fsdp):
-    the momentum is updated on each rank's pieces, one all-to-all gathers every matrix at
-    its owner, and a second returns the update's pieces: 2 × 2 B × Ψ_muon(N−1)/N² per rank
-    and step (bf16), NS FLOPs split ≈ 1/N per rank. Moonlight's "Distributed Muon" (Liu et
-    al. 2025) all-gathers instead and runs NS on every rank: N× the FLOPs, no scatter.
+  - on sharded state (train.py --optimizer muon --dp zero1|2|3|fsdp, in
+    training/sharded_muon.py): the momentum is updated on each rank's pieces, one
+    all-to-all gathers every matrix at its owner, and a second returns the update's
+    pieces: 2 × 2 B × Ψ_muon(N−1)/N² per rank and step (bf16), NS FLOPs split ≈ 1/N per
+    rank. Moonlight's "Distributed Muon" (Liu et al. 2025) all-gathers instead and runs
+    NS on every rank: N× the FLOPs, no scatter.
 
 References: Robbins & Monro 1951 (SGD); Polyak 1964, Nesterov 1983, Sutskever et al. 2013
 (momentum); Hinton's lecture 6e 2012 (RMSProp); Kingma & Ba 2015 (Adam); Reddi et al. 2018
@@ -44,7 +45,7 @@ import torch.distributed as dist
 
 from core import data
 from model import GPT, get_config
-from core.cli import command_line, fmt_bytes, given, knob, require_at_least_one
+from core.cli import command_line, given, knob, require_at_least_one
 from core.errors import UserError
 from core.meters import comm, model_state_bytes, StepTimer
 from core.recipe import warmup_cosine
@@ -413,154 +414,6 @@ class MuonAdamW(HandOptimizer):
         (muon_update if group["algo"] == "muon" else adam_update)(p, g, state, group)
 
 
-# 8. Muon on sharded state (train.py --optimizer muon --dp zero1|zero2|zero3|fsdp). ZeRO
-#    gives each rank a flat 1/N slice of every unit, cut wherever the slice ends (a matrix
-#    may be split between ranks); FSDP2 gives it a block of rows. Elementwise steps run on
-#    those pieces as they are -- AdamW, and Muon's momentum -- but Newton–Schulz needs the
-#    whole matrix. So, as nanochat's and Essential AI's distributed Muon do:
-#      1. each rank updates the momentum of its pieces (state sharded: 4/N B/param);
-#      2. ONE all-to-all sends every piece of (Nesterov) momentum to its matrix's owner
-#         (whole matrices spread over the ranks by size, balance_by_size);
-#      3. each owner assembles its matrices and orthogonalises them: NS FLOPs ≈ 1/N each;
-#      4. a second all-to-all returns to each rank its pieces of the update;
-#      5. every rank applies decay + update to its pieces (muon_apply).
-#    Both exchanges move bf16: newton_schulz casts its input to bf16 first and returns
-#    bf16, so nothing is lost. Per rank and step ≈ 2 exchanges × 2 B × Ψ_m·(N−1)/N² bytes
-#    (it holds Ψ_m/N, of which (N−1)/N belongs to matrices others own) -- small next to
-#    ZeRO's 2 × 4 B × Ψ·(N−1)/N. The alternative, Moonlight's "Distributed Muon" (Liu et
-#    al. 2025), all-gathers each momentum to every rank and runs NS N times over: Ψ_m·4 B
-#    more gathered, N× the FLOPs, no scatter.
-
-EXCHANGE_DTYPE = torch.bfloat16      # = newton_schulz's dtype: what it reads and returns
-
-
-def local(t):
-    """A DTensor's (FSDP2) local rows as a plain tensor sharing its storage; else t."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def all_to_all(send, recv_sizes, device):
-    """One all-to-all: send[r] (a list of 1-D tensors) goes to rank r. -> received[r]:
-    rank r's tensors to us, cut by recv_sizes[r] (the lengths we expect, in its order)."""
-    flat = [t.reshape(-1).to(EXCHANGE_DTYPE) for ts in send for t in ts]
-    inp = torch.cat(flat) if flat else torch.empty(0, dtype=EXCHANGE_DTYPE, device=device)
-    out_splits = [sum(sizes) for sizes in recv_sizes]
-    out = torch.empty(sum(out_splits), dtype=EXCHANGE_DTYPE, device=device)
-    comm.all_to_all_single(out, inp, out_splits, [sum(t.numel() for t in ts) for ts in send])
-    return [list(chunk.split(sizes)) for chunk, sizes in zip(out.split(out_splits),
-                                                             recv_sizes)]
-
-
-class ShardedMuonAdamW(HandOptimizer):
-    """MuonAdamW over pieces. `layout` maps every tensor the optimizer steps to (name, the
-    whole parameter's shape, start, end): the piece is [start, end) of the flattened
-    parameter. The groups are build_optimizer's."""
-
-    def __init__(self, groups, layout, rank, world_size):
-        super().__init__(groups, dict(lr=1e-3, weight_decay=0.0))
-        self.layout, self.rank, self.world = layout, rank, world_size
-        self.muon = [(p, g) for g in self.param_groups if g["algo"] == "muon"
-                     for p in g["params"]]
-        # Every rank's pieces, exchanged once (the layout, not data): then each rank knows,
-        # for every matrix, its shape and who holds which range, in one order everywhere.
-        mine = [(name, tuple(shape), a, b) for p, _ in self.muon
-                for name, shape, a, b in [layout[p]]]
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, mine)
-        self.shape, self.ranges = {}, {}          # name -> shape; name -> {rank: (a, b)}
-        for r, entries in enumerate(everyone):
-            for name, shape, a, b in entries:
-                self.shape[name] = shape
-                self.ranges.setdefault(name, {})[r] = (a, b)
-        names = list(self.shape)
-        owners = balance_by_size([math.prod(self.shape[n]) for n in names], world_size)
-        self.owner = dict(zip(names, owners))     # name -> rank (HandOptimizer's is unused)
-        self.sent = 0                             # bytes the last step's exchange sent
-
-    def span(self, name, rank):
-        a, b = self.ranges[name].get(rank, (0, 0))
-        return b - a
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        momenta = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if group["algo"] == "adamw" and p.grad is not None:
-                    adam_update(p, p.grad, self.state[p], group)
-                elif group["algo"] == "muon":    # every rank takes part in the exchange
-                    g = p.grad if p.grad is not None else torch.zeros_like(p)
-                    momenta[p] = muon_momentum(g, self.state[p], group)
-        wire_before = comm.total_wire
-        updates = self.orthogonalize_at_owners(momenta)
-        self.sent = comm.total_wire - wire_before       # measured by the meter: report()
-        for p, group in self.muon:
-            piece = local(p).view(-1)
-            muon_apply(piece, updates[p].view_as(piece), self.layout[p][1], group)
-        return loss
-
-    def orthogonalize_at_owners(self, momenta):
-        """Steps 2-4 of the recipe above -> {tensor: its piece of the orthogonal update}."""
-        held = {self.layout[p][0]: p for p, _ in self.muon}       # name -> my piece
-        names, group = list(self.shape), self.muon[0][1] if self.muon else None
-        device = next(p.device for g in self.param_groups for p in g["params"])
-        owned_by = [[n for n in names if self.owner[n] == r] for r in range(self.world)]
-        # 2. my pieces to their owners; from each rank, its pieces of the matrices I own
-        # (a list per rank, in `names` order on both sides, so sizes and order agree)
-        to_owner = [[local(momenta[held[n]]) for n in owned_by[r] if n in held]
-                    for r in range(self.world)]
-        from_each = [[n for n in owned_by[self.rank] if r in self.ranges[n]]
-                     for r in range(self.world)]
-        got = all_to_all(to_owner, [[self.span(n, r) for n in from_each[r]]
-                                    for r in range(self.world)], device)
-        # 3. assemble each matrix I own from every rank's piece; orthogonalise it
-        whole = {n: torch.empty(math.prod(self.shape[n]), dtype=EXCHANGE_DTYPE,
-                                device=device) for n in owned_by[self.rank]}
-        for r in range(self.world):
-            for n, piece in zip(from_each[r], got[r]):
-                a, b = self.ranges[n][r]
-                whole[n][a:b] = piece
-        back = [[] for _ in range(self.world)]
-        for n in owned_by[self.rank]:
-            o = newton_schulz(whole[n].view(self.shape[n]), group["ns_steps"],
-                              group["ns_coefficients"], group["eps"]).reshape(-1)
-            for r in range(self.world):
-                if n in from_each[r]:
-                    a, b = self.ranges[n][r]
-                    back[r].append(o[a:b])
-        # 4. every piece of the update back to the rank that holds it
-        mine = [[n for n in owned_by[r] if n in held] for r in range(self.world)]
-        got = all_to_all(back, [[self.span(n, self.rank) for n in mine[r]]
-                                for r in range(self.world)], device)
-        return {held[n]: piece for r in range(self.world) for n, piece in zip(mine[r], got[r])}
-
-    def exchange_bytes(self):
-        """Bytes this rank sends per step in the two all-to-alls (what stays here is not
-        sent): its pieces of others' matrices, then others' pieces of its own."""
-        size = torch.tensor([], dtype=EXCHANGE_DTYPE).element_size()
-        out = sum(self.span(n, self.rank) for n in self.shape if self.owner[n] != self.rank)
-        back = sum(self.span(n, r) for n in self.shape if self.owner[n] == self.rank
-                   for r in self.ranges[n] if r != self.rank)
-        return size * (out + back)
-
-
-    def report(self):
-        """What sharding Muon costs this rank: the all-to-alls' bytes per step (measured by
-        the meter, and counted from the layout) and its share of Newton–Schulz's FLOPs."""
-        steps = self.muon[0][1]["ns_steps"] if self.muon else 5
-        total = sum(ns_flops(s, steps) for s in self.shape.values())
-        here = sum(ns_flops(self.shape[n], steps) for n in self.shape
-                   if self.owner[n] == self.rank)
-        return (f"sharded Muon, rank {self.rank}: all-to-alls sent {fmt_bytes(self.sent)}/step "
-                f"(layout: {fmt_bytes(self.exchange_bytes())}); Newton–Schulz {here / 1e6:.2f} "
-                f"of one process's {total / 1e6:.2f} MFLOP/step ({100 * here / max(total, 1):.0f}%,"
-                f" 1/N = {100 / self.world:.0f}%)")
-
-
 def is_hidden_matrix(name, p):     # Muon's share: 2-D maps from hidden state to hidden state
     # By name: the extra heads' output.weight is excluded too; every other 2-D weight is
     # "hidden", an MoE router.weight (n_expert × d) and MLA's latent projections included.
@@ -571,39 +424,43 @@ def is_hidden_matrix(name, p):     # Muon's share: 2-D maps from hidden state to
 
 def build_optimizer(named_params, name="adamw", lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95),
                     eps=1e-8, momentum=0.95, muon_lr=None, adjust_lr_fn="match_rms_adamw",
-                    nesterov=True, rank=0, world_size=1, layout=None):
+                    nesterov=True, rank=0, world_size=1):
     """named_params: (name, tensor) pairs (the model's, or train.py's fp32 master copies
     zipped with the model's names). "adamw": decay on matrices, none on norms (1-D).
     "muon": the hybrid; muon_lr defaults to lr (right with match_rms_adamw; with
-    "original" Keller uses ~0.02). Groups carry lr_scale = their lr / lr for set_lr.
-    layout (sharded state, ZeRO / FSDP2): {tensor: (name, parameter shape, start, end)} for
-    pieces of parameters -> ShardedMuonAdamW."""
-    # a ZeRO piece is a slice of a flat buffer (no requires_grad): every piece is trained
-    named = [(n, p) for n, p in named_params if layout is not None or p.requires_grad]
+    "original" Keller uses ~0.02). Groups carry lr_scale = their lr / lr for set_lr."""
+    named = [(n, p) for n, p in named_params if p.requires_grad]
     if name not in OPTIMIZERS:
         raise UserError(f"unknown optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
+    groups = optimizer_groups(named, name, lr, weight_decay, betas, eps, momentum, muon_lr,
+                              adjust_lr_fn, nesterov)
+    return AdamW(groups) if name == "adamw" else MuonAdamW(groups, rank, world_size)
+
+
+def optimizer_groups(named, name, lr, weight_decay, betas=(0.9, 0.95), eps=1e-8,
+                     momentum=0.95, muon_lr=None, adjust_lr_fn="match_rms_adamw",
+                     nesterov=True, shape_of=lambda p: p.shape):
+    """build_optimizer's parameter groups. shape_of: a tensor's parameter shape (a sharded
+    piece is flat: training/sharded_muon.py passes its layout's shape)."""
     if not lr > 0 or (muon_lr is not None and not muon_lr > 0):
         raise UserError(f"learning rates must be > 0, got lr={lr} muon_lr={muon_lr}")
-    shape = (lambda p: p.shape) if layout is None else (lambda p: layout[p][1])
-    decay = [p for n, p in named if len(shape(p)) >= 2]
-    no_decay = [p for n, p in named if len(shape(p)) < 2]
+    decay = [p for n, p in named if len(shape_of(p)) >= 2]
+    no_decay = [p for n, p in named if len(shape_of(p)) < 2]
     adam = dict(algo="adamw", lr=lr, lr_scale=1.0, betas=tuple(betas), eps=eps, amsgrad=False,
                 decoupled_weight_decay=True)
     if name == "adamw":
         groups = [dict(adam, params=decay, weight_decay=weight_decay),
                   dict(adam, params=no_decay, weight_decay=0.0)]
-        return AdamW([g for g in groups if g["params"]])
-    hidden = [p for n, p in named if is_hidden_matrix(n, shape(p))]
-    rest = [p for n, p in named if len(shape(p)) >= 2 and not is_hidden_matrix(n, shape(p))]
+        return [g for g in groups if g["params"]]
+    hidden = [p for n, p in named if is_hidden_matrix(n, shape_of(p))]
+    rest = [p for n, p in named if len(shape_of(p)) >= 2 and not is_hidden_matrix(n, shape_of(p))]
     muon_lr = lr if muon_lr is None else muon_lr
     muon = dict(_muon_defaults(muon_lr, weight_decay, momentum, nesterov, NS_COEFFICIENTS,
                                1e-7, 5, adjust_lr_fn),
                 algo="muon", params=hidden, lr_scale=muon_lr / lr)
-    groups = [g for g in [muon, dict(adam, params=rest, weight_decay=weight_decay),
-                          dict(adam, params=no_decay, weight_decay=0.0)] if g["params"]]
-    if layout is not None:
-        return ShardedMuonAdamW(groups, layout, rank, world_size)
-    return MuonAdamW(groups, rank, world_size)
+    groups = [muon, dict(adam, params=rest, weight_decay=weight_decay),
+              dict(adam, params=no_decay, weight_decay=0.0)]
+    return [g for g in groups if g["params"]]
 
 
 OPTIMIZERS = ("adamw", "muon")

@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 
 from core import data
-from training import data_parallel
+from training import data_parallel, sharded_muon
 from core import scores
 import optim
 from training import resume as saved
@@ -497,13 +497,9 @@ def build_optimizer(args, model, sync, master, rt):
         return optim.build_optimizer(zip(names, trained_params(model, master)), "muon",
                                      **settings)
     # Sharded state (ZeRO's flat slices, FSDP2's rows): the wrapper's pieces, each with its
-    # parameter's name, shape and flat range -- optim.ShardedMuonAdamW gathers each matrix
-    # to one owner for Newton–Schulz and sends the update's pieces back.
-    pieces = sync.owned_ranges(rt.rank)
-    return optim.build_optimizer([(name, t) for name, _, _, _, t in pieces], "muon",
-                                 **settings, rank=rt.rank, world_size=rt.world_size,
-                                 layout={t: (name, tuple(p.shape), a, b)
-                                         for name, p, a, b, t in pieces})
+    # parameter's name, shape and flat range -- training/sharded_muon.py gathers each
+    # matrix to one owner for Newton–Schulz and sends the update's pieces back.
+    return sharded_muon.build(sync.owned_ranges(rt.rank), rt.rank, rt.world_size, **settings)
 
 
 def build(args, rt):
@@ -787,7 +783,7 @@ def final_report(args, rt, run, state, n_params, act_bytes, sent_per_step):
     if args.dp:
         run.history["ledger"] = data_parallel.ledger(args.dp, rt, state, n_params,
                                                       sent_per_step, muon)
-        if isinstance(run.optimizer, optim.ShardedMuonAdamW):
+        if isinstance(run.optimizer, sharded_muon.ShardedMuonAdamW):
             print0(run.optimizer.report())
     else:
         print0(model_state_report(state, n_params, args.precision, muon))

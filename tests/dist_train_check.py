@@ -18,6 +18,7 @@ import torch
 
 import optim
 import train
+from training import sharded_muon
 from core.distributed import Runtime, setup_runtime
 from core.runtime import print0
 
@@ -97,7 +98,7 @@ def check_modes(argv, label):
 
 
 def check_sharded_muon_is_exact():
-    """optim.ShardedMuonAdamW on pieces cut unevenly (as ZeRO cuts a flat buffer; some
+    """sharded_muon.ShardedMuonAdamW on pieces cut unevenly (as ZeRO cuts a flat buffer; some
     empty) == MuonAdamW on the whole matrices, bit for bit, given the same gradients: the
     all-to-alls assemble each matrix exactly and return exactly its update."""
     gen = torch.Generator().manual_seed(0)
@@ -107,24 +108,22 @@ def check_sharded_muon_is_exact():
     grads = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()} for _ in range(3)]
     ref_params = {n: torch.nn.Parameter(w.clone()) for n, w in whole.items()}
     ref = optim.build_optimizer(ref_params.items(), "muon", lr=0.02, weight_decay=0.1)
-    pieces, layout = [], {}
+    pieces = []                    # (name, parameter, start, end, piece), as owned_ranges
     for n, w in whole.items():     # the same cuts on every rank (one seeded generator)
         cuts = sorted(torch.randint(0, w.numel() + 1, (N - 1,), generator=gen).tolist())
         a, b = ([0, *cuts, w.numel()])[rt.rank:rt.rank + 2]
         t = w.reshape(-1)[a:b].clone()
-        pieces.append((n, t))
-        layout[t] = (n, tuple(w.shape), a, b)
-    sharded = optim.build_optimizer(pieces, "muon", lr=0.02, weight_decay=0.1, layout=layout,
-                                    rank=rt.rank, world_size=N)
+        pieces.append((n, w, a, b, t))
+    sharded = sharded_muon.build(pieces, rt.rank, N, lr=0.02, weight_decay=0.1)
     for g in grads:
         for n, p in ref_params.items():
             p.grad = g[n]
         ref.step()
-        for n, t in pieces:
-            t.grad = g[n].reshape(-1)[layout[t][2]:layout[t][3]].clone()
+        for n, _, a, b, t in pieces:
+            t.grad = g[n].reshape(-1)[a:b].clone()
         sharded.step()
-    for n, t in pieces:
-        assert torch.equal(t, ref_params[n].detach().reshape(-1)[layout[t][2]:layout[t][3]]), n
+    for n, _, a, b, t in pieces:
+        assert torch.equal(t, ref_params[n].detach().reshape(-1)[a:b]), n
     print0(f"CHECK sharded Muon N={N} == whole-matrix Muon, bit for bit (uneven pieces, 3 steps)")
 
 

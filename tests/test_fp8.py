@@ -248,6 +248,7 @@ def test_convert_tiny_gpt(recipe, block):
     assert type(model.output) is nn.Linear and type(model.tok_embeddings) is nn.Embedding
     assert type(model.layers[0].attention_norm) is type(plain.layers[0].attention_norm)
     assert list(model.state_dict()) == list(plain.state_dict())
+    model.load_state_dict(plain.state_dict())          # a plain checkpoint loads, strict
     assert all(p is params[n] for n, p in model.named_parameters())
     idx, targets = tiny_batch(model)
     _, loss = model(idx, targets)
@@ -256,6 +257,23 @@ def test_convert_tiny_gpt(recipe, block):
     loss.backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_convert_moe_converts_the_experts_not_the_router():
+    """A mixture of experts (core/moe.py): every expert's w1/w2/w3 and the shared expert
+    become fp8; the router (a Parameter read by F.linear) keeps its precision; an expert
+    no token reaches (an empty batch) costs nothing and breaks nothing."""
+    model = GPT(get_config("tiny", n_expert=4, n_shared_expert=1, ffn_hidden=32), seed=0)
+    names = convert_to_fp8(model, "block", block=16)
+    assert len(names) == 2 * (4 + 5 * 3) and "layers.0.feed_forward.experts.3.w2" in names
+    assert "layers.0.feed_forward.shared_experts.w1" in names
+    assert not any("router" in n for n in names)
+    idx, targets = tiny_batch(model)
+    _, loss = model(idx, targets)
+    loss.backward()
+    assert torch.isfinite(model.layers[0].feed_forward.experts[0].w1.weight.grad).all()
+    empty = model.layers[0].feed_forward.experts[0](torch.zeros(0, 32))
+    assert empty.shape == (0, 32)
 
 
 def test_conversion_errors_are_one_line():

@@ -54,9 +54,10 @@ What it costs (measured by `main`; formulas in `matmul_bytes`)
   per B×B block and per 1×B tile: 4/B B per activation element); the fp32 master weights,
   their gradients and the optimizer state are unchanged (4 + 4 + 8 B/parameter with Adam).
   On this CPU there are no fp8 units: the fp8 path is slower than fp32, not faster, and
-  torch._scaled_mm's CPU kernel is a reference loop (~1000× slower; we measure it).
-- sacrifices: precision: ~2-4% relative error per matmul output (vs ~0.4% in bf16); V3
-  reports a loss within 0.25% of bf16's at scale; tensorwise loses more to outliers.
+  torch._scaled_mm's CPU kernel is a reference loop (900-2,700× slower in our runs).
+- sacrifices: precision: ~3.7% relative error per matmul output on a normal input at the
+  demo's shapes (bf16 operands: 0.23%), ~6% for the tensorwise gradients (e5m2); V3
+  reports a training loss within 0.25% of bf16's; tensorwise loses more to outliers.
 """
 import copy
 import statistics
@@ -137,8 +138,9 @@ def scaled_mm_fits(qa, qb):
     """Whether torch._scaled_mm takes these operands. On CUDA (H100's cuBLASLt fp8 GEMM):
     both inner dimensions multiples of 16 and not both e5m2; the layouts (A row-major, B
     column-major: both K-major) are made by `scaled_matmul`. On CPU it takes anything, but
-    its kernel is a scalar reference loop (~1000× slower than the fp32 matmul of the same
-    dequantized numbers, `main` measures it), so CPU runs use the textbook path."""
+    its kernel is a scalar reference loop (thousands of times slower than the fp32 matmul
+    of the same dequantized numbers; `main` measures it), so CPU runs use the textbook
+    path, which gives the same numbers (tests/test_fp8.py checks both)."""
     if qa.dtype == E5M2 and qb.dtype == E5M2:
         return False
     if qa.device.type == "cuda":
@@ -198,8 +200,7 @@ def quantize_tiles(x, rows, cols, dtype=E4M3):
 def dequantize_tiles(q, scale):
     """The fp32 tensor q stands for: each element times its tile's scale."""
     rows, cols = q.shape[0] // scale.shape[0], q.shape[1] // scale.shape[1]
-    full = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
-    return q.float() * full
+    return dequantize(q, scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1))
 
 
 def block_scaled_matmul(qa, sa, qb, sb, block):
@@ -211,16 +212,18 @@ def block_scaled_matmul(qa, sa, qb, sb, block):
     "promotion to CUDA cores every N_C = 128 elements of K", the fix for the tensor cores'
     ~14-bit accumulator. On CPU the chunk's product itself is an fp32 matmul of the fp8
     values (exact products, fp32 sums): CPU fp32 accumulation cannot show the tensor-core
-    accumulation error, only the quantization error."""
+    accumulation error, only the quantization error. On a GPU this loop runs as plain
+    fp32 matmuls too: the fused kernel that does it on fp8 tensor cores is DeepGEMM's."""
     M, K = qa.shape
     N = qb.shape[0]
     sa_rows = sa.repeat_interleave(M // sa.shape[0], 0)     # (M, K/B): each row's scales
     sb_rows = sb.repeat_interleave(N // sb.shape[0], 0)     # (N, K/B)
+    a, b = qa.float(), qb.float()        # fp8 -> fp32 is exact: once, not once per chunk
     out = torch.zeros(M, N, dtype=torch.float32, device=qa.device)
     for c in range(K // block):
         ks = slice(c * block, (c + 1) * block)
-        partial = qa[:, ks].float() @ qb[:, ks].float().T            # the tensor-core part
-        out += partial * sa_rows[:, c:c + 1] * sb_rows[:, c][None]    # promoted, scaled
+        partial = a[:, ks] @ b[:, ks].T                                # the tensor-core part
+        out.addcmul_(partial, sa_rows[:, c:c + 1] * sb_rows[:, c][None])   # promoted, scaled
     return out
 
 
@@ -436,10 +439,12 @@ def convert_to_fp8(model, recipe="tensorwise", scaling="dynamic", block=128, his
 
 @dataclass(frozen=True)
 class MatmulBytes:
-    """Bytes per element of the copies a linear's matmuls use: `weight` per parameter of
-    the (fp8 or bf16) weight copy kept from forward to backward, `activation` per element
-    of the saved input. Not changed by any of them: the fp32 master weights (4 B), their
-    gradients (4 B) and the optimizer state (Adam: 8 B) per parameter."""
+    """Bytes per element of the operands a linear's matmuls read and autograd keeps for
+    the backward: `weight` per parameter of the weight operand (fp32: the master itself,
+    no copy; bf16 autocast and fp8: a copy made each forward, kept until the backward),
+    `activation` per element of the saved input. Not changed by any of them: the fp32
+    master weights (4 B), their gradients (4 B) and the optimizer state (Adam: 8 B) per
+    parameter -- fp8 saves activation memory and matmul time, not model-state memory."""
     precision: str
     weight: float
     activation: float
@@ -482,7 +487,7 @@ def make_input(kind, tokens, width, gen):
     if kind == "channels x100":
         x[:, torch.arange(4) * (width // 4) + 3] *= 100
     elif kind.startswith("tokens x"):
-        x[torch.tensor([5, tokens // 2, tokens - 7])] *= float(kind.split("x")[1])
+        x[torch.tensor([5, tokens // 2, tokens - 7]) % tokens] *= float(kind.split("x")[1])
     return x
 
 
@@ -561,7 +566,7 @@ def bytes_table(args):
           f"Adam 8 B/param unchanged in every row:")
     for precision in ("fp32", "bf16", "fp8-tensorwise", "fp8-block"):
         b = matmul_bytes(precision, *shapes, block=args.block)
-        print(f"  {precision:<15} weight copy {b.weight:.5f} B/param   saved activation "
+        print(f"  {precision:<15} weight operand {b.weight:.5f} B/param   saved activation "
               f"{b.activation:.5f} B/element")
 
 
