@@ -1,6 +1,8 @@
 """
 optim.py -- how a gradient becomes an update: SGD → momentum → RMSProp → Adam → AdamW →
-Muon → MuonClip, each written by hand in a few lines and tested equal to torch.optim.
+Muon, each written by hand in a few lines and tested equal to torch.optim; then Muon on
+sharded state. (MuonClip's QK-clip, the guard the loop applies after Muon's step, is
+training/qk_clip.py.)
 
 Run:  python optim.py compare      # AdamW vs Muon on the same GPT, tokens to a target loss
       python optim.py bench        # state bytes/param and step time of each, vs torch's
@@ -12,20 +14,14 @@ What each optimizer keeps per parameter (fp32 state) and what it adds to a step:
   plus Newton–Schulz: 5 × (4m²n + 2m³) FLOPs per m×n matrix (m ≤ n) = 30·d³ for d×d,
   against 6·d²·tokens for its forward+backward: ≈ 5·d/(tokens per step) more -- large at
   nano scale (d=128, 2k tokens: ~30%), < 1% in real runs (d=4096, millions of tokens).
-MuonClip (Kimi K2) adds a per-head max-logit recorder (one extra QKᵀ per layer in our
-unfused form; a flash-attention kernel has the row max for free) and a rescale of W_q,
-W_k rows after the step (for multi-head latent attention, core/mla.py: only the head-specific
-rows, never the shared rotary key): no state; under data parallelism one
-all-reduce(max) of n_head floats per layer.
-
 Muon under sharding (the design choice): Newton–Schulz needs the WHOLE matrix, so Muon
 cannot step ZeRO's flat 1/N slices the way elementwise AdamW does. Two forms, both tested
 with torchrun against one process:
   - whole matrices per rank (Muon/MuonAdamW with rank, world_size): each rank owns whole
     matrices (balanced by size), keeps their momentum (4/N B/param), orthogonalises only
     those and broadcasts them: Ψ_muon bytes per step in all;
-  - on sharded state (train.py --optimizer muon --dp zero1|2|3|fsdp, in
-    training/sharded_muon.py): the momentum is updated on each rank's pieces, one
+  - on sharded state (ShardedMuonAdamW, section 8: train.py --optimizer muon --dp
+    zero1|2|3|fsdp): the momentum is updated on each rank's pieces, one
     all-to-all gathers every matrix at its owner, and a second returns the update's
     pieces: 2 × 2 B × Ψ_muon(N−1)/N² per rank and step (bf16), NS FLOPs split ≈ 1/N per
     rank. Moonlight's "Distributed Muon" (Liu et al. 2025) all-gathers instead and runs
@@ -45,7 +41,7 @@ import torch.distributed as dist
 
 from core import data
 from model import GPT, get_config
-from core.cli import command_line, given, knob, require_at_least_one
+from core.cli import command_line, fmt_bytes, given, knob, require_at_least_one
 from core.errors import UserError
 from core.meters import comm, model_state_bytes, StepTimer
 from core.recipe import warmup_cosine
@@ -441,7 +437,7 @@ def optimizer_groups(named, name, lr, weight_decay, betas=(0.9, 0.95), eps=1e-8,
                      momentum=0.95, muon_lr=None, adjust_lr_fn="match_rms_adamw",
                      nesterov=True, shape_of=lambda p: p.shape):
     """build_optimizer's parameter groups. shape_of: a tensor's parameter shape (a sharded
-    piece is flat: training/sharded_muon.py passes its layout's shape)."""
+    piece is flat: build_sharded passes its layout's shape)."""
     if not lr > 0 or (muon_lr is not None and not muon_lr > 0):
         raise UserError(f"learning rates must be > 0, got lr={lr} muon_lr={muon_lr}")
     decay = [p for n, p in named if len(shape_of(p)) >= 2]
@@ -473,168 +469,166 @@ def set_lr(optimizer, lr):
 
 
 # ----------------------------------------------------------------------------------------
-# 8. MuonClip / QK-clip (Kimi K2). Muon moves every direction of W_q and W_k at full size,
-#    and in long runs some heads' attention logits q·k/√d grow without bound (then the
-#    softmax saturates and the loss spikes). After each step, for every head whose largest
-#    logit in this step's forward passes S_max exceeded τ, multiply its W_q rows and W_k
-#    rows by √(τ/S_max) each: the head's logits q·k scale by τ/S_max exactly (RoPE is a
-#    rotation, so it commutes with the scaling). As in K2, S_max comes from the forward,
-#    before the update, so the next forward can exceed τ by what one update added; the
-#    clip then pulls it back (tests: logits scale exactly, and stay bounded near τ).
-#
-# GQA: with n_kv_head < n_head one K head serves a group of Q heads, so scaling it also
-# shrinks the logits of the group's healthy heads. Two choices (gqa=...):
-#   "group" (default): per KV group, with the group's max S_g: W_q rows of the group's
-#     heads and its W_k rows by √(τ/S_g) each. Balanced like K2, but healthy heads of an
-#     offending group are clipped too. With n_kv_head == n_head: exactly K2's per head.
-#   "query": leave the shared W_k alone; W_q rows of each offending head × τ/S_h. Exact
-#     per head (K2 does this for MLA's shared rotary key: only the query gets the factor),
-#     but W_k is never reined in.
-#
-# MLA (mla.LatentAttention; Kimi K2 §2.1): head h's logit is (q_C,h·k_C,h + q_R,h·k_R)/√d,
-# where q_C,h and q_R,h (rows of wq, or of wq_b) and k_C,h (head h's W_UK rows of wkv_b)
-# belong to head h alone, while the rotary key k_R (the last d_R rows of wkv_a) is ONE
-# vector shared by every head. K2's rule: q_C,h and k_C,h × √γ_h, q_R,h × γ_h, k_R left
-# alone. Both terms then scale by γ_h (√γ·√γ and γ·1): the logit scales by γ_h exactly,
-# as for a plain head. Splitting γ as √γ on q_R and √γ on k_R instead would scale k_R for
-# all heads at once -- shrinking the rotary term of heads that did not offend, as the
-# shared W_k of a GQA group does. The value rows of wkv_b (W_UV) and the latent itself
-# are not touched. The GQA mode plays no role: no key component but k_R is shared.
+# 8. Muon on sharded state (train.py --optimizer muon --dp zero1|zero2|zero3|fsdp). ZeRO
+#    gives each rank a flat 1/N slice of every unit, cut wherever the slice ends (a matrix
+#    may be split between ranks); FSDP2 gives it a block of rows. Elementwise steps run on
+#    those pieces as they are -- AdamW, and Muon's momentum -- but Newton–Schulz needs the
+#    whole matrix. So, as nanochat's and Essential AI's distributed Muon do:
+#      1. each rank updates the momentum of its pieces (state sharded: 4/N B/param);
+#      2. ONE all-to-all sends every piece of (Nesterov) momentum to its matrix's owner
+#         (whole matrices spread over the ranks by size, balance_by_size);
+#      3. each owner assembles its matrices and orthogonalises them: NS FLOPs ≈ 1/N each;
+#      4. a second all-to-all returns to each rank its pieces of the update;
+#      5. every rank applies decay + update to its pieces (muon_apply).
+#    Both exchanges move bf16: newton_schulz casts its input to bf16 first and returns
+#    bf16, so nothing is lost. Per rank and step ≈ 2 exchanges × 2 B × Ψ_m·(N−1)/N² bytes
+#    (it holds Ψ_m/N, of which (N−1)/N belongs to matrices others own) -- small next to
+#    ZeRO's 2 × 4 B × Ψ·(N−1)/N. The alternative, Moonlight's "Distributed Muon" (Liu et
+#    al. 2025), all-gathers each momentum to every rank and runs NS N times over: Ψ_m·4 B
+#    more gathered, N× the FLOPs, no scatter.
 
-def max_logit_per_head(q, k, mask=None):
-    """max over batch, queries and allowed keys of q·k/√d, per query head: (H,) fp32."""
-    # GQA: KV head j serves query heads j·r … j·r + r − 1 (model.repeat_kv's layout)
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    # fp32, and the whole (B, H, Tq, Tk) score tensor: B·H·T²·4 bytes for a moment -- the
-    # "one extra QKᵀ per layer" of the header, which a fused kernel would not pay
-    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    if mask is None:                                     # causal, Tq == Tk
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    # -inf: a key the query may not see cannot be its max
-    return scores.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
+EXCHANGE_DTYPE = torch.bfloat16      # = newton_schulz's dtype: what it reads and returns
 
 
-class QKClip:
-    """QK-clip for one model. It wraps every layer's attn_fn (model.py's documented seam)
-    with a recorder of the per-head max logit -- a running max over the forwards since the
-    last clip, so gradient-accumulation micro-batches combine -- and `apply()`, after each
-    optimizer step, rescales the offending heads' W_q / W_k. Its state (τ, the GQA mode,
-    the maxima) lives here, not on the model's modules. MLA layers (mla.LatentAttention,
-    recognised by their wkv_b) use the same seam: their attn_fn receives queries and keys
-    whose q·k/√(width) are the real logits, in both of core/mla.py's paths."""
+def local(t):
+    """A DTensor's (FSDP2) local rows as a plain tensor sharing its storage; else t."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
-    def __init__(self, model, tau=100.0, gqa="group"):
-        if not tau > 0:
-            raise UserError(f"QK-clip threshold tau must be > 0, got {tau}")
-        if gqa not in ("group", "query"):
-            raise UserError(f"unknown GQA QK-clip mode {gqa!r}: group or query")
-        self.model, self.tau, self.gqa = model, tau, gqa
-        self.maxima = [None] * len(model.layers)    # per layer: (H,) max logit, or None
-        self.clipped = self.heads = 0       # since take_report(): heads clipped, seen
-        self.peak = None                    # ... and the largest logit before a clip
-        for i, layer in enumerate(model.layers):
-            layer.attention.attn_fn = self._recorder(i, layer.attention.attn_fn)
 
-    def _recorder(self, i, inner):
-        def attn_fn(q, k, v, mask=None):
-            # no_grad: nothing enters the graph, nothing counts as an activation. A running
-            # max: micro-batches combine, and full activation checkpointing's replay in
-            # backward sees the same values again (a max of equals changes nothing).
-            with torch.no_grad():
-                s = max_logit_per_head(q, k, mask)
-                prev = self.maxima[i]
-                self.maxima[i] = s if prev is None else torch.maximum(prev, s)
-            return inner(q, k, v, mask)
-        return attn_fn
+def all_to_all(send, recv_sizes, device):
+    """One all-to-all: send[r] (a list of 1-D tensors) goes to rank r. -> received[r]:
+    rank r's tensors to us, cut by recv_sizes[r] (the lengths we expect, in its order)."""
+    flat = [t.reshape(-1).to(EXCHANGE_DTYPE) for ts in send for t in ts]
+    inp = torch.cat(flat) if flat else torch.empty(0, dtype=EXCHANGE_DTYPE, device=device)
+    out_splits = [sum(sizes) for sizes in recv_sizes]
+    out = torch.empty(sum(out_splits), dtype=EXCHANGE_DTYPE, device=device)
+    comm.all_to_all_single(out, inp, out_splits, [sum(t.numel() for t in ts) for ts in send])
+    return [list(chunk.split(sizes)) for chunk, sizes in zip(out.split(out_splits),
+                                                             recv_sizes)]
+
+
+class ShardedMuonAdamW(HandOptimizer):
+    """MuonAdamW over pieces. `layout` maps every tensor the optimizer steps to (name, the
+    whole parameter's shape, start, end): the piece is [start, end) of the flattened
+    parameter. The groups are optimizer_groups' (build_sharded)."""
+
+    def __init__(self, groups, layout, rank, world_size):
+        super().__init__(groups, dict(lr=1e-3, weight_decay=0.0))
+        self.layout, self.rank, self.world = layout, rank, world_size
+        self.muon = [(p, g) for g in self.param_groups if g["algo"] == "muon"
+                     for p in g["params"]]
+        # Every rank's pieces, exchanged once (the layout, not data): then each rank knows,
+        # for every matrix, its shape and who holds which range, in one order everywhere.
+        mine = [(name, tuple(shape), a, b) for p, _ in self.muon
+                for name, shape, a, b in [layout[p]]]
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, mine)
+        self.shape, self.ranges = {}, {}          # name -> shape; name -> {rank: (a, b)}
+        for r, entries in enumerate(everyone):
+            for name, shape, a, b in entries:
+                self.shape[name] = shape
+                self.ranges.setdefault(name, {})[r] = (a, b)
+        names = list(self.shape)
+        owners = balance_by_size([math.prod(self.shape[n]) for n in names], world_size)
+        self.owner = dict(zip(names, owners))     # name -> rank (HandOptimizer's is unused)
+        self.sent = 0                             # bytes the last step's exchange sent
+
+    def span(self, name, rank):
+        a, b = self.ranges[name].get(rank, (0, 0))
+        return b - a
 
     @torch.no_grad()
-    def apply(self, copies=None, group=None):
-        """Call after optimizer.step(). copies: {model parameter: tensor} also scaled the
-        same way (train.py's fp32 master weights). Under data parallelism the maxima are
-        all-reduced (MAX) over `group` first (default: the world; under tensor parallelism
-        pass the DP group) so every replica clips identically. Returns the per-layer (H,)
-        logit factors (1 = untouched) of the layers that recorded, and resets the maxima."""
-        factors = []
-        for i, layer in enumerate(self.model.layers):
-            S, self.maxima[i] = self.maxima[i], None
-            # A layer with no forward since the last clip is skipped -- on every rank alike,
-            # or the MAX all-reduces below would pair up wrongly and hang.
-            if S is None:
-                continue
-            if dist.is_available() and dist.is_initialized():
-                comm.all_reduce(S, op=dist.ReduceOp.MAX, group=group)
-            self.note(S)
-            factors.append(self._clip_layer(layer.attention, S, copies))
-        return factors
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        momenta = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if group["algo"] == "adamw" and p.grad is not None:
+                    adam_update(p, p.grad, self.state[p], group)
+                elif group["algo"] == "muon":    # every rank takes part in the exchange
+                    g = p.grad if p.grad is not None else torch.zeros_like(p)
+                    momenta[p] = muon_momentum(g, self.state[p], group)
+        wire_before = comm.total_wire
+        updates = self.orthogonalize_at_owners(momenta)
+        self.sent = comm.total_wire - wire_before       # measured by the meter: report()
+        for p, group in self.muon:
+            piece = local(p).view(-1)
+            muon_apply(piece, updates[p].view_as(piece), self.layout[p][1], group)
+        return loss
 
-    def note(self, S):
-        """Count one layer's heads for the log: how many were above τ, the largest."""
-        self.clipped += int((S > self.tau).sum())
-        self.heads += S.numel()
-        top = float(S.max())
-        self.peak = top if self.peak is None else max(self.peak, top)
+    def orthogonalize_at_owners(self, momenta):
+        """Steps 2-4 of the recipe above -> {tensor: its piece of the orthogonal update}."""
+        held = {self.layout[p][0]: p for p, _ in self.muon}       # name -> my piece
+        names, group = list(self.shape), self.muon[0][1] if self.muon else None
+        device = next(p.device for g in self.param_groups for p in g["params"])
+        owned_by = [[n for n in names if self.owner[n] == r] for r in range(self.world)]
+        # 2. my pieces to their owners; from each rank, its pieces of the matrices I own
+        # (a list per rank, in `names` order on both sides, so sizes and order agree)
+        to_owner = [[local(momenta[held[n]]) for n in owned_by[r] if n in held]
+                    for r in range(self.world)]
+        from_each = [[n for n in owned_by[self.rank] if r in self.ranges[n]]
+                     for r in range(self.world)]
+        got = all_to_all(to_owner, [[self.span(n, r) for n in from_each[r]]
+                                    for r in range(self.world)], device)
+        # 3. assemble each matrix I own from every rank's piece; orthogonalise it
+        whole = {n: torch.empty(math.prod(self.shape[n]), dtype=EXCHANGE_DTYPE,
+                                device=device) for n in owned_by[self.rank]}
+        for r in range(self.world):
+            for n, piece in zip(from_each[r], got[r]):
+                a, b = self.ranges[n][r]
+                whole[n][a:b] = piece
+        back = [[] for _ in range(self.world)]
+        for n in owned_by[self.rank]:
+            o = newton_schulz(whole[n].view(self.shape[n]), group["ns_steps"],
+                              group["ns_coefficients"], group["eps"]).reshape(-1)
+            for r in range(self.world):
+                if n in from_each[r]:
+                    a, b = self.ranges[n][r]
+                    back[r].append(o[a:b])
+        # 4. every piece of the update back to the rank that holds it
+        mine = [[n for n in owned_by[r] if n in held] for r in range(self.world)]
+        got = all_to_all(back, [[self.span(n, self.rank) for n in mine[r]]
+                                for r in range(self.world)], device)
+        return {held[n]: piece for r in range(self.world) for n, piece in zip(mine[r], got[r])}
 
-    def take_report(self):
-        """-> "3/48 heads clipped, max logit 142.1 -> 100" for the steps since the
-        last call (a clipped head's max logit lands on τ when no update intervenes), or
-        None if no step clipped; then starts counting again."""
-        report = None
-        if self.clipped:
-            report = (f"{self.clipped}/{self.heads} heads clipped, max logit "
-                      f"{self.peak:.4g} -> {self.tau:.4g}")
-        self.clipped = self.heads = 0
-        self.peak = None
-        return report
-
-    def _clip_layer(self, attn, S, copies):
-        gamma = torch.where(S > self.tau, self.tau / S, torch.ones_like(S))  # logit factor
-        if hasattr(attn, "wkv_b"):
-            return self._clip_latent(attn, gamma, copies)
-        # head counts from the weights, as model.Attention does: under tensor parallelism
-        # wq/wk hold the local heads only
-        n_q, hd = S.numel(), attn.head_dim
-        n_kv = attn.wk.weight.shape[0] // hd
-        if self.gqa == "group":
-            g = gamma.view(n_kv, n_q // n_kv).amin(dim=1)             # τ / (group's max)
-            # √g on the group's Q rows and √g on its K rows: every logit of the group × g
-            q_scale, k_scale = g.sqrt().repeat_interleave(n_q // n_kv), g.sqrt()
-            factor = g.repeat_interleave(n_q // n_kv)
-        else:
-            q_scale, k_scale = gamma, torch.ones(n_kv, device=S.device)
-            factor = gamma
-        # per head -> per row: head h owns rows h·hd … (h+1)·hd − 1 of wq and wk (the
-        # .view(B, T, -1, head_dim) in model.Attention)
-        scale_rows(attn.wq.weight, q_scale.repeat_interleave(hd), copies)
-        scale_rows(attn.wk.weight, k_scale.repeat_interleave(hd), copies)
-        return factor
-
-    @staticmethod
-    def _clip_latent(attn, gamma, copies):
-        """MLA, K2's rule (see above): per head, [q_C | q_R] rows × [√γ | γ], [k_C | v]
-        rows of wkv_b × [√γ | 1]; wkv_a (the latent and the shared rotary key) untouched."""
-        n_head = gamma.numel()
-
-        def per_head(*parts):         # (factor per head, rows per head), ... -> (rows,)
-            return torch.cat([f[:, None].expand(n_head, width) for f, width in parts],
-                             dim=1).flatten()
-        root, ones = gamma.sqrt(), torch.ones_like(gamma)
-        q_rows = per_head((root, attn.qk_nope_head_dim), (gamma, attn.qk_rope_head_dim))
-        kv_rows = per_head((root, attn.qk_nope_head_dim), (ones, attn.v_head_dim))
-        scale_rows(attn.query_proj.weight, q_rows, copies)
-        scale_rows(attn.wkv_b.weight, kv_rows, copies)
-        return gamma
+    def exchange_bytes(self):
+        """Bytes this rank sends per step in the two all-to-alls (what stays here is not
+        sent): its pieces of others' matrices, then others' pieces of its own."""
+        size = torch.tensor([], dtype=EXCHANGE_DTYPE).element_size()
+        out = sum(self.span(n, self.rank) for n in self.shape if self.owner[n] != self.rank)
+        back = sum(self.span(n, r) for n in self.shape if self.owner[n] == self.rank
+                   for r in self.ranges[n] if r != self.rank)
+        return size * (out + back)
 
 
-def scale_rows(w, scale, copies=None):
-    """w (out, in) *= scale (out,) row by row, and the same on w's entry in copies."""
-    # The factor is rounded to w's dtype once, and that same value scales the copy: a
-    # 16-bit weight and its fp32 master stay the rounding of one another (a bf16 factor
-    # is off by at most ~0.4%, far inside QK-clip's slack). copies is keyed by the
-    # Parameter object itself (tensors hash by identity).
-    rows = scale.to(w.dtype)[:, None]
-    w.mul_(rows)
-    if copies is not None and w in copies:
-        copies[w].mul_(rows.to(copies[w].dtype))
+    def report(self):
+        """What sharding Muon costs this rank: the all-to-alls' bytes per step (measured by
+        the meter, and counted from the layout) and its share of Newton–Schulz's FLOPs."""
+        steps = self.muon[0][1]["ns_steps"] if self.muon else 5
+        total = sum(ns_flops(s, steps) for s in self.shape.values())
+        here = sum(ns_flops(self.shape[n], steps) for n in self.shape
+                   if self.owner[n] == self.rank)
+        return (f"sharded Muon, rank {self.rank}: all-to-alls sent {fmt_bytes(self.sent)}/step "
+                f"(layout: {fmt_bytes(self.exchange_bytes())}); Newton–Schulz {here / 1e6:.2f} "
+                f"of one process's {total / 1e6:.2f} MFLOP/step ({100 * here / max(total, 1):.0f}%,"
+                f" 1/N = {100 / self.world:.0f}%)")
+
+
+def build_sharded(pieces, rank, world_size, **settings):
+    """The hybrid over a data-parallel wrapper's pieces: `pieces` as its owned_ranges give
+    them, (name, parameter, start, end, tensor the optimizer steps). settings: those of
+    build_optimizer (lr, weight_decay, muon_lr, betas, ...)."""
+    layout = {t: (name, tuple(p.shape), a, b) for name, p, a, b, t in pieces}
+    groups = optimizer_groups([(name, t) for name, _, _, _, t in pieces], "muon",
+                              shape_of=lambda t: layout[t][1], **settings)
+    return ShardedMuonAdamW(groups, layout, rank, world_size)
+
+
+# (MuonClip / QK-clip, Kimi K2's guard on the attention logits Muon can grow, is applied by
+# the training loop after each step: training/qk_clip.py.)
 
 
 # ----------------------------------------------------------------------------------------

@@ -30,6 +30,11 @@ Techniques here and their price:
     (selective, Korthikanti et al. 2022: removes the 5·a·s/h term for a few % of time).
   - gradient accumulation: k micro-batches of b instead of one of k·b: activations ÷ k,
     same update (tested), but k sequential forward/backward passes.
+  - FP8 linear layers (training/fp8.py, `--precision fp8 | fp8-block`): the blocks'
+    matmuls on e4m3/e5m2 copies scaled per tensor (torchtitan's float8) or per 1×B tile
+    and B×B block (DeepSeek-V3), the fp32 master weights kept. Saves, on fp8 tensor
+    cores, matmul time and half the linears' saved inputs; adds a cast (and an amax) per
+    tensor per step and 1 B/param of fp8 weight copies; costs ~4% error per matmul.
 
 Faults, each ending in one line that says what happened (docs/train.md, "Faults"): every
 save records its run (run_id, torchrun's launch_id, save_id in every shard); --resume takes
@@ -49,15 +54,16 @@ from typing import Optional
 import torch
 
 from core import data
-from training import data_parallel, sharded_muon
+from training import data_parallel, fp8
 from core import scores
 import optim
 from training import resume as saved
+from training.qk_clip import QKClip
 from core.plots import svg_line_plot
 from model import GPT, GPTConfig, PRESETS, get_config
 from core.cli import (command_line, fmt_bytes, fmt_count, fmt_duration, given, knob,
                       preset_knob, require_at_least_one)
-from core.distributed import (long_phase, set_collective_timeout, setup_runtime,
+from core.distributed import (inject_fault, long_phase, set_collective_timeout, setup_runtime,
                               STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_STEPS, tighten_after_first_step)
 from core.errors import Interrupted, UserError
 from core.files import check_writable
@@ -70,6 +76,7 @@ from core.runtime import (attempt, GracefulStop, print0, run_cli, seed_everythin
 # significant bits; fp16 has 5 exponent bits (max 65504, smallest subnormal ~6e-8) and 11
 # significant bits: more precision, far less range -- hence fp16's loss scaling below.
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FP8_RECIPES = {"fp8": "tensorwise", "fp8-block": "block"}   # --precision -> training/fp8.py
 
 
 # ----------------------------------------------------------------------------------------
@@ -302,7 +309,7 @@ class Trainer:
     # the same interface, no communication), or a --dp wrapper that communicates them
     # (during backward and in finish_grads) and, for ZeRO-1/2, the updated parameters
     sync: object = None
-    qk_clip: Optional[optim.QKClip] = None   # MuonClip's recorders and clip (--qk-clip)
+    qk_clip: Optional[QKClip] = None   # MuonClip's recorders and clip (--qk-clip)
     expert_loads: Optional[ExpertLoads] = None   # MoE: tokens per expert, loss-free bias
 
     def __post_init__(self):
@@ -497,9 +504,9 @@ def build_optimizer(args, model, sync, master, rt):
         return optim.build_optimizer(zip(names, trained_params(model, master)), "muon",
                                      **settings)
     # Sharded state (ZeRO's flat slices, FSDP2's rows): the wrapper's pieces, each with its
-    # parameter's name, shape and flat range -- training/sharded_muon.py gathers each
-    # matrix to one owner for Newton–Schulz and sends the update's pieces back.
-    return sharded_muon.build(sync.owned_ranges(rt.rank), rt.rank, rt.world_size, **settings)
+    # parameter's name, shape and flat range -- optim.ShardedMuonAdamW gathers each matrix
+    # to one owner for Newton–Schulz and sends the update's pieces back.
+    return optim.build_sharded(sync.owned_ranges(rt.rank), rt.rank, rt.world_size, **settings)
 
 
 def build(args, rt):
@@ -525,6 +532,9 @@ def build(args, rt):
             raise UserError(f"--precision {args.precision} (master weights) is single-process "
                             "only; with --dp use fp32 or autocast-bf16")
         master = MasterWeights(model, LOW_PRECISION[args.precision])
+    if args.precision in FP8_RECIPES:     # the blocks' nn.Linear -> fp8.Float8Linear, same
+        fp8.convert_to_fp8(model, FP8_RECIPES[args.precision], args.fp8_scaling,  # Parameters
+                           args.fp8_block)
     apply_activation_checkpointing(model, args.checkpointing)
     if args.dp:
         sync = data_parallel.wrap(model, args.dp, rt, args.bucket_mb)
@@ -535,7 +545,7 @@ def build(args, rt):
     scaler = LossScaler(args.loss_scale, args.scale_window, enabled=args.precision == "fp16")
     run_id = resume.get("run_id") if resume else None
     run = Run(model, optimizer, scaler, master, sync,
-              optim.QKClip(model, args.qk_clip) if args.qk_clip else None, corpus=corpus,
+              QKClip(model, args.qk_clip) if args.qk_clip else None, corpus=corpus,
               run_id=run_id or saved.launch_id() or uuid.uuid4().hex[:12])
     if resume:
         _, full, where = found
@@ -588,26 +598,6 @@ def banner(args, rt, run, n_params, tokens_per_step):
                f"{math.log(cfg.vocab_size):.3f})")
 
 
-def crash_on_purpose(args, rt, step):
-    """--crash-at-step: the last rank leaves abruptly (first attempt only), like a lost
-    node; --hang-at-step: it stops itself (SIGSTOP), like a frozen one. Under torchrun
-    --max-restarts both show a restart and a resume."""
-    # First attempt only: the restarted attempt must get past this step, or torchrun
-    # would restart into the same crash until --max-restarts runs out.
-    if rt.rank != rt.world_size - 1 or attempt() != "0":
-        return
-    if args.crash_at_step == step:
-        print(f"rank {rt.rank}: crashing on purpose at step {step} (--crash-at-step)",
-              flush=True)
-        os._exit(1)         # no cleanup, no flush: what a lost node looks like to its peers
-    if args.hang_at_step == step:
-        print(f"rank {rt.rank} (pid {os.getpid()}): stopping itself at step {step} "
-              "(--hang-at-step)", flush=True)
-        # SIGSTOP cannot be caught: the process freezes with its sockets open, and its
-        # peers wait in the next collective until --timeout ends the job (status 3).
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-
 def log_line(args, rt, run, loss, lr, timer, state, act_bytes, sent_per_step, skipped,
              tokens_per_step):
     line = (f"step {run.step:4d} | loss {loss:.4f} | lr {lr:.2e} | "
@@ -650,7 +640,7 @@ def train(args, rt):
     # starts and ends, the judge of the tok/s and ms in its log lines (core/meters.py)
     with GracefulStop() as stop, TimingConditions() as conditions:
         while run.step < last:
-            crash_on_purpose(args, rt, run.step)
+            inject_fault(rt, run.step, args.crash_at_step, args.hang_at_step)
             # every group's lr (× its lr_scale: Muon's own) is written before each step
             lr = learning_rate(run.step, args)
             optim.set_lr(run.optimizer, lr)
@@ -783,12 +773,13 @@ def final_report(args, rt, run, state, n_params, act_bytes, sent_per_step):
     if args.dp:
         run.history["ledger"] = data_parallel.ledger(args.dp, rt, state, n_params,
                                                       sent_per_step, muon)
-        if isinstance(run.optimizer, sharded_muon.ShardedMuonAdamW):
+        if isinstance(run.optimizer, optim.ShardedMuonAdamW):
             print0(run.optimizer.report())
     else:
         print0(model_state_report(state, n_params, args.precision, muon))
     a = activation_formula(args.seq_len, args.batch_size, cfg.n_embd, cfg.n_head,
-                           cfg.n_layer, 4 if args.precision == "fp32" else 2)
+                           cfg.n_layer, 2 if args.precision in LOW_PRECISION or
+                           args.precision == "autocast-bf16" else 4)
     print0(f"activations of one micro-batch: measured {fmt_bytes(act_bytes)} vs "
            f"Korthikanti's GPT-3-block formula {fmt_bytes(a)} (ours: no dropout, SwiGLU, "
            f"GQA, checkpointing={args.checkpointing})")
@@ -900,8 +891,14 @@ OPTIMIZER_KNOBS = [
 
 MEMORY_KNOBS = [
     knob("--precision", "fp32", "fp32; bf16 autocast over fp32 weights; bf16 or fp16 weights "
-         "with fp32 master weights (fp16 adds dynamic loss scaling)",
-         choices=["fp32", "autocast-bf16", "bf16", "fp16"]),
+         "with fp32 master weights (fp16 adds dynamic loss scaling); fp8 / fp8-block: the "
+         "blocks' linears in FP8, scaled per tensor or per tile and block (training/fp8.py)",
+         choices=["fp32", "autocast-bf16", "bf16", "fp16", *FP8_RECIPES]),
+    knob("--fp8-block", 128, "fp8-block: the tile width B (1×B activation tiles, B×B weight "
+         "blocks; DeepSeek-V3: 128; the demo's 64-wide K/V projections need 64)"),
+    knob("--fp8-scaling", "dynamic", "fp8: each scale from the tensor's own amax (dynamic) or "
+         "from the last 16 steps' amaxes (delayed, Transformer Engine's; tensorwise only)",
+         choices=list(fp8.SCALINGS)),
     knob("--loss-scale", 2.0 ** 16, "initial fp16 scale"),
     knob("--scale-window", 200, "clean steps before the fp16 loss scale doubles"),
     knob("--checkpointing", "none", "activation checkpointing",

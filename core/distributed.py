@@ -15,7 +15,9 @@ stuck one from hanging forever:
     gloo's error into one CollectiveFailure line, and run_cli (core/runtime.py) exits 3
     for torchrun --max-restarts. (gloo raises in the waiting rank; NCCL's watchdog aborts
     instead.)
-  - all_reduce_flat: one all-reduce over a list of gradients (one bucket).
+  - all_reduce_flat: one all-reduce over a list of gradients (one bucket);
+  - inject_fault: a rank that crashes or freezes on purpose (train.py --crash-at-step,
+    --hang-at-step), what the watchdog and torchrun's restarts are tested against.
 
 The collectives themselves go through core/meters.py's `comm`, which counts them: the
 heartbeat reports that count, so a timed-out rank can say who fell behind.
@@ -23,6 +25,7 @@ heartbeat reports that count, so a timed-out rank can say who fell behind.
 import datetime
 import os
 import re
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -32,7 +35,7 @@ import torch.distributed as dist
 
 from core.errors import CollectiveFailure
 from core.meters import comm
-from core.runtime import job_store, pick_device, print0
+from core.runtime import attempt, job_store, pick_device, print0
 
 
 @dataclass
@@ -231,3 +234,26 @@ def all_reduce_flat(tensors, group=None, divide_by=1):
         flat /= divide_by
     for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(part.view_as(t))
+
+
+# ----------------------------------------------------------------------------------------
+# Faults on purpose: what the watchdog and the restart path are tested against
+
+def inject_fault(rt, step, crash_at_step=None, hang_at_step=None):
+    """train.py's --crash-at-step: the last rank leaves abruptly (first attempt only), like
+    a lost node; --hang-at-step: it stops itself (SIGSTOP), like a frozen one. Under
+    torchrun --max-restarts both show a restart and a resume."""
+    # First attempt only: the restarted attempt must get past this step, or torchrun
+    # would restart into the same crash until --max-restarts runs out.
+    if rt.rank != rt.world_size - 1 or attempt() != "0":
+        return
+    if crash_at_step == step:
+        print(f"rank {rt.rank}: crashing on purpose at step {step} (--crash-at-step)",
+              flush=True)
+        os._exit(1)         # no cleanup, no flush: what a lost node looks like to its peers
+    if hang_at_step == step:
+        print(f"rank {rt.rank} (pid {os.getpid()}): stopping itself at step {step} "
+              "(--hang-at-step)", flush=True)
+        # SIGSTOP cannot be caught: the process freezes with its sockets open, and its
+        # peers wait in the next collective until --timeout ends the job (status 3).
+        os.kill(os.getpid(), signal.SIGSTOP)

@@ -44,8 +44,8 @@ What it saves and what it costs (L layers, d_h head size, n_kv GQA key/value hea
 
 The one seam for choosing the path: `LatentAttention.absorb` (None = absorbed exactly when
 a cache is given, i.e. at inference; True / False force one path -- the tests and the
-benchmark set it on every layer). QK-clip (optim.QKClip) records the per-head max logit
-through `attn_fn` as for model.Attention: both paths hand attn_fn queries and keys whose
+benchmark set it on every layer). QK-clip (training/qk_clip.py) records the per-head max
+logit through `attn_fn` as for model.Attention: both paths hand attn_fn queries and keys whose
 q·k/√(width) are MLA's real logits, and it rescales the head-specific rows (wq or wq_b,
 the k_C rows of wkv_b), never the shared rotary key in wkv_a.
 

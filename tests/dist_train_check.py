@@ -18,7 +18,6 @@ import torch
 
 import optim
 import train
-from training import sharded_muon
 from core.distributed import Runtime, setup_runtime
 from core.runtime import print0
 
@@ -98,7 +97,7 @@ def check_modes(argv, label):
 
 
 def check_sharded_muon_is_exact():
-    """sharded_muon.ShardedMuonAdamW on pieces cut unevenly (as ZeRO cuts a flat buffer; some
+    """optim.ShardedMuonAdamW on pieces cut unevenly (as ZeRO cuts a flat buffer; some
     empty) == MuonAdamW on the whole matrices, bit for bit, given the same gradients: the
     all-to-alls assemble each matrix exactly and return exactly its update."""
     gen = torch.Generator().manual_seed(0)
@@ -114,7 +113,7 @@ def check_sharded_muon_is_exact():
         a, b = ([0, *cuts, w.numel()])[rt.rank:rt.rank + 2]
         t = w.reshape(-1)[a:b].clone()
         pieces.append((n, w, a, b, t))
-    sharded = sharded_muon.build(pieces, rt.rank, N, lr=0.02, weight_decay=0.1)
+    sharded = optim.build_sharded(pieces, rt.rank, N, lr=0.02, weight_decay=0.1)
     for g in grads:
         for n, p in ref_params.items():
             p.grad = g[n]

@@ -26,7 +26,8 @@ COMMANDS = [
     "-m scripts.gpu_bench", "-m core.checkpoint export", "-m core.checkpoint convert",
     "-m scripts.mla_bench", "streaming.py measure", "streaming.py generate",
     "disagg.py run", "disagg.py bench", "kv_router.py bench",
-    "-m scripts.train_bench", "-m scripts.lora_estimate",
+    "-m scripts.train_bench", "-m scripts.lora_estimate", "-m training.fp8",
+    "-m serving.multi_lora",
     "labs.py list", "labs.py run", "labs.py check",
 ]
 # Modules that are read, not run: --help says so and names the command that runs them.

@@ -13,7 +13,7 @@ MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
 def test_sharded_muon_equals_whole_matrix_muon_bit_for_bit(tmp_path):
-    """training/sharded_muon.py on 2 ranks, matrices cut into uneven pieces: each matrix
+    """optim.ShardedMuonAdamW on 2 ranks, matrices cut into uneven pieces: each matrix
     gathered at its owner, orthogonalised, its update sent back == one process's Muon on
     the whole matrices, bit for bit (N = 4 in the test below)."""
     result = torchrun(CHECK, ["muon-exact", tmp_path, "-"], nproc=2, timeout=120)

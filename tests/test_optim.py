@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import optim                                    # noqa: E402
+from training import qk_clip                     # noqa: E402
 from model import GPT, get_config               # noqa: E402
 from core.errors import UserError  # noqa: E402
 
@@ -219,7 +220,7 @@ def test_recorder_is_exact_and_does_not_change_outputs():
     model = tiny_model(attn="math")
     x, y = batch(0, model.config)
     logits0 = model(x)[0]
-    clip = optim.QKClip(model, tau=1.0)
+    clip = qk_clip.QKClip(model, tau=1.0)
     torch.testing.assert_close(model(x)[0], logits0, rtol=0, atol=0)
     recorded = _max_logits(clip, x)
     # brute force: rebuild q, k of layer 0 by hand from the model's own weights
@@ -240,7 +241,7 @@ def measure(model, x, clip=None):
     the recorded maxima of `clip` (the model's own, if any) are left as they were."""
     fns = [layer.attention.attn_fn for layer in model.layers]
     stash = list(clip.maxima) if clip is not None else None
-    probe = optim.QKClip(model, tau=1.0)
+    probe = qk_clip.QKClip(model, tau=1.0)
     with torch.no_grad():
         model(x)
     for layer, fn in zip(model.layers, fns):
@@ -261,7 +262,7 @@ def test_qk_clip_bounds_exploding_logits():
         model = tiny_model()
         opt = optim.build_optimizer(model.named_parameters(), "muon", lr=0.01, muon_lr=0.05,
                                     weight_decay=0.0)
-        clip = optim.QKClip(model, tau=tau, gqa=gqa) if gqa != "off" else None
+        clip = qk_clip.QKClip(model, tau=tau, gqa=gqa) if gqa != "off" else None
         peaks[gqa] = []
         for s in range(steps):
             x, y = batch(s % 2, model.config)
@@ -298,7 +299,7 @@ def test_qk_clip_without_an_update_lands_exactly_on_tau():
             attn.wq.weight.mul_(torch.linspace(5, 60, 4).repeat_interleave(8)[:, None])
             attn.wk.weight.mul_(20)
         x = batch(0, model.config)[0]
-        clip = optim.QKClip(model, tau=2.0, gqa=gqa)
+        clip = qk_clip.QKClip(model, tau=2.0, gqa=gqa)
         pre = _max_logits(clip, x)
         assert pre.max() > 4
         clip.apply()
@@ -318,7 +319,7 @@ def test_qk_clip_gqa_modes_scale_the_right_rows():
     for gqa, q_expect, k_expect in (("group", [2 ** -0.5] * 2 + [1, 1], [2 ** -0.5, 1]),
                                     ("query", [1, 0.5, 1, 1], [1, 1])):
         model = tiny_model()
-        clip = optim.QKClip(model, tau=tau, gqa=gqa)
+        clip = qk_clip.QKClip(model, tau=tau, gqa=gqa)
         attn, hd = model.layers[0].attention, model.config.head_dim
         wq, wk = attn.wq.weight.detach().clone(), attn.wk.weight.detach().clone()
         clip.maxima[0] = torch.tensor([1.0, 2 * tau, 4.0, -3.0])
@@ -370,7 +371,7 @@ def test_qk_clip_mla_records_the_real_logits(absorb):
     model = mla.set_absorb(tiny_model(**MLA, attn="math"), absorb)
     x = batch(0, model.config)[0]
     logits0 = model(x)[0]
-    clip = optim.QKClip(model, tau=1.0)
+    clip = qk_clip.QKClip(model, tau=1.0)
     torch.testing.assert_close(model(x)[0], logits0, rtol=0, atol=0)
     recorded = _max_logits(clip, x)
     for layer in range(2):
@@ -391,7 +392,7 @@ def test_qk_clip_mla_scales_head_specific_rows_never_the_shared_rope_key(q_lora_
     before = {k: v.detach().clone() for k, v in attn.state_dict().items()}
     qname = "wq_b.weight" if q_lora_rank else "wq.weight"
     master = {attn.wkv_b.weight: before["wkv_b.weight"].double()}
-    clip = optim.QKClip(model, tau=tau, gqa=gqa)
+    clip = qk_clip.QKClip(model, tau=tau, gqa=gqa)
     clip.maxima[0] = torch.tensor([1.0, 2 * tau, 4 * tau, -3.0])
     factors = clip.apply(copies=master)
     torch.testing.assert_close(factors[0], gamma)
@@ -422,7 +423,7 @@ def test_qk_clip_mla_without_an_update_lands_exactly_on_tau():
         attn.wkv_a.weight[attn.kv_lora_rank:].mul_(20)
     rope_key = attn.wkv_a.weight.detach().clone()
     x = batch(0, model.config)[0]
-    clip = optim.QKClip(model, tau=tau)
+    clip = qk_clip.QKClip(model, tau=tau)
     pre = _max_logits(clip, x)[0]
     assert pre[0] < tau < pre[1] and pre.max() > 4 * tau    # head 0 healthy, others not
     logits = mla_logits(model, x)
@@ -445,7 +446,7 @@ def test_qk_clip_mla_bounds_exploding_logits_under_muon():
         model = tiny_model(**MLA)
         opt = optim.build_optimizer(model.named_parameters(), "muon", lr=0.01, muon_lr=0.05,
                                     weight_decay=0.0)
-        clip = optim.QKClip(model, tau=tau) if mode == "clip" else None
+        clip = qk_clip.QKClip(model, tau=tau) if mode == "clip" else None
         peaks[mode] = []
         for s in range(40):
             x, y = batch(s % 2, model.config)
@@ -487,9 +488,9 @@ def test_bad_inputs_raise_one_line_errors():
     with pytest.raises(UserError, match="> 0"):
         optim.build_optimizer(model.named_parameters(), "muon", lr=0)
     with pytest.raises(UserError, match="tau"):
-        optim.QKClip(model, tau=0)
+        qk_clip.QKClip(model, tau=0)
     with pytest.raises(UserError, match="GQA"):
-        optim.QKClip(model, tau=1, gqa="key")
+        qk_clip.QKClip(model, tau=1, gqa="key")
     with pytest.raises(UserError, match="empty"):
         optim.SGD([])
     with pytest.raises(UserError, match="matrix"):

@@ -470,7 +470,7 @@ def formula_bytes(mode, n_params, world, k=8, b=4, muon_params=0):
 def expected_wire_bytes(mode, n_params, world, b=4, muon_params=0):
     """Bytes one rank sends per step with ring collectives: 2Ψ (all-reduce = reduce-scatter
     + all-gather) for ddp/zero1/zero2, 3Ψ for zero3 (one more all-gather in backward).
-    Sharded Muon adds its two bf16 all-to-alls: 2 × 2 B × Ψ_m(N−1)/N² (training/sharded_muon.py)."""
+    Sharded Muon adds its two bf16 all-to-alls: 2 × 2 B × Ψ_m(N−1)/N² (optim.py, 8.)."""
     ring = (world - 1) / world * b * n_params
     muon = 2 * 2 * muon_params * (world - 1) / world ** 2 if mode != "ddp" else 0
     return (3 * ring if mode in ("zero3", "fsdp") else 2 * ring) + muon
