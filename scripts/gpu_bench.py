@@ -6,7 +6,8 @@ Run:  python -m scripts.gpu_bench                    # one GPU, ~100M parameters
 
 Every figure the README explains on 2 CPU cores, measured where the users run:
   train    train.py's step (train_step: AdamW, clipping) at ~100M parameters (16 layers,
-           d = 768, GQA 12/4 heads, 1024 tokens), fp32 and bf16 autocast: tokens/s and
+           d = 768, GQA 12/4 heads, 1024 tokens), fp32, fp8 tensorwise (training/fp8.py:
+           torch._scaled_mm on the fp8 tensor cores) and bf16 autocast: tokens/s and
            MFU = FLOPs/token (6·N + 12·L·d·T, PaLM app. B) × tokens/s ÷ the GPU's dense
            bf16 peak (meters.gpu_peak_flops); next to it the memory ledger: model state
            (measured == 16 B/param), activations counted by saved-tensor hooks, and the
@@ -43,6 +44,7 @@ from scripts import serve_bench
 import spec_decode as sd
 import train
 from model import GPT, KVCache, get_config
+from training import fp8
 from core.cli import command_line, fmt_bytes, fmt_count, knob
 from core.errors import UserError
 from core.meters import gpu_peak_flops, model_state_bytes, StepTimer
@@ -140,6 +142,16 @@ def bench_train(size, corpus, device, learn_steps, timed, log):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     timed_steps(model, opt, corpus, args, device, 0, 2)                  # warm-up
     rows.append(train_row("train fp32", model, args, device,
+                          timed_steps(model, opt, corpus, args, device, 2, timed)))
+    del model, opt
+    # fp8 tensorwise (training/fp8.py): the blocks' linears on e4m3/e5m2 copies, the rest in
+    # fp32 -- on an H100 the matmuls go to torch._scaled_mm's fp8 tensor cores
+    model = GPT(cfg, seed=0).to(device)
+    fp8.convert_to_fp8(model, "tensorwise")
+    args = train_args("fp8", size, 1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    timed_steps(model, opt, corpus, args, device, 0, 2)                  # warm-up
+    rows.append(train_row("train fp8 tensorwise", model, args, device,
                           timed_steps(model, opt, corpus, args, device, 2, timed)))
     del model, opt
     # bf16 autocast: warm-up, timed, then learning on; the draft model learns alongside

@@ -15,12 +15,13 @@ imports train.py for the loop's pieces and flags; train.py does not know it exis
 """
 import argparse
 
-from training import data_parallel
-from core.cli import add_knobs, fmt_bytes, fmt_count, knob
+from training import data_parallel, fp8
+from core.cli import add_knobs, fmt_bytes, fmt_count, given, knob
 from core.distributed import setup_runtime
 from core.errors import UserError
 from core.meters import comm, StepTimer
 from core.runtime import print0, Progress, run_cli, seed_everything, TimingConditions
+from model import GPT, get_config
 import train
 from train import activation_formula, build, micro_batches, state_rows, train_step
 
@@ -35,20 +36,26 @@ def estimate(args):
     if N < 1:
         raise UserError("--gpus must be at least 1")
     L, h, a, s, b = (int(v) for v in args.est_shape.split(","))
+    # fp8 (training/fp8.py): the matmuls read 1-byte copies, but the fp32 masters, their
+    # gradients and Adam stay: model state as fp32's; the copies live through the backward
+    scales = fp8.matmul_bytes("fp8-block", (128, 128), (128, 128), 128).weight - 1
     rows = [("fp32: params 4 + grads 4 + Adam 8", 16),
             ("mixed: bf16 params 2 + grads 2 + fp32 master 4 + Adam 8", 16),
             ("mixed, fp32 gradient accumulation buffer (+4)", 20),
+            ("fp8 linears: fp32 master 4 + grads 4 + Adam 8", 16),
+            ("  + their fp8 weight copies, forward to backward (1 B)", 1),
+            ("  + V3's scales, 4 B per 128x128 block", scales),
             ("inference only, bf16 weights", 2)]
     print(f"model state for Ψ = {fmt_count(n)} parameters (decimal units):")
     for label, per in rows:
-        print(f"  {label:<58} {per:>2} B/param  {fmt_bytes(per * n):>10}")
+        print(f"  {label:<58} {per:>7.4g} B/param  {fmt_bytes(per * n):>10}")
     print(f"per rank with N = {N} data-parallel ranks, mixed precision (K = 12: master + Adam):")
     zero_rows = [("DDP        (2+2+K)Ψ", 16),
                  ("ZeRO-1     2Ψ+2Ψ+KΨ/N", 4 + 12 / N),
                  ("ZeRO-2     2Ψ+(2+K)Ψ/N", 2 + 14 / N),
                  ("ZeRO-3     (2+2+K)Ψ/N", 16 / N)]
     for label, per in zero_rows:
-        print(f"  {label:<58} {per:5.2f} B/param  {fmt_bytes(per * n):>10}")
+        print(f"  {label:<58} {per:7.2f} B/param  {fmt_bytes(per * n):>10}")
     print(f"  sent per step and rank: DDP/ZeRO-1/ZeRO-2 2Ψ = {fmt_bytes(2 * 2 * n)}, "
           f"ZeRO-3 3Ψ = {fmt_bytes(3 * 2 * n)} (bf16 values)")
     act = activation_formula(s, b, h, a, L)
@@ -59,6 +66,12 @@ def estimate(args):
           f"{fmt_bytes(s * b * h * 34 * L):>10}")
     print(f"  full recompute 2·s·b·h·L (block inputs only)   "
           f"{fmt_bytes(2 * s * b * h * L):>10}")
+    # Of the 34·sbh, the linears' inputs are 14 (QKV 2, output projection 2, MLP in 2 and
+    # its 4h hidden 8); saved in fp8 with a 4 B scale per 1×128 tile: 1 + 4/128 B each
+    tile = fp8.matmul_bytes("fp8-block", (128, 128), (128, 128), 128).activation
+    saved = 34 - 14 + 14 * tile / 2
+    print(f"  fp8 linear inputs (V3) s·b·h·({saved:.1f} + 5·a·s/h)·L  "
+          f"{fmt_bytes(act * (saved + 5 * a * s / h) / (34 + 5 * a * s / h)):>10}")
 
 
 def parse_count(text):
@@ -88,7 +101,9 @@ def bench(args, rt, conditions=None):
                 ("grad accumulation ×4", {"grad_accum": 4, "batch_size": args.batch_size // 4}),
                 ("autocast bf16", {"precision": "autocast-bf16"}),
                 ("bf16 + fp32 master", {"precision": "bf16"}),
-                ("fp16 + master + loss scaling", {"precision": "fp16"})]
+                ("fp16 + master + loss scaling", {"precision": "fp16"}),
+                ("fp8 tensorwise", {"precision": "fp8"}),
+                ("fp8 block (V3)", {"precision": "fp8-block", "fp8_block": fp8_block_for(args)})]
         if args.batch_size % 4:
             raise UserError("bench needs --batch-size divisible by 4 (for the accumulation row)")
     # one progress line per configuration: a full bench takes minutes and the table
@@ -118,6 +133,15 @@ def bench(args, rt, conditions=None):
     # "selective checkpointing 0.58x" (faster than none) came from a loaded machine: say so
     conditions.report(repeats, out=print0)
     return results
+
+
+def fp8_block_for(args):
+    """The largest tile ≤ --fp8-block dividing every block linear's width (the demo's
+    64-wide K/V projections: 64; V3's 128 needs widths in multiples of 128)."""
+    cfg = get_config(args.preset or "small", **given(args, train.CONFIG_KNOBS))
+    widths = [w for *_, m in fp8.layer_linears(GPT(cfg, seed=None))
+              for w in (m.in_features, m.out_features)]
+    return fp8.largest_block_dividing(widths, args.fp8_block)
 
 
 def bench_row(args, rt, changes):

@@ -8,7 +8,7 @@ import pytest
 from harness import run_python
 
 TINY = ["--tiny", "--threads", "1", "--spec-methods", "draft,medusa"]
-ROWS = ["train fp32", "train autocast-bf16", "decode B=1 bf16", "serve sequential generate()",
+ROWS = ["train fp32", "train fp8 tensorwise", "train autocast-bf16", "decode B=1 bf16", "serve sequential generate()",
         "serve static batching B=4", "serve engine (fcfs)", "serve engine (slo)",
         "spec draft γ=4 w=1", "spec medusa γ=4 w=3"]
 
