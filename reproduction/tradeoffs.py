@@ -134,7 +134,8 @@ class Run:
 TRAIN_BENCH_ROWS = {"base": "baseline fp32", "selective": "selective checkpointing",
                     "full": "full checkpointing", "accum": "grad accumulation ×4",
                     "autocast": "autocast bf16", "bf16": "bf16 + fp32 master",
-                    "fp16": "fp16 + master + loss scaling"}
+                    "fp16": "fp16 + master + loss scaling", "fp8": "fp8 tensorwise",
+                    "fp8block": "fp8 block (V3)"}
 DP_ROWS = {"ddp": "--dp ddp", "zero1": "--dp zero1", "zero2": "--dp zero2",
            "zero3": "--dp zero3", "fsdp": "--dp fsdp"}
 LORA_ROWS = ("full", "lora", "loraplus", "qlora", "vera", "dora")
@@ -192,6 +193,18 @@ RUNS = [
         {**table_figures(TRAIN_BENCH_ROWS, {"state": 0, "act": 1, "actx": 2, "timex": 4}),
          "preset": grab(r"bench: preset (\w+),"),
          "tokens": grab(r"bench: preset \w+, attention \w+, (\d+×\d+) tokens")}),
+    # FP8 linears against bf16 at the same seed: the demo model for 200 steps under
+    # --precision bf16, fp8 (tensorwise) and fp8-block (1×64 tiles and 64×64 blocks: 64
+    # divides the demo's widths, V3's 128 does not). quick: tiny, 10 steps, block 16.
+    *[Run(name, f"python train.py --precision {flags} --steps 200 --eval-interval 100 "
+          f"--log-interval 50 --sample-tokens 0 --ckpt out/fp8/{name}.pt",
+          f"python train.py {TINY} --precision {quick} --steps 10 --eval-interval 10 "
+          f"--log-interval 5 --eval-iters 2 --sample-tokens 0 --ckpt out/fp8/{name}_quick.pt",
+          {"loss": last(r"step +\d+ \| loss ([\d.]+)"),
+           "val": last(r"step +\d+ \| val loss ([\d.]+)")})
+      for name, flags, quick in (("bf16_ref", "bf16", "bf16"), ("fp8", "fp8", "fp8"),
+                                 ("fp8_block", "fp8-block --fp8-block 64",
+                                  "fp8-block --fp8-block 16"))],
     # The same bench under torchrun: every --dp mode on 2 ranks. State per rank falls as
     # ZeRO shards optimizer state (1), then gradients (2), then parameters (3); bytes sent are
     # the CommMeter's count, to compare with 2Ψ(N−1)/N (DDP, ZeRO-1/2) and 3Ψ(N−1)/N (ZeRO-3).
@@ -595,6 +608,15 @@ ROWS = [
      "activations ×{train_bench.accum_actx}",
      "none (same math, tested equal)",
      "4 sequential micro-steps: ×{train_bench.accum_timex} step time"),
+    # Micikevicius et al. 2022 (tensorwise), DeepSeek-V3 §3.3 (1×B tiles, B×B blocks)
+    ("FP8 linears: tensorwise / V3 blocks (`{fp8.cmd}`)",
+     "the linears' saved inputs at 1 B: activations ×{train_bench.fp8_actx} / "
+     "×{train_bench.fp8block_actx} of fp32's; model state unchanged (fp32 masters)",
+     "an amax and a cast per tensor per step: ×{train_bench.fp8_timex} / "
+     "×{train_bench.fp8block_timex} fp32's step on this CPU (no fp8 units; H100: 2× bf16's "
+     "matmul peak)",
+     "loss at step 200: {fp8.loss} / {fp8_block.loss} vs bf16's {bf16_ref.loss} (val "
+     "{fp8.val} / {fp8_block.val} vs {bf16_ref.val})"),
     # one all-reduce of the gradients: a ring sends 2Ψ(N−1)/N bytes per rank
     # every rank holds everything: the baseline the ZeRO rows divide
     ("DDP, N=2 (`{dp.cmd}`)",
