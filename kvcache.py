@@ -79,12 +79,15 @@ def block_hash(parent, tokens):
     return h.digest()[:16]
 
 
-def extend_hash_chain(hashes, tokens, n_blocks, block_size):
+def extend_hash_chain(hashes, tokens, n_blocks, block_size, root=None):
     """Extend a sequence's list of chain hashes to cover its first n_blocks full blocks
-    (each hash is computed once per sequence, when first needed)."""
+    (each hash is computed once per sequence, when first needed). root: the first block's
+    parent -- None, or what else the K/V depend on besides the tokens: a LoRA adapter
+    changes W_k and W_v, so its requests must not share blocks with the base's (vLLM puts
+    the adapter in the block hash's "extra keys" for the same reason)."""
     while len(hashes) < n_blocks:
         j = len(hashes)
-        hashes.append(block_hash(hashes[-1] if hashes else None,
+        hashes.append(block_hash(hashes[-1] if hashes else root,
                                  tokens[j * block_size:(j + 1) * block_size]))
     return hashes
 
@@ -206,25 +209,26 @@ class BlockAllocator:
         self.hash_of[block], self.tokens_of[block] = h, tuple(tokens)
 
     # -- per-sequence helpers: a block table is a plain list of block ids ---------------
-    def _reusable_blocks(self, tokens, hashes):
+    def _reusable_blocks(self, tokens, hashes, root=None):
         """How many leading full blocks of `tokens` a cache hit may cover, with their chain
-        hashes in `hashes` (extended as needed): the last token is always left out."""
+        hashes in `hashes` (extended as needed, from `root`): the last token is always left
+        out."""
         # (len - 1) // bs, not len // bs: 12 tokens in blocks of 4 reuse 2 blocks, not 3
         # (tests/test_kvcache.py, test_prefix_match_leaves_the_last_token_to_compute)
         n = (len(tokens) - 1) // self.block_size
-        extend_hash_chain(hashes, tokens, n, self.block_size)
+        extend_hash_chain(hashes, tokens, n, self.block_size, root)
         return n
 
-    def match_prefix(self, tokens, hashes):
+    def match_prefix(self, tokens, hashes, root=None):
         """Cached blocks covering the longest prefix of `tokens` made of full blocks, with
         at least the last token left out: its logits are needed to sample the next token,
         so a prompt fully covered by the cache still recomputes its last block (the case
         that breaks nano-vllm, whose prefill then has zero tokens). `hashes` is the
-        sequence's hash chain (extended here as needed)."""
+        sequence's hash chain (extended here as needed, from its `root`)."""
         if not self.prefix_caching:
             return []
         bs, found = self.block_size, []
-        for i in range(self._reusable_blocks(tokens, hashes)):
+        for i in range(self._reusable_blocks(tokens, hashes, root)):
             block = self.lookup(hashes[i], tokens[i * bs:(i + 1) * bs])
             # The first miss ends the match: the cached part of a table must be a prefix,
             # since the prefill then starts at position len(found)·bs and runs to the end.
@@ -233,14 +237,14 @@ class BlockAllocator:
             found.append(block)
         return found
 
-    def match_tier(self, tokens, hashes, start):
+    def match_tier(self, tokens, hashes, start, root=None):
         """After match_prefix's `start` pool hits: the following full blocks the second
         tier holds (same last-token rule). -> [(hash, tokens)] for `reload`. (A block
         after them still in the pool is recomputed: rare, as the LRU evicts tails first.)"""
         if self.tier is None:
             return []
         bs, found = self.block_size, []
-        for i in range(start, self._reusable_blocks(tokens, hashes)):
+        for i in range(start, self._reusable_blocks(tokens, hashes, root)):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             if not self.tier.lookup(hashes[i], chunk):
                 break

@@ -68,11 +68,12 @@ from core import data
 from kvcache import (TIER_KINDS, BlockAllocator, KVTier, PagedKVCache, blocks_for,
                      extend_hash_chain)
 from core.checkpoint import load_model
+import lora
 from model import sample_next
 from core.cli import command_line, knob
 from core.errors import UserError
 from core.runtime import pick_device, run_cli
-from serving import api_server
+from serving import api_server, multi_lora
 from serving.requests import GREEDY_EPS, SamplingParams, decode_tokens
 
 DEFAULT_CHECKPOINT = "out/ckpt.pt"
@@ -101,6 +102,10 @@ class Sequence:
         # block_hashes: the chain hashes, computed once and kept across preemptions;
         # num_registered: how many of the table's blocks are in the prefix cache already
         self.block_table, self.block_hashes, self.num_registered = [], [], 0
+        # the prefix cache names blocks by tokens AND adapter: an adapter's W_k, W_v make
+        # other K/V for the same tokens (kvcache.extend_hash_chain's root)
+        self.hash_root = f"lora:{params.adapter}".encode() if params.adapter else None
+        self.adapter_slot = 0       # its row of the adapter stacks (0: the base model)
         self.token_times, self.finish_time, self.finish_reason, self.text = [], None, None, None
         self.num_preemptions, self.num_cached_tokens, self.num_pushed = 0, None, 0
         self.logprobs = []          # per output token: (token, logprob, [(id, logprob)])
@@ -139,13 +144,15 @@ class Engine:
 
     fault_hook: a test seam for fault isolation, None in service. Called as
     fault_hook("forward", seqs) before each forward and fault_hook("sample", [seq])
-    before each sampling; whatever it raises is handled as a fault of those sequences."""
+    before each sampling; whatever it raises is handled as a fault of those sequences.
+    adapters: a serving.multi_lora.AdapterSet (serve.py --lora NAME=PATH): a request picks
+    one by name (SamplingParams.adapter), and requests of different adapters share a batch."""
 
     def __init__(self, model, enc=None, block_size=16, num_blocks=1024,
                  max_num_batched_tokens=256, max_num_seqs=64, policy="fcfs",
                  prefix_caching=True, chunked_prefill=True, kv_dtype=None, eos_id=None,
                  clock=time.perf_counter, fault_hook=None, kv_tier="none",
-                 kv_tier_blocks=1024, kv_tier_dir=None):
+                 kv_tier_blocks=1024, kv_tier_dir=None, adapters=None):
         cfg = model.config
         if policy not in POLICIES:
             raise UserError(f"unknown policy {policy!r}: use {' or '.join(POLICIES)}")
@@ -167,6 +174,9 @@ class Engine:
                             f"({cfg.block_size}), got {max_num_batched_tokens}")
         self.model, self.enc, self.cfg, self.clock = model.eval(), enc, cfg, clock
         self.fault_hook = fault_hook
+        # Many LoRA adapters in one batch, never merged (serving/multi_lora.py): the adapted
+        # linears are wrapped in place; each step tells them every token's adapter.
+        self.lora = multi_lora.attach(model, adapters) if adapters is not None else None
         self.eos_id = eos_id if eos_id is not None else (enc.eot_token if enc else None)
         weight = model.output.weight
         self.device = weight.device
@@ -214,9 +224,10 @@ class Engine:
         if len(prompt) + params.max_tokens > self.cfg.block_size:
             raise UserError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens})"
                             f" exceeds the model's context of {self.cfg.block_size} tokens")
+        slot = self._adapter_slot(params.adapter)
         seq = Sequence(next(self.ids) if seq_id is None else seq_id, prompt, params,
                        self.clock() if arrival is None else arrival, self.device)
-        seq.prefill_only = prefill_only
+        seq.prefill_only, seq.adapter_slot = prefill_only, slot
         self.live[seq.id] = seq
         # Held only while the sibling's prompt is still being computed: admitted now, this
         # one would prefill the same prompt a second time. Once the sibling's prompt is in
@@ -228,6 +239,15 @@ class Engine:
         else:
             bisect.insort(self.waiting, seq, key=self._key)
         return seq
+
+    def _adapter_slot(self, name):
+        """The adapter stacks' row of a request's adapter (0: the base), or one UserError."""
+        if name is None:
+            return 0
+        if self.lora is None:
+            raise UserError(f"no LoRA adapters are loaded (asked for {name!r}): serve.py "
+                            f"--lora NAME=PATH loads them")
+        return self.lora.adapter_set.index(name)
 
     def _release_held(self, seq):
         """The sequences held behind seq join the waiting queue (in key order)."""
@@ -318,8 +338,10 @@ class Engine:
         # prompt log-probs need the logits of every prompt position: no cache hits
         scoring = len(seq.prompt_logprobs) < seq.num_prompt - 1 and \
             seq.params.prompt_logprobs is not None
-        hits = [] if scoring else self.alloc.match_prefix(seq.tokens, seq.block_hashes)
-        tier = [] if scoring else self.alloc.match_tier(seq.tokens, seq.block_hashes, len(hits))
+        hits = [] if scoring else self.alloc.match_prefix(seq.tokens, seq.block_hashes,
+                                                          seq.hash_root)
+        tier = [] if scoring else self.alloc.match_tier(seq.tokens, seq.block_hashes, len(hits),
+                                                        seq.hash_root)
         cached = (len(hits) + len(tier)) * self.block_size
         # A preempted sequence comes back here too: its own released blocks are often
         # still cached, so its "recompute" is mostly hits (prompt + output so far).
@@ -473,6 +495,9 @@ class Engine:
         ids = [t for seq, n in batch for t in seq.tokens[seq.num_computed:seq.num_computed + n]]
         picks, rows = self._logit_positions(batch)
         self.cache.prepare([(seq.block_table, seq.num_computed, n) for seq, n in batch])
+        if self.lora is not None:       # every token's adapter (serving/multi_lora.py: BGMV)
+            self.lora.set_rows([[seq.adapter_slot for seq, n in batch for _ in range(n)]],
+                               logits_at=picks)
         idx = torch.tensor([ids], device=self.device)
         # GPT.forward; the layers attend through the paged cache (its `attention`).
         # logits_at: the head (V·D multiply-adds per position) runs on the picked rows
@@ -520,7 +545,7 @@ class Engine:
         # num_computed // bs, not len(tokens) // bs: a block whose last slots hold
         # sampled-but-uncomputed tokens has no K/V for them yet and must not be shared
         bs, full = self.block_size, seq.num_computed // self.block_size
-        extend_hash_chain(seq.block_hashes, seq.tokens, full, bs)
+        extend_hash_chain(seq.block_hashes, seq.tokens, full, bs, seq.hash_root)
         for i in range(seq.num_registered, full):
             self.alloc.register(seq.block_table[i], seq.block_hashes[i],
                                 seq.tokens[i * bs:(i + 1) * bs])
@@ -714,10 +739,12 @@ class Engine:
                            f"{self.max_num_seqs} running slots taken: retry later")
         if seq_id is not None and seq_id in self.live:
             raise UserError(f"import_kv: sequence id {seq_id!r} is already live here")
+        slot = self._adapter_slot(params.adapter)      # the decode side must hold it too
         seq = Sequence(next(self.ids) if seq_id is None else seq_id,
                        tokens[:exported["num_prompt"]], params,
                        self.clock() if arrival is None else arrival, self.device)
         seq.tokens, seq.num_computed, seq.num_cached_tokens = tokens, n_done, n_done
+        seq.adapter_slot = slot
         if seq.generator is not None and exported["generator"] is not None:
             seq.generator.set_state(exported["generator"])    # the same random stream
         seq.logprobs = list(exported["logprobs"])
@@ -740,6 +767,9 @@ class Engine:
 
 MODEL_KNOBS = [
     knob("--checkpoint", DEFAULT_CHECKPOINT, "written by train.py"),
+    knob("--lora", str, "a LoRA adapter to serve beside the base, unmerged, as NAME=PATH "
+         "(a lora.py --save file; repeatable): a request's `model` picks it by NAME (not "
+         "given: the base model only)", action="append", metavar="NAME=PATH"),
     knob("--device", "cpu", "cpu, cuda or auto"),
     knob("--threads", 1, "torch CPU threads (1 is fastest on a busy 2-core machine; 0 = as many "
                          "as torch picks)"),
@@ -768,14 +798,23 @@ def engine_knobs(policy_help):
     ]
 
 
-def engine_from_args(model, enc, args, policy, clock=time.perf_counter):
+def engine_from_args(model, enc, args, policy, adapters=None, clock=time.perf_counter):
     return Engine(model, enc, block_size=args.block_size, num_blocks=args.num_blocks,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=args.max_num_seqs, policy=policy,
                   prefix_caching=not args.no_prefix_caching,
                   chunked_prefill=not args.no_chunked_prefill, kv_dtype=args.kv_dtype,
                   clock=clock, kv_tier=args.kv_tier, kv_tier_blocks=args.kv_tier_blocks,
-                  kv_tier_dir=args.kv_tier_dir)
+                  kv_tier_dir=args.kv_tier_dir, adapters=adapters)
+
+
+def load_adapters(args, model):
+    """--lora NAME=PATH ... -> a multi_lora.AdapterSet (each file checked against this base
+    by lora.py's own reader and fingerprint), or None."""
+    if not args.lora:
+        return None
+    return multi_lora.AdapterSet.from_files(model, args.lora, lora.read_adapter,
+                                            lora.base_fingerprint, base_name=args.model_name)
 
 
 def load_served_model(args):
@@ -811,7 +850,7 @@ def main(argv=None):
     """`python serve.py ...`: the engine behind the HTTP server until Ctrl-C."""
     args = build_parser().parse_args(argv)
     model, enc = load_served_model(args)
-    engine = engine_from_args(model, enc, args, args.policy or "slo")
+    engine = engine_from_args(model, enc, args, args.policy or "slo", load_adapters(args, model))
     return api_server.run_server(args, engine, enc)
 
 

@@ -176,7 +176,7 @@ def run_static(model, reqs, batch_size, clock=time.perf_counter):
 
 def run_engine(model, enc, reqs, args, policy, clock=time.perf_counter):
     """The engine with arrivals injected as they happen (in-process, no HTTP)."""
-    eng = engine_from_args(model, enc, args, policy, clock)
+    eng = engine_from_args(model, enc, args, policy, clock=clock)
     t0, pending, seqs = clock(), list(reqs), []
     while pending or eng.has_work():
         while pending and t0 + pending[0].arrival <= clock():
@@ -461,7 +461,7 @@ def agent_workload(args, cfg, eos_id):
 def tier_run(model, enc, args, pool, tier, clock):
     """One engine (pool blocks, tier kind) through the agent sessions. -> a summary."""
     run_args = argparse.Namespace(**{**vars(args), "num_blocks": pool, "kv_tier": tier})
-    eng = engine_from_args(model, enc, run_args, args.policy or "fcfs", clock)
+    eng = engine_from_args(model, enc, run_args, args.policy or "fcfs", clock=clock)
     t0, done = run_sessions(eng, agent_workload(args, model.config, enc.eot_token), clock)
     st, t = eng.stats, eng.alloc.tier
     ttft = [seq.token_times[0] - seq.arrival for _, seq in done]

@@ -423,9 +423,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             body = render_metrics({**srv.loop.health(), **srv.conn_stats()}, srv.loop).encode()
             self.send_body(200, body, "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
+            # the base, then each adapter with its parent (vLLM's listing of LoRA modules)
             self.send_json(200, {"object": "list", "data": [{
-                "id": srv.model_name, "object": "model", "created": srv.created,
-                "owned_by": "nanoscale", "max_model_len": srv.context}]})
+                "id": name, "object": "model", "created": srv.created, "owned_by": "nanoscale",
+                "max_model_len": srv.context, "root": srv.model_name,
+                "parent": None if name == srv.model_name else srv.model_name}
+                for name in [srv.model_name, *srv.adapters]]})
         elif path in ("/v1/completions", "/v1/chat/completions"):
             raise ApiError(405, f"use POST for {path}", headers={"Allow": "POST"})
         else:
@@ -469,7 +472,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         srv = self.server
         plan = parse_request(body, chat, srv)
         sids, q = srv.loop.submit(plan.choices)
-        head = response_head(chat, srv.model_name)
+        head = response_head(chat, plan.model)
         try:
             (self.stream if plan.stream else self.respond)(plan, q, head)
         except (ClientGone, ConnectionError):
@@ -595,6 +598,8 @@ class Server(http.server.ThreadingHTTPServer):
         self.conn_counts = dict(evicted=0, refused=0)
         self.loop = None                # the engine's thread: started once bound (start)
         self.enc, self.model_name, self.verbose = enc, model_name, verbose
+        # the LoRA adapters the engine serves beside the base (serve.py --lora), by name
+        self.adapters = engine.lora.adapter_set.names[1:] if engine.lora is not None else []
         self.context, self.vocab_size = engine.cfg.block_size, engine.cfg.vocab_size
         self.max_body_bytes, self.created = max_body_bytes, int(time.time())
         self.max_tokens_cap = max_tokens_cap or engine.cfg.block_size

@@ -81,7 +81,8 @@ class ApiError(Exception):
 
 # What one request asks for: its prompts (token ids), the engine's choices
 # [(prompt_ids, params, parent)], group[k] = the prompt of choice k, and how to answer.
-Plan = namedtuple("Plan", "chat prompts choices group stream include_usage echo logprobs stop")
+Plan = namedtuple("Plan", "chat prompts choices group stream include_usage echo logprobs stop "
+                         "model")
 
 
 def _get(body, key, types, default=None, check=None, why=""):
@@ -267,10 +268,14 @@ def parse_sampling(body, chat, srv, max_tokens, logprobs):
 def parse_request(body, chat, srv):
     """-> Plan. Raises ApiError (400 naming the field) for anything refused or invalid."""
     check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    # the base model by its --model-name, or a LoRA adapter by its name (serve.py --lora,
+    # as vLLM's --lora-modules): requests of different adapters share the engine's batches
     model = _get(body, "model", (str,), srv.model_name)
-    if model != srv.model_name:
+    served = [srv.model_name, *srv.adapters]
+    if model not in served:
         raise ApiError(404, f"model {shorten(model)} does not exist; this server serves "
-                            f"{srv.model_name!r}", "model", "model_not_found")
+                            f"{', '.join(map(repr, served))}", "model", "model_not_found")
+    adapter = None if model == srv.model_name else model
     prompts = chat_prompts(body, srv) if chat else completion_prompts(body, srv)
     n = _get(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be in [1, {MAX_N}]")
     if _get(body, "best_of", (int,), 1) not in (1, n):
@@ -298,7 +303,7 @@ def parse_request(body, chat, srv):
         for j in range(n):     # choice j of a seeded request: seed + j (distinct samples)
             params = SamplingParams(
                 **kw, seed=None if seed is None else (seed + j) % 2 ** 63,
-                prompt_logprobs=logprobs if echo and j == 0 else None)
+                prompt_logprobs=logprobs if echo and j == 0 else None, adapter=adapter)
             try:
                 params.validate(srv.vocab_size)
             except UserError as e:
@@ -306,7 +311,8 @@ def parse_request(body, chat, srv):
             choices.append((ids, params, None if j == 0 else parent))
             group.append(i)
     include_usage = bool((options or {}).get("include_usage"))
-    return Plan(chat, prompts, choices, group, stream, include_usage, echo, logprobs, kw["stop"])
+    return Plan(chat, prompts, choices, group, stream, include_usage, echo, logprobs, kw["stop"],
+                model)
 
 
 # ----------------------------------------------------------------------------------------

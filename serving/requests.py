@@ -39,6 +39,7 @@ class SamplingParams:
     logit_bias: tuple = ()          # ((token id, bias), ...) added to the logits
     logprobs: Optional[int] = None  # per output token: its log-prob + this many top ones
     prompt_logprobs: Optional[int] = None   # the same for every prompt token but the first
+    adapter: Optional[str] = None   # a LoRA adapter the server loaded (serve.py --lora), by name
 
     @classmethod
     def from_dict(cls, d):

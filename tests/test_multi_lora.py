@@ -4,17 +4,24 @@
 # gather really is per row; the packed (1, T) row of serve.py's engine works, head included;
 # the user's mistakes are one-line UserErrors; detach gives the plain linears back.
 import copy
+import http.client
+import json
+import threading
 
 import pytest
 import torch
 import torch.nn as nn
 
 import lora
+import serve
+from core import data
 from core.cli import fmt_bytes
 from core.errors import UserError
 from model import GPT, get_config
 from serving import multi_lora
+from serving.api_server import make_server
 from serving.multi_lora import AdapterSet, MultiLoRALinear, attach, detach
+from serving.requests import SamplingParams
 
 TOL = 1e-5      # fp32: (W0 + sBA)x in one matmul vs W0 x + s·B(Ax): rounding only
 
@@ -242,3 +249,70 @@ def test_main_prints_ratios_and_memory(capsys):
     assert f"own {fmt_bytes(own)}" in out
     for label in ("base", "merged (1 adapter)", "gather k=2", "segment k=2"):
         assert f"  {label} " in out, label
+
+
+# ----------------------------------------------------------------------------------------
+# In the engine and behind the HTTP API (serve.py --lora NAME=PATH)
+
+def test_engine_serves_adapters_and_base_in_one_batch_with_separate_prefix_caches(world):
+    """serve.Engine with the three adapters: requests of every adapter and of the base,
+    submitted together (one batch, the SAME prompts for all, prefix caching on), each give
+    token for token what that adapter merged and generating alone gives. The same prompt
+    under two adapters must not share K/V blocks (an adapter changes W_k, W_v): the block
+    hashes carry the adapter, so the second wave's cache hits stay within each adapter."""
+    model = copy.deepcopy(world["base"])
+    eng = serve.Engine(model, None, block_size=4, num_blocks=256, eos_id=-1,
+                       adapters=world["aset"])
+    prompts = [tokens(1, 10, seed=s)[0].tolist() for s in range(2)]
+    want = {None: world["base"], **world["merged"]}
+    for wave in range(2):           # the second wave hits the blocks the first one cached
+        seqs = [(name, p, eng.add_request(p, SamplingParams(max_tokens=8, temperature=0,
+                                                            adapter=name)))
+                for p in prompts for name in want]
+        while eng.has_work():
+            eng.step()
+        for name, p, seq in seqs:
+            assert seq.output_ids == want[name].generate(p, 8, temperature=0), (wave, name)
+    assert eng.stats["cached_tokens"] > 0                  # the second wave did hit
+    outs = {name: seq.output_ids for name, p, seq in seqs if p == prompts[0]}
+    assert len({tuple(o) for o in outs.values()}) == len(outs)   # the adapters matter
+    with pytest.raises(UserError, match="unknown model or adapter 'nope'"):
+        eng.add_request(prompts[0], SamplingParams(max_tokens=2, adapter="nope"))
+    plain = serve.Engine(copy.deepcopy(world["base"]), None, eos_id=-1)
+    with pytest.raises(UserError, match="no LoRA adapters are loaded"):
+        plain.add_request(prompts[0], SamplingParams(max_tokens=2, adapter="math"))
+
+
+def test_api_lists_the_adapters_and_routes_requests_by_model_name(world):
+    """/v1/models lists the base and each adapter (with its parent); a completion's
+    `model` picks the adapter, and the answer names it; an unknown name is a 404."""
+    enc = data.make_encoding({bytes([i]): i for i in range(256)})
+    model = copy.deepcopy(world["base"])
+    eng = serve.Engine(model, enc, block_size=8, num_blocks=128, adapters=world["aset"])
+    srv = make_server(eng, enc, "127.0.0.1", 0, model_name="base")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        def call(method, path, body=None):
+            conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
+            conn.request(method, path, body=json.dumps(body) if body else None,
+                         headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            return r.status, json.loads(r.read())
+        status, listing = call("GET", "/v1/models")
+        assert status == 200
+        assert [(m["id"], m["parent"]) for m in listing["data"]] == \
+            [("base", None)] + [(n, "base") for n in NAMES]
+        prompt = [5, 6, 7, 8, 9]
+        for name in ["base", *NAMES]:
+            status, out = call("POST", "/v1/completions", dict(
+                model=name, prompt=prompt, max_tokens=6, temperature=0, ignore_eos=True))
+            ref = (world["base"] if name == "base" else world["merged"][name]).generate(
+                prompt, 6, temperature=0)
+            assert status == 200 and out["model"] == name
+            assert out["choices"][0]["text"] == serve.decode_tokens(enc, ref), name
+        status, out = call("POST", "/v1/completions", dict(model="nope", prompt=prompt))
+        assert status == 404 and "'math'" in out["error"]["message"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        srv.loop.stop()
