@@ -73,7 +73,7 @@ from model import sample_next
 from core.cli import command_line, knob
 from core.errors import UserError
 from core.runtime import pick_device, run_cli
-from serving import api_server, multi_lora
+from serving import api_server, multi_lora, structured
 from serving.requests import GREEDY_EPS, SamplingParams, decode_tokens
 
 DEFAULT_CHECKPOINT = "out/ckpt.pt"
@@ -106,6 +106,8 @@ class Sequence:
         # other K/V for the same tokens (kvcache.extend_hash_chain's root)
         self.hash_root = f"lora:{params.adapter}".encode() if params.adapter else None
         self.adapter_slot = 0       # its row of the adapter stacks (0: the base model)
+        # structured output: the compiled automaton and where this sequence stands in it
+        self.constraint, self.constraint_state = None, None
         self.token_times, self.finish_time, self.finish_reason, self.text = [], None, None, None
         self.num_preemptions, self.num_cached_tokens, self.num_pushed = 0, None, 0
         self.logprobs = []          # per output token: (token, logprob, [(id, logprob)])
@@ -177,6 +179,7 @@ class Engine:
         # Many LoRA adapters in one batch, never merged (serving/multi_lora.py): the adapted
         # linears are wrapped in place; each step tells them every token's adapter.
         self.lora = multi_lora.attach(model, adapters) if adapters is not None else None
+        self.compiler = None        # structured output's automata, compiled on first use
         self.eos_id = eos_id if eos_id is not None else (enc.eot_token if enc else None)
         weight = model.output.weight
         self.device = weight.device
@@ -225,9 +228,12 @@ class Engine:
             raise UserError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens})"
                             f" exceeds the model's context of {self.cfg.block_size} tokens")
         slot = self._adapter_slot(params.adapter)
+        constraint = self._constraint(params.structured)
         seq = Sequence(next(self.ids) if seq_id is None else seq_id, prompt, params,
                        self.clock() if arrival is None else arrival, self.device)
         seq.prefill_only, seq.adapter_slot = prefill_only, slot
+        if constraint is not None:
+            seq.constraint, seq.constraint_state = constraint, constraint.start()
         self.live[seq.id] = seq
         # Held only while the sibling's prompt is still being computed: admitted now, this
         # one would prefill the same prompt a second time. Once the sibling's prompt is in
@@ -248,6 +254,27 @@ class Engine:
             raise UserError(f"no LoRA adapters are loaded (asked for {name!r}): serve.py "
                             f"--lora NAME=PATH loads them")
         return self.lora.adapter_set.index(name)
+
+    def _constraint(self, spec):
+        """A request's structured-output spec -> its compiled automaton (serving/structured.py;
+        the compiler keeps compiled specs, so a schema sent again compiles once), or None.
+        A spec no token sequence can satisfy is one UserError here: a 400, never a hang."""
+        if spec is None:
+            return None
+        if self.enc is None:
+            raise UserError("structured output needs the engine's tokenizer (enc=...)")
+        if self.compiler is None:           # built on first use: the vocabulary's byte trie
+            self.compiler = structured.Compiler(
+                structured.Vocabulary.from_encoding(self.enc, self.cfg.vocab_size))
+        kind = spec["type"]
+        constraint = (self.compiler.json_object() if kind == "json_object" else
+                      self.compiler.json_schema(spec.get("schema")) if kind == "json_schema"
+                      else self.compiler.regex(spec.get("pattern")) if kind == "regex"
+                      else self.compiler.choice(spec.get("choices")))
+        if constraint.dead(constraint.start()):
+            raise UserError(f"structured output ({kind}): no token of this vocabulary can "
+                            f"begin an output that satisfies it")
+        return constraint
 
     def _release_held(self, seq):
         """The sequences held behind seq join the waiting queue (in key order)."""
@@ -578,6 +605,9 @@ class Engine:
         p = seq.params
         if self.fault_hook is not None:
             self.fault_hook("sample", [seq])
+        if seq.constraint is not None and seq.constraint.dead(seq.constraint_state):
+            raise UserError("structured output: the constraint reached a state no token of "
+                            "this vocabulary can continue")
         row = self._process(seq, logits)
         if p.temperature < GREEDY_EPS:
             tok = int(row.argmax())
@@ -591,20 +621,27 @@ class Engine:
         return tok
 
     def _process(self, seq, logits):
-        """OpenAI's logit adjustments, in vLLM's order: logit_bias, min_tokens (the stop
-        tokens masked), then presence/frequency penalties over the output so far:
+        """OpenAI's logit adjustments, in vLLM's order: logit_bias, the structured-output
+        mask (-inf on tokens the automaton forbids), min_tokens (the stop tokens masked),
+        then presence/frequency penalties over the output so far:
         logit[j] -= frequency · count[j] + presence · [count[j] > 0]."""
         p, out = seq.params, seq.output_ids
         early = len(out) < p.min_tokens
-        if not (p.logit_bias or early or p.presence_penalty or p.frequency_penalty):
+        if not (p.logit_bias or early or p.presence_penalty or p.frequency_penalty or
+                seq.constraint is not None):
             return logits
         # clone(): for fp32 logits, .float() is the same tensor, not a copy, and the edits
         # below are in place -- without it the log-probs would read the adjusted logits
         row = logits.float().clone()
         for tok, bias in p.logit_bias:
             row[tok] += bias
-        if early:
-            row[list(self._stop_ids(seq))] = float("-inf")
+        if seq.constraint is not None:     # structured output: only what keeps it alive
+            row = structured.mask_logits(row, seq.constraint.allowed(seq.constraint_state))
+        stops = list(self._stop_ids(seq))
+        # min_tokens yields to a constraint that can only end here (EOS alone allowed)
+        if early and (seq.constraint is None or
+                      torch.isfinite(row).sum() > torch.isfinite(row[stops]).sum()):
+            row[stops] = float("-inf")
         if out and (p.presence_penalty or p.frequency_penalty):
             # (V,) counts of each token in the output only, not the prompt (as vLLM
             # applies these two penalties); [:V] trims nothing unless an id were >= V
@@ -623,6 +660,8 @@ class Engine:
                 continue
             seq.tokens.append(tok)
             seq.token_times.append(now)
+            if seq.constraint is not None:
+                seq.constraint_state = seq.constraint.advance(seq.constraint_state, tok)
             self.stats["output_tokens"] += 1
             try:
                 reason = self._stop_reason(seq, tok)
@@ -745,6 +784,11 @@ class Engine:
                        self.clock() if arrival is None else arrival, self.device)
         seq.tokens, seq.num_computed, seq.num_cached_tokens = tokens, n_done, n_done
         seq.adapter_slot = slot
+        if params.structured is not None:  # the automaton's state: replayed from the output
+            seq.constraint = constraint = self._constraint(params.structured)
+            seq.constraint_state = constraint.start()
+            for tok in seq.output_ids:
+                seq.constraint_state = constraint.advance(seq.constraint_state, tok)
         if seq.generator is not None and exported["generator"] is not None:
             seq.generator.set_state(exported["generator"])    # the same random stream
         seq.logprobs = list(exported["logprobs"])

@@ -12,8 +12,8 @@ What it teaches, and what each rule saves / costs:
   - Supported or refused, never ignored: every field of the request is either in the
     endpoint's table (COMPLETION_FIELDS, CHAT_FIELDS; top_k, min_tokens, stop_token_ids,
     ignore_eos and priority are vLLM's extensions) or refused with a 400 that names it
-    and says why (REFUSED: tools, structured output, ...); an unknown field ("temprature")
-    is a 400 too. Costs the client a retry; saves it from believing it got what it asked.
+    and says why (REFUSED: tools, audio, ...); an unknown field ("temprature") is a 400
+    too. Costs the client a retry; saves it from believing it got what it asked.
   - Validation at the door: every number typed (a bool is not a number), finite and in
     range, and SamplingParams.validate run before the engine sees the request: one bad
     request cannot overflow the math of the batch it would share. A temperature below
@@ -25,12 +25,17 @@ What it teaches, and what each rule saves / costs:
     text_offset}, chat {content: [{token, logprob, bytes, top_logprobs}]}; a token that
     is not whole UTF-8 on its own (byte-level BPE) is named "bytes:\\xNN". They are the
     model's own log_softmax, before temperature, penalties or bias (serve.logprob_entry).
+  - Structured output: `response_format` (json_object, json_schema) and vLLM's
+    guided_json / guided_regex / guided_choice become SamplingParams.structured; the
+    engine compiles it to an automaton and masks every step's logits
+    (serving/structured.py). A schema outside the supported subset is a 400 naming the
+    keyword. Costs a mask per step (cached per automaton state).
   - A minimal chat template ("### Role:\n..."): the roles are plain text and prompts are
     encoded with encode_ordinary, so user content cannot inject special tokens; the model
-    starting another turn (CHAT_STOP) ends the answer. Sacrifices: no tool calls, no
-    structured output, no multimodal input.
+    starting another turn (CHAT_STOP) ends the answer. Sacrifices: no multimodal input.
 """
 import argparse
+import json
 import math
 import time
 import uuid
@@ -49,12 +54,14 @@ COMMON_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "top_k", "n", "stream", "stream_options", "stop", "stop_token_ids", "seed",
                  "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
                  "min_tokens", "ignore_eos", "priority", "user"}
+# structured output: OpenAI's response_format, and vLLM's guided_* extensions
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+COMMON_FIELDS |= set(STRUCTURED_FIELDS)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs"}
 TOOLS = "tool and function calling are not supported"
 REFUSED = {**dict.fromkeys(("tools", "tool_choice", "parallel_tool_calls", "functions",
                             "function_call"), TOOLS),
-           "response_format": "structured output (JSON mode, JSON schema) is not supported",
            "suffix": "insertion (text after the completion) is not supported",
            **dict.fromkeys(("audio", "modalities"), "only text is supported"),
            "prediction": "predicted outputs are not supported",
@@ -230,6 +237,47 @@ def parse_bias(body, vocab):
     return tuple(out)
 
 
+def parse_structured(body):
+    """response_format ({"type": "text" | "json_object" | "json_schema", "json_schema":
+    {"name", "schema", "strict"}}) or vLLM's guided_json / guided_regex / guided_choice ->
+    the engine's spec (SamplingParams.structured), or None. The schema itself is checked
+    when the engine compiles it (serving/structured.py): what it cannot honour is a 400."""
+    given = [k for k in STRUCTURED_FIELDS if body.get(k) is not None]
+    if len(given) > 1:
+        raise ApiError(400, f"give one of {', '.join(given)}, not several", given[1])
+    if not given:
+        return None
+    key, value = given[0], body[given[0]]
+    if key == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind not in ("text", "json_object", "json_schema") or set(value) - {
+                "type", "json_schema"}:
+            raise ApiError(400, "'response_format' must be {'type': 'text'}, {'type': "
+                                "'json_object'} or {'type': 'json_schema', 'json_schema': "
+                                "{...}}", key)
+        if kind != "json_schema":
+            return None if kind == "text" else {"type": "json_object"}
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict) or \
+                set(spec) - {"name", "schema", "strict", "description"}:
+            raise ApiError(400, "'response_format.json_schema' must be {'name': ..., "
+                                "'schema': {...}, 'strict': ...}", key)
+        return {"type": "json_schema", "schema": spec["schema"]}
+    if key == "guided_json":       # vLLM: a schema, as an object or as its JSON text
+        try:
+            schema = json.loads(value) if isinstance(value, str) else value
+        except ValueError:
+            raise ApiError(400, "'guided_json' is not a JSON schema (unparsable text)", key)
+        if not isinstance(schema, dict):
+            raise ApiError(400, "'guided_json' must be a JSON schema object", key)
+        return {"type": "json_schema", "schema": schema}
+    if key == "guided_regex":
+        if not isinstance(value, str) or not value:
+            raise ApiError(400, "'guided_regex' must be a non-empty string", key)
+        return {"type": "regex", "pattern": value}
+    return {"type": "choice", "choices": value}
+
+
 def parse_sampling(body, chat, srv, max_tokens, logprobs):
     """-> the SamplingParams fields every choice of the request shares."""
     stop = body.get("stop")
@@ -258,6 +306,7 @@ def parse_sampling(body, chat, srv, max_tokens, logprobs):
         frequency_penalty=float(_get(body, "frequency_penalty", (int, float), 0.0,
                                      lambda v: -2 <= v <= 2, "must be in [-2, 2]")),
         logit_bias=parse_bias(body, srv.vocab_size),
+        structured=parse_structured(body),
         min_tokens=_get(body, "min_tokens", (int,), 0, lambda v: 0 <= v <= max_tokens,
                         "must be in [0, max_tokens]"),
         ignore_eos=_get(body, "ignore_eos", (bool,), False),

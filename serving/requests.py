@@ -19,6 +19,7 @@ GREEDY_EPS = 1e-5
 
 
 MAX_LOGPROBS = 20          # top alternatives per position, at most (OpenAI: 20)
+STRUCTURED_TYPES = ("json_object", "json_schema", "regex", "choice")
 
 
 @dataclass
@@ -40,6 +41,10 @@ class SamplingParams:
     logprobs: Optional[int] = None  # per output token: its log-prob + this many top ones
     prompt_logprobs: Optional[int] = None   # the same for every prompt token but the first
     adapter: Optional[str] = None   # a LoRA adapter the server loaded (serve.py --lora), by name
+    # structured output (serving/structured.py), as plain data: {"type": "json_object"},
+    # {"type": "json_schema", "schema": {...}}, {"type": "regex", "pattern": "..."} or
+    # {"type": "choice", "choices": [...]}; None: free text
+    structured: Optional[dict] = None
 
     @classmethod
     def from_dict(cls, d):
@@ -73,6 +78,13 @@ class SamplingParams:
                 integer(name, 0, MAX_LOGPROBS)
         if self.seed is not None:
             integer("seed", 0, 2 ** 63 - 1)
+        if self.structured is not None:
+            if not isinstance(self.structured, dict) or self.structured.get("type") not in \
+                    STRUCTURED_TYPES:
+                raise UserError(f"structured must be a dict with 'type' one of "
+                                f"{', '.join(STRUCTURED_TYPES)}")
+            if self.ignore_eos:     # the automaton ends the output with EOS when it accepts
+                raise UserError("ignore_eos cannot be combined with structured output")
         top = (vocab_size or 2 ** 31) - 1
         for t in self.stop_token_ids:
             integer("stop_token_ids", 0, top, t)

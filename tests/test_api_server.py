@@ -170,6 +170,15 @@ def req(body=b"", method="POST", path="/v1/completions", headers=None, length=Tr
 
 
 OK = {"prompt": "x", "max_tokens": 2}
+def nested_schema(depth):
+    """An object schema `depth` objects deep: past serving/structured.py's MAX_DEPTH (32)."""
+    schema = {"type": "boolean"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+DEEP_SCHEMA = nested_schema(40)
 HOSTILE = [
     # the request line and the protocol
     (b"GARBAGE\r\n\r\n", 400), (b"GET\r\n\r\n", 400), (b"GET / HTTP/1.1 extra\r\n\r\n", 400),
@@ -222,7 +231,15 @@ HOSTILE = [
     (req({"prompt": "x", "max_tokens": 3, "max_completion_tokens": 4}), 400),
     (req({"prompt": [[]]}), 400), (req({"prompt": []}), 400),
     (req({"prompt": "x", "tools": [{"type": "function"}]}), 400),
-    (req({"prompt": "x", "response_format": {"type": "json_object"}}), 400),
+    # structured output: what the automaton cannot honour is a 400 naming why
+    (req({"prompt": "x", "response_format": {"type": "xml"}}), 400),
+    (req({"prompt": "x", "response_format": {"type": "json_schema"}}), 400),
+    (req({"prompt": "x", "guided_json": {"type": "object", "patternProperties": {}}}), 400),
+    (req({"prompt": "x", "guided_json": DEEP_SCHEMA}), 400),
+    (req({"prompt": "x", "guided_json": {"enum": list(range(300))}}), 400),
+    (req({"prompt": "x", "guided_regex": "(a"}), 400),
+    (req({"prompt": "x", "guided_choice": "yes"}), 400),
+    (req({"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}), 400),
     (req({"prompt": "x", "suffix": "end"}), 400), (req({"prompt": "x", "best_of": 3}), 400),
     (req({"prompt": "x", "priority": -10}), 400), (req({"prompt": "x", "frobnicate": 1}), 400),
     (req({"prompt": "x", "echo": True}, path="/v1/chat/completions"), 400),
