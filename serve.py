@@ -268,7 +268,8 @@ class Engine:
                 structured.Vocabulary.from_encoding(self.enc, self.cfg.vocab_size))
         kind = spec["type"]
         constraint = (self.compiler.json_object() if kind == "json_object" else
-                      self.compiler.json_schema(spec.get("schema")) if kind == "json_schema"
+                      self.compiler.json_schema(spec.get("schema"), spec.get("wrap"))
+                      if kind == "json_schema"
                       else self.compiler.regex(spec.get("pattern")) if kind == "regex"
                       else self.compiler.choice(spec.get("choices")))
         if constraint.dead(constraint.start()):

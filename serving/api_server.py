@@ -51,7 +51,7 @@ from urllib.parse import urlsplit
 
 from serving.requests import decode_tokens
 from serving.openai_api import (ApiError, answer_choice, parse_request, prompt_entries,
-                                response_head, shorten, stream_chunk, usage)
+                                response_head, shorten, stream_chunk, tool_call_of, usage)
 from core.cli import fmt_bytes, knob
 from core.errors import UserError
 
@@ -535,6 +535,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         enc = self.server.enc
         head = {**head, "object": "chat.completion.chunk" if plan.chat else "text_completion"}
         hold = max((len(s) for s in plan.stop), default=1) - 1
+        # with tools on offer, the answer may be a call, known only once it is whole: its
+        # text is held to the end, then sent as delta.tool_calls or as content
+        calls = plan.tools is not None and plan.tools["choice"] != "none"
         outs = [dict(ids=[], lps=[], sent=0, lp_sent=0, offset=0, started=False)
                 for _ in plan.choices]
         self.send_response(200)
@@ -561,7 +564,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 o["ids"] += up.tokens
                 o["lps"] += up.logprobs
                 text = up.text if up.finish_reason else decode_tokens(enc, o["ids"])
-                safe = len(text) if up.finish_reason else len(text.rstrip("\ufffd")) - hold
+                safe = len(text) if up.finish_reason else 0 if calls else \
+                    len(text.rstrip("\ufffd")) - hold
+                call = tool_call_of(text, plan.tools) if calls and \
+                    up.finish_reason == "stop" else None
+                if call is not None:
+                    self.sse(stream_chunk(enc, plan, head, k, call=call))
+                    self.sse(stream_chunk(enc, plan, head, k, finish="tool_calls"))
+                    continue
                 delta = text[o["sent"]:safe] if safe > o["sent"] else ""
                 o["sent"] = max(o["sent"], safe)
                 entries += o["lps"][o["lp_sent"]:]

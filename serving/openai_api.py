@@ -37,6 +37,7 @@ What it teaches, and what each rule saves / costs:
 import argparse
 import json
 import math
+import re
 import time
 import uuid
 from collections import namedtuple
@@ -58,10 +59,10 @@ COMMON_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
 STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 COMMON_FIELDS |= set(STRUCTURED_FIELDS)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs"}
-TOOLS = "tool and function calling are not supported"
-REFUSED = {**dict.fromkeys(("tools", "tool_choice", "parallel_tool_calls", "functions",
-                            "function_call"), TOOLS),
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls"}
+REFUSED = {**dict.fromkeys(("functions", "function_call"), "the legacy functions API: send "
+                                                            "'tools' and 'tool_choice'"),
            "suffix": "insertion (text after the completion) is not supported",
            **dict.fromkeys(("audio", "modalities"), "only text is supported"),
            "prediction": "predicted outputs are not supported",
@@ -89,7 +90,7 @@ class ApiError(Exception):
 # What one request asks for: its prompts (token ids), the engine's choices
 # [(prompt_ids, params, parent)], group[k] = the prompt of choice k, and how to answer.
 Plan = namedtuple("Plan", "chat prompts choices group stream include_usage echo logprobs stop "
-                         "model")
+                         "model tools")
 
 
 def _get(body, key, types, default=None, check=None, why=""):
@@ -131,34 +132,62 @@ def check_fields(body, allowed):
             raise ApiError(400, f"unknown field '{shorten(key)[1:-1]}'", key)
 
 
-def chat_prompt(messages):
+def chat_prompt(messages, tools=None):
     """A minimal chat template. The roles are plain text: user content cannot inject
-    special tokens (prompts are encoded with encode_ordinary)."""
-    return "".join(f"### {m['role'].capitalize()}:\n{m['content']}\n\n" for m in messages) \
+    special tokens (prompts are encoded with encode_ordinary). With tools, a system turn
+    lists them first (tools_preamble)."""
+    return (tools_preamble(tools) if tools else "") + "".join(
+        f"### {m['role'].capitalize()}:\n{m['content']}\n\n" for m in messages) \
         + "### Assistant:\n"
 
 
-def chat_prompts(body, srv):
+# The keys each role's message may carry (OpenAI's chat format, text only)
+MESSAGE_KEYS = {"system": {"content"}, "developer": {"content"}, "user": {"content"},
+                "assistant": {"content", "tool_calls"}, "tool": {"content", "tool_call_id"}}
+
+
+def message_text(m, i):
+    """One message's text for the template: its content (a string, or text parts), and
+    an assistant's earlier tool calls written back the way the model writes them."""
+    content = m.get("content")
+    if isinstance(content, list) and all(        # [{"type": "text", "text": ..}]
+            isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"}
+            and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if content is None and m.get("tool_calls"):
+        content = ""
+    if not isinstance(content, str) or (m["role"] == "tool" and not isinstance(
+            m.get("tool_call_id"), str)):
+        raise ApiError(400, f"messages[{i}] needs a text 'content'" + (
+            " and a 'tool_call_id'" if m["role"] == "tool" else ""), "messages")
+    for call in m.get("tool_calls") or ():
+        try:
+            fn = call["function"]
+            content += TOOL_CALL[0] + json.dumps({"name": fn["name"], "arguments": json.loads(
+                fn["arguments"])}) + TOOL_CALL[1]
+        except (TypeError, KeyError, ValueError):
+            raise ApiError(400, f"messages[{i}].tool_calls: each call is {{'id', 'type': "
+                                f"'function', 'function': {{'name', 'arguments': JSON "
+                                f"text}}}}", "messages") from None
+    return _utf8(content, "messages")
+
+
+def chat_prompts(body, srv, tools=None):
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", "messages")
     clean = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) - {"role", "content"}:
-            extra = sorted(set(m) - {"role", "content"}) if isinstance(m, dict) else []
-            raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content' "
-                                f"only{f' (not {extra[0]!r})' if extra else ''}", "messages")
-        content = m.get("content")
-        if isinstance(content, list) and all(        # [{"type": "text", "text": ..}]
-                isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"}
-                and isinstance(p.get("text"), str) for p in content):
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str) or m.get("role") not in (
-                "system", "user", "assistant", "developer"):
-            raise ApiError(400, "each message needs a 'role' (system, user, assistant or "
-                                "developer) and a text 'content'", "messages")
-        clean.append({"role": m["role"], "content": _utf8(content, "messages")})
-    return [srv.enc.encode_ordinary(chat_prompt(clean))]
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in MESSAGE_KEYS:
+            raise ApiError(400, f"messages[{i}] needs a 'role': one of "
+                                f"{', '.join(MESSAGE_KEYS)}", "messages")
+        extra = sorted(set(m) - MESSAGE_KEYS[role] - {"role"})
+        if extra:
+            raise ApiError(400, f"messages[{i}] ({role}) may not carry {extra[0]!r}",
+                           "messages")
+        clean.append({"role": role, "content": message_text(m, i)})
+    return [srv.enc.encode_ordinary(chat_prompt(clean, tools))]
 
 
 def completion_prompts(body, srv):
@@ -278,6 +307,100 @@ def parse_structured(body):
     return {"type": "choice", "choices": value}
 
 
+# ----------------------------------------------------------------------------------------
+# Tool calls: the tools written into the prompt, the call constrained, the answer parsed
+
+TOOL_CALL = ("<tool_call>", "</tool_call>")      # Hermes / Qwen2.5's tags around a call
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")    # OpenAI's rule for a function's name
+MAX_TOOLS = 64
+
+
+def parse_tools(body):
+    """tools + tool_choice -> None, or {"functions": [{name, description, parameters}],
+    "choice": "none" | "auto" | "required" | a function's name}. parallel_tool_calls is
+    type-checked: an answer here carries at most one call."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    _get(body, "parallel_tool_calls", (bool,), True)
+    if tools is None:
+        if choice not in (None, "none"):
+            raise ApiError(400, "'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list) or not 0 < len(tools) <= MAX_TOOLS:
+        raise ApiError(400, f"'tools' must be a list of 1 to {MAX_TOOLS} tools", "tools")
+    functions = []
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" and \
+            set(t) <= {"type", "function"} else None
+        if not isinstance(f, dict) or not TOOL_NAME.fullmatch(str(f.get("name"))) or \
+                set(f) - {"name", "description", "parameters", "strict"} or \
+                not isinstance(f.get("parameters", {}), dict) or \
+                not isinstance(f.get("description", ""), str):
+            raise ApiError(400, f"tools[{i}] must be {{'type': 'function', 'function': "
+                                f"{{'name': [A-Za-z0-9_-]{{1,64}}, 'description': text, "
+                                f"'parameters': a JSON schema}}}}", "tools")
+        functions.append({"name": f["name"], "description": f.get("description", ""),
+                          "parameters": f.get("parameters",
+                                              {"type": "object", "properties": {}})})
+    names = [f["name"] for f in functions]
+    if len(set(names)) < len(names):
+        raise ApiError(400, "two tools share a name", "tools")
+    if isinstance(choice, dict):       # {"type": "function", "function": {"name": ...}}
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        choice = fn.get("name") if isinstance(fn, dict) else None
+        if choice not in names:
+            raise ApiError(400, "'tool_choice' names no tool of 'tools'", "tool_choice")
+    elif choice not in (None, "none", "auto", "required"):
+        raise ApiError(400, "'tool_choice' must be 'none', 'auto', 'required' or {'type': "
+                            "'function', 'function': {'name': ...}}", "tool_choice")
+    return {"functions": functions, "choice": choice or "auto"}
+
+
+def tools_preamble(tools):
+    """The documented template: a system turn naming the call format, then each function
+    as one JSON line between <tools> tags (Hermes / Qwen2.5's layout). "none": no tools
+    are offered, so none are listed."""
+    if tools["choice"] == "none":
+        return ""
+    listed = "\n".join(json.dumps({"type": "function", "function": f})
+                       for f in tools["functions"])
+    return (f"### System:\nYou may call one of these tools. To call one, answer with "
+            f"{TOOL_CALL[0]}{{\"name\": ..., \"arguments\": {{...}}}}{TOOL_CALL[1]} and "
+            f"nothing else.\n<tools>\n{listed}\n</tools>\n\n")
+
+
+def tool_call_spec(tools):
+    """tool_choice "required" or a named function -> the structured-output spec that
+    forces the call: {"name": ..., "arguments": ...} between TOOL_CALL's tags, the
+    arguments constrained by the function's parameters schema (anyOf over the functions
+    "required" lets the model choose from). "auto", "none": no constraint."""
+    if tools is None or tools["choice"] in ("none", "auto"):
+        return None
+    calls = [{"type": "object", "required": ["name", "arguments"],
+              "additionalProperties": False,
+              "properties": {"name": {"enum": [f["name"]]}, "arguments": f["parameters"]}}
+             for f in tools["functions"] if tools["choice"] in ("required", f["name"])]
+    return {"type": "json_schema", "schema": calls[0] if len(calls) == 1 else
+            {"anyOf": calls}, "wrap": list(TOOL_CALL)}
+
+
+def tool_call_of(text, tools):
+    """A finished answer's text -> OpenAI's tool_calls entry if it is one call to one of
+    the tools (what "required" forces; what "auto" may write), else None: plain content."""
+    text = text.strip()
+    if tools is None or tools["choice"] == "none" or not (
+            text.startswith(TOOL_CALL[0]) and text.endswith(TOOL_CALL[1])):
+        return None
+    try:
+        call = json.loads(text[len(TOOL_CALL[0]):-len(TOOL_CALL[1])])
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("arguments"), dict) or \
+            call.get("name") not in [f["name"] for f in tools["functions"]]:
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+
+
 def parse_sampling(body, chat, srv, max_tokens, logprobs):
     """-> the SamplingParams fields every choice of the request shares."""
     stop = body.get("stop")
@@ -325,7 +448,8 @@ def parse_request(body, chat, srv):
         raise ApiError(404, f"model {shorten(model)} does not exist; this server serves "
                             f"{', '.join(map(repr, served))}", "model", "model_not_found")
     adapter = None if model == srv.model_name else model
-    prompts = chat_prompts(body, srv) if chat else completion_prompts(body, srv)
+    tools = parse_tools(body) if chat else None
+    prompts = chat_prompts(body, srv, tools) if chat else completion_prompts(body, srv)
     n = _get(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be in [1, {MAX_N}]")
     if _get(body, "best_of", (int,), 1) not in (1, n):
         raise ApiError(400, "'best_of' > n (ranking candidates on the server) is not "
@@ -338,6 +462,12 @@ def parse_request(body, chat, srv):
     logprobs = parse_logprobs(body, chat)
     max_tokens = parse_max_tokens(body, chat, prompts, srv, echo and logprobs is not None)
     kw = parse_sampling(body, chat, srv, max_tokens, logprobs)
+    forced = tool_call_spec(tools)
+    if forced is not None:             # the call itself is the structured output
+        if kw["structured"] is not None:
+            raise ApiError(400, "tool_choice 'required' or a named function already "
+                                "constrains the answer: drop response_format", "tool_choice")
+        kw["structured"] = forced
     _get(body, "user", (str,), "")                       # an end-user id: type-checked only
     stream = _get(body, "stream", (bool,), False)
     options = _get(body, "stream_options", (dict,), None)
@@ -361,7 +491,7 @@ def parse_request(body, chat, srv):
             group.append(i)
     include_usage = bool((options or {}).get("include_usage"))
     return Plan(chat, prompts, choices, group, stream, include_usage, echo, logprobs, kw["stop"],
-                model)
+                model, tools)
 
 
 # ----------------------------------------------------------------------------------------
@@ -429,7 +559,11 @@ def answer_choice(enc, plan, k, out, scored):
         entries = prompt_entries(ids, scored.get(plan.group[k], ())) + entries
     lp = format_logprobs(enc, entries, plan.chat) if plan.logprobs is not None else None
     choice = {"index": k, "logprobs": lp, "finish_reason": out["finish"]}
-    if plan.chat:
+    call = tool_call_of(text, plan.tools) if out["finish"] == "stop" else None
+    if call is not None:               # OpenAI's shape: no content, the call, its reason
+        choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+        choice["finish_reason"] = "tool_calls"
+    elif plan.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
@@ -437,10 +571,11 @@ def answer_choice(enc, plan, k, out, scored):
 
 
 def stream_chunk(enc, plan, head, k, text="", entries=(), state=None, finish=None,
-                 role=False):
+                 role=False, call=None):
     """One server-sent event's object for choice k: a piece of text (chat: a delta; the
-    first chat event carries only the role), its log-probs, or the finish reason.
-    state["offset"]: the completion's text_offset so far (advanced here)."""
+    first chat event carries only the role), its log-probs, a whole tool call (`call`:
+    delta.tool_calls), or the finish reason. state["offset"]: the completion's
+    text_offset so far (advanced here)."""
     lp = None
     if plan.logprobs is not None and entries:
         lp = format_logprobs(enc, entries, plan.chat, state["offset"])
@@ -449,6 +584,7 @@ def stream_chunk(enc, plan, head, k, text="", entries=(), state=None, finish=Non
                 token_bytes(enc, entries[-1][0]).decode("utf-8", "ignore"))
     if plan.chat:
         delta = {"role": "assistant", "content": ""} if role else (
+            {"tool_calls": [{"index": 0, **call}]} if call else
             {"content": text} if text else {})
         choice = {"index": k, "delta": delta, "logprobs": lp, "finish_reason": finish}
     else:

@@ -823,10 +823,17 @@ class Compiler:
     def json_object(self):
         return self._get(("json_object",), lambda: JsonObjectAutomaton(self.vocab.spelled))
 
-    def json_schema(self, schema):
+    def json_schema(self, schema, wrap=None):
+        """wrap: (opening, closing) text around the JSON, e.g. a tool call's
+        ("<tool_call>", "</tool_call>") (serving/openai_api.py's chat template)."""
         tree = schema_tree(schema)                  # the size is checked before anything
+        if wrap is not None:
+            if not (isinstance(wrap, (list, tuple)) and len(wrap) == 2 and
+                    all(isinstance(w, str) for w in wrap)):
+                raise UserError("json_schema's wrap must be two strings")
+            tree = ("cat", [("bytes", wrap[0].encode()), tree, ("bytes", wrap[1].encode())])
         # the key keeps the properties' order: it is the output's order
-        return self._get(("json_schema", json.dumps(schema)),
+        return self._get(("json_schema", json.dumps(schema), tuple(wrap or ())),
                          lambda: compile_dfa(tree, self.vocab.spelled))
 
     def regex(self, pattern):

@@ -724,3 +724,129 @@ def test_api_response_format_and_guided_fields(engine_world):
         srv.shutdown()
         srv.server_close()
         srv.loop.stop()
+
+
+# ----------------------------------------------------------------------------------------
+# Tool calls on chat completions: tools in the prompt, the call constrained, OpenAI's shapes
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "required": ["city"], "additionalProperties": False,
+                   "properties": {"city": {"enum": ["Paris", "Lima"]},
+                                  "unit": {"enum": ["C", "F"]}}}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "required": ["zone"],
+                                       "properties": {"zone": {"type": "integer"}}}}}
+
+
+@pytest.fixture(scope="module")
+def tool_server(engine_world):
+    """The byte-level tokenizer spends a token per byte of the tools' listing: a tiny
+    model with a 1024-token context."""
+    enc, _ = engine_world
+    model = GPT(get_config("tiny", block_size=1024), seed=3).eval()
+    eng = Engine(model, enc, block_size=16, num_blocks=256)
+    srv = make_server(eng, enc, "127.0.0.1", 0, model_name="tiny")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+    srv.loop.stop()
+
+
+def post(srv, body, stream=False):
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(body, stream=stream)),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    raw = r.read().decode()
+    if not stream:
+        return r.status, json.loads(raw)
+    return r.status, [json.loads(line[6:]) for line in raw.splitlines()
+                      if line.startswith("data: {")]
+
+
+def check_call(call, tools):
+    """One OpenAI tool call: its shape, a name among the tools, arguments (JSON text) that
+    validate against that function's parameters (the independent checker)."""
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    fn = {t["function"]["name"]: t["function"] for t in tools}[call["function"]["name"]]
+    validate(json.loads(call["function"]["arguments"]), fn["parameters"])
+
+
+def test_tool_choice_required_and_named_return_valid_calls(tool_server):
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "weather?"}],
+                max_tokens=90, tools=[WEATHER, CLOCK], temperature=1.0)
+    for seed in range(4):
+        for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+            status, out = post(tool_server, dict(chat, tool_choice=choice, seed=seed))
+            assert status == 200, out
+            c = out["choices"][0]
+            assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+            check_call(c["message"]["tool_calls"][0], chat["tools"])
+            if isinstance(choice, dict):
+                assert c["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+
+
+def test_tool_calls_stream_as_delta_tool_calls_and_round_trip(tool_server):
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "weather in Lima?"}],
+                max_tokens=90, tools=[WEATHER], tool_choice="required", temperature=0)
+    status, chunks = post(tool_server, chat, stream=True)
+    assert status == 200
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert len(calls) == 1 and calls[0]["index"] == 0
+    check_call({k: v for k, v in calls[0].items() if k != "index"}, chat["tools"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # the client sends the call back with the tool's answer: accepted, answered
+    status, whole = post(tool_server, dict(chat, stream=False))
+    call = whole["choices"][0]["message"]["tool_calls"][0]
+    history = chat["messages"] + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}]
+    status, out = post(tool_server, dict(chat, messages=history, tool_choice="none",
+                                         max_tokens=8))
+    assert status == 200 and isinstance(out["choices"][0]["message"]["content"], str)
+    assert "tool_calls" not in out["choices"][0]["message"]
+
+
+def test_tool_choice_auto_and_bad_tools(tool_server):
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+                tools=[WEATHER], temperature=0)
+    status, out = post(tool_server, chat)              # auto: the model decides (content)
+    assert status == 200 and out["choices"][0]["finish_reason"] in ("stop", "length")
+    for bad, param in [(dict(chat, tools=[{"type": "function", "function": {"name": "a b"}}]),
+                        "tools"),
+                       (dict(chat, tool_choice={"type": "function",
+                                                "function": {"name": "nope"}}), "tool_choice"),
+                       (dict(chat, tool_choice="required",
+                             response_format={"type": "json_object"}), "tool_choice"),
+                       (dict(chat, messages=[{"role": "tool", "content": "x"}]), "messages"),
+                       (dict(chat, functions=[]), "functions")]:
+        status, out = post(tool_server, bad)
+        assert status == 400 and out["error"]["param"] == param, (bad, out)
+
+
+def test_the_official_openai_client_round_trip(tool_server):
+    """The official `openai` package drives the tool-calling round trip end to end."""
+    openai = pytest.importorskip("openai", reason="the openai package is not installed "
+                                                  "(pip install openai to run this test)")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{tool_server.server_address[1]}/v1",
+                           api_key="none")
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER],
+                                           tool_choice="required", max_tokens=90)
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls"
+    check_call(call.model_dump(), [WEATHER])
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER],
+                                            max_tokens=8)
+    assert second.choices[0].finish_reason in ("stop", "length")
+    stream = client.chat.completions.create(model="tiny", messages=messages[:1],
+                                            tools=[WEATHER], tool_choice="required",
+                                            max_tokens=90, stream=True)
+    parts = [c.choices[0].delta.tool_calls for c in stream if c.choices and
+             c.choices[0].delta.tool_calls]
+    assert len(parts) == 1 and parts[0][0].function.name == "get_weather"
