@@ -402,6 +402,24 @@ RUNS = [
         {"per_token": grab(r"KV cache \(int8, (\d+ B)/token"),
          "tok_s": cell("engine (fcfs)", 1)},
         needs=("demo",)),
+    # Structured output: the same workload free vs every request under a JSON schema (the
+    # engine masks every step's logits; masks cached per automaton state). quick: 8 requests.
+    Run("structured", "python -m scripts.serve_bench --workload structured --repeats 3",
+        f"python -m scripts.serve_bench {SERVE_QUICK} --workload structured",
+        {"ratio": grab(r"json_schema \d+ tok/s \(([\d.]+)x\)"),
+         "hits": grab(r"mask cache (\d+%) hits"),
+         "mask_ms": grab(r"a fresh mask ([\d.]+ ms)"),
+         "decode_ms": grab(r"vs a decode step ([\d.]+ ms)")},
+        needs=("demo",)),
+    # Many LoRA adapters in one batch (BGMV) vs the base alone vs one merged adapter.
+    Run("adapters", "python -m scripts.serve_bench --workload adapters --repeats 3",
+        f"python -m scripts.serve_bench {SERVE_QUICK} --workload adapters",
+        {"mixed": grab(r"mixed in every batch \d+ tok/s \(([\d.]+)x\)"),
+         "merged": grab(r"one merged \d+ tok/s \(([\d.]+)x\)"),
+         "k": grab(r"base \+ (\d+) adapters"),
+         "memory": grab(r"own (\S+ \S+), [\d.]+% of the base model"),
+         "share": grab(r"own \S+ \S+, ([\d.]+%) of the base model")},
+        needs=("demo",)),
     # Sessions over 4 engine replicas under three routing policies: the prefix hit rate
     # each gets, against one cache holding everything (the ceiling).
     # quick: 4 sessions of 2 turns; outputs must agree across the policies.
@@ -780,6 +798,18 @@ ROWS = [
      "quantize on write, dequantize per layer per step",
      "rounding of K and V (its error bound: tests/test_kvcache.py); engine {int8.tok_s} "
      "tok/s"),
+    # Willard & Louf 2023 (regular constraints as automata), xgrammar's per-state mask cache
+    ("structured output: JSON schema, regex, choice (`{structured.cmd}`)",
+     "every output parses and validates (asserted, tests/test_structured.py)",
+     "a mask per step: {structured.hits} cache hits; a fresh mask {structured.mask_ms} vs a "
+     "decode step {structured.decode_ms}",
+     "engine tok/s ×{structured.ratio} of free text; a schema outside the subset is a 400"),
+    # S-LoRA / Punica: the base matmul shared, each row's low-rank pair gathered (BGMV)
+    ("{adapters.k} LoRA adapters in one batch, unmerged (`{adapters.cmd}`)",
+     "one base for all: {adapters.memory} per rank-8 adapter ({adapters.share} of the base)",
+     "two thin matmuls per layer and a gather of each row's pair",
+     "engine tok/s ×{adapters.mixed} of the base's (one adapter merged: ×{adapters.merged}); "
+     "each request equals its adapter merged, token for token"),
     # priority then earliest deadline first; goodput = requests that met their SLOs per second
     ("SLO-aware scheduling",
      "—", "none measurable",

@@ -38,6 +38,7 @@ all at once). Ratios measured in the same run are the result, never absolute tim
 """
 import argparse
 import bisect
+import copy
 import math
 import random
 import statistics
@@ -52,6 +53,7 @@ from core.cli import command_line, fmt_bytes, knob
 from core.errors import UserError
 from core.runtime import load_average, Progress, run_cli, TimingConditions
 from serve import POLICIES, SamplingParams, engine_from_args
+from serving import multi_lora, structured
 from serving.workloads import AgentSessions, BenchRequest, length_range, mixed_workload
 
 
@@ -532,6 +534,94 @@ def _int_list(text, name):
 # ----------------------------------------------------------------------------------------
 # The command line: `python -m scripts.serve_bench ...` (gpu_bench.py calls main with a list)
 
+# ----------------------------------------------------------------------------------------
+# What a request's extras cost the engine: structured output, and many LoRA adapters
+
+def run_variant(model, enc, reqs, args, params_of, adapters=None, clock=time.perf_counter,
+                prepare=None):
+    """The workload submitted at once to a fresh engine, every request's SamplingParams from
+    params_of(index, request), --repeats times; prepare(engine), untimed, first. -> (seconds
+    of the fastest run, its output tokens, its engine)."""
+    runs = []
+    for _ in range(args.repeats):
+        eng = engine_from_args(model, enc, args, args.policy or "fcfs", adapters, clock=clock)
+        if prepare is not None:
+            prepare(eng)
+        t0 = clock()
+        seqs = [eng.add_request(r.prompt, params_of(i, r)) for i, r in enumerate(reqs)]
+        while eng.has_work():
+            eng.step()
+        runs.append((clock() - t0, sum(len(s.output_ids) for s in seqs), eng))
+        if adapters is not None:       # the next engine attaches them again
+            multi_lora.detach(model)
+    return min(runs, key=lambda run: run[0])
+
+
+def warm_up(model, enc, reqs, args, clock):
+    """One untimed pass: the first engine run pays one-time costs (allocations, kernels)."""
+    run_variant(model, enc, reqs[:4], argparse.Namespace(**{**vars(args), "repeats": 1}),
+                lambda i, r: SamplingParams(max_tokens=r.out_len, temperature=0), clock=clock)
+
+
+def structured_bench(args, model, enc, clock):
+    """Free text vs every request under a JSON schema (serving/structured.py's demo): the
+    engine's tok/s each, the mask cache's hit rate, and a mask computed fresh (a trie walk:
+    a state first seen) against the median decode step."""
+    reqs = make_workload(args, model.config, enc.eot_token)
+    spec = {"type": "json_schema", "schema": structured.DEMO_SCHEMA}
+    warm_up(model, enc, reqs, args, clock)
+    rows, compile_s = {}, []
+
+    def compile_once(eng):      # the vocabulary's trie and the schema's DFA, once per server
+        t0 = time.perf_counter()
+        eng._constraint(spec)
+        compile_s.append(time.perf_counter() - t0)
+    for label, extra in (("free text", {}), ("json_schema", {"structured": spec})):
+        rows[label] = run_variant(model, enc, reqs, args, lambda i, r: SamplingParams(
+            max_tokens=r.out_len, temperature=0.8, seed=i, **extra), clock=clock,
+            prepare=compile_once if extra else None)
+    (t_free, n_free, _), (t_json, n_json, eng) = rows["free text"], rows["json_schema"]
+    c = eng._constraint(spec)
+    states = list(c.cache)[:64]
+    t0 = time.perf_counter()
+    for state in states:
+        c.trie_mask(state)
+    per_state = (time.perf_counter() - t0) / max(len(states), 1)
+    decode = statistics.median([t for t, _, n_dec, _, n in eng.step_log if n_dec == n] or [0])
+    print(f"structured output: free text {n_free / t_free:.0f} tok/s, json_schema "
+          f"{n_json / t_json:.0f} tok/s ({(n_json / t_json) / (n_free / t_free):.2f}x); mask "
+          f"cache {c.hits / max(c.hits + c.misses, 1):.0%} hits over {c.hits + c.misses} "
+          f"steps ({c.misses} states computed); a fresh mask {per_state * 1e3:.2f} ms vs a "
+          f"decode step {decode * 1e3:.2f} ms; trie + schema built once per server in "
+          f"{min(compile_s) * 1e3:.0f} ms (not in the tok/s)")
+
+
+def adapters_bench(args, model, enc, clock):
+    """The same workload on the base alone, with --adapters random LoRA adapters (rank
+    --adapter-rank, every block linear) mixed round-robin with the base in every batch,
+    and with one adapter merged into a copy of the weights: tok/s each, and the memory."""
+    reqs = make_workload(args, model.config, enc.eot_token)
+    names = [f"a{k}" for k in range(args.adapters)]
+    batch = copy.deepcopy(model)
+    aset = multi_lora.AdapterSet(batch, [multi_lora.random_adapter(
+        model, n, args.adapter_rank, ("wq", "wk", "wv", "wo", "w1", "w2", "w3"), seed=k)
+        for k, n in enumerate(names)])
+    plain = lambda i, r: SamplingParams(max_tokens=r.out_len, temperature=0, ignore_eos=True)
+    warm_up(model, enc, reqs, args, clock)
+    mixed = lambda i, r: SamplingParams(max_tokens=r.out_len, temperature=0, ignore_eos=True,
+                                        adapter=([None] + names)[i % (len(names) + 1)])
+    t_base, n_base, _ = run_variant(model, enc, reqs, args, plain, clock=clock)
+    t_mix, n_mix, _ = run_variant(batch, enc, reqs, args, mixed, aset, clock)
+    merged = multi_lora.merged_copy(model, aset.adapters[0])
+    t_merged, n_merged, _ = run_variant(merged, enc, reqs, args, plain, clock=clock)
+    base = n_base / t_base
+    print(f"many LoRA adapters: base {base:.0f} tok/s; base + {len(names)} adapters (rank "
+          f"{args.adapter_rank}) mixed in every batch {n_mix / t_mix:.0f} tok/s "
+          f"({n_mix / t_mix / base:.2f}x); one merged {n_merged / t_merged:.0f} tok/s "
+          f"({n_merged / t_merged / base:.2f}x)")
+    print("\n".join(aset.memory_report(model)))
+
+
 BENCH_KNOBS = [
     knob("--num-requests", 64, "requests in the workload"),
     knob("--rate", math.inf, "Poisson arrivals per second (inf = all at once)"),
@@ -548,8 +638,12 @@ BENCH_KNOBS = [
     knob("--no-baselines", False, "skip sequential and static batching"),
     knob("--seed", 0, "workload seed"),
     knob("--workload", "uniform", "uniform: the flags above; mixed: short (--prompt-len) and "
-         "long (--long-len) prompts; agent: multi-turn sessions, pool sizes x second tiers",
-         choices=["uniform", "mixed", "agent"]),
+         "long (--long-len) prompts; agent: multi-turn sessions, pool sizes x second tiers; "
+         "structured: free text vs a JSON schema; adapters: base vs --adapters LoRA "
+         "adapters in one batch vs merged",
+         choices=["uniform", "mixed", "agent", "structured", "adapters"]),
+    knob("--adapters", 4, "adapters: random LoRA adapters mixed with the base"),
+    knob("--adapter-rank", 8, "adapters: their rank"),
     knob("--long-len", "160:224", "mixed: long prompts' range LO:HI"),
     knob("--long-frac", 0.25, "mixed: share of long prompts"),
     knob("--repeats", 1, "run each system this many times, report the fastest run"),
@@ -596,6 +690,12 @@ def main(argv=None):
     model, enc = serve.load_served_model(args)
     if args.workload == "agent":
         return tier_bench(args, model, enc)
+    if args.workload in ("structured", "adapters"):
+        bench_of = structured_bench if args.workload == "structured" else adapters_bench
+        with clock_conditions(args) as conditions:
+            bench_of(args, model, enc, CLOCKS[args.clock])
+        conditions.report()
+        return None
     return bench(args, model, enc)
 
 

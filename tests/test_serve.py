@@ -3,6 +3,7 @@ import io
 import http.client
 import json
 import random
+import re
 import socket
 import threading
 import time
@@ -16,6 +17,8 @@ import serve
 from scripts import serve_bench
 from harness import python_cmd, run_python, run_together
 from model import GPT, get_config
+from core.checkpoint import load_model
+from core.cli import fmt_bytes
 from core.errors import UserError
 from serve import Engine, SamplingParams, decode_tokens
 from scripts.serve_bench import static_batch_generate
@@ -358,6 +361,25 @@ def test_second_tier_reloads_give_the_same_outputs_as_recomputing(tmp_path):
         Engine(model, kv_tier="host", kv_tier_blocks=0)
     with pytest.raises(UserError, match="needs prefix caching"):
         Engine(model, kv_tier="host", prefix_caching=False)
+
+
+def test_bench_structured_and_adapter_workloads(tiny_checkpoint, capsys):
+    """--workload structured: free text vs a JSON schema, the mask cache's hit rate and a
+    fresh mask's cost; --workload adapters: base vs k adapters in one batch vs merged, and
+    the memory per adapter (r·(in+out) numbers per adapted layer, 4 B each)."""
+    common = ["--checkpoint", tiny_checkpoint, "--num-requests", "6", "--prompt-len", "8:12",
+              "--output-len", "4:6"]
+    serve_bench.main(common + ["--workload", "structured"])
+    serve_bench.main(common + ["--workload", "adapters", "--adapters", "3",
+                               "--adapter-rank", "4"])
+    out = capsys.readouterr().out
+    assert re.search(r"json_schema \d+ tok/s \([\d.]+x\); mask cache \d+% hits", out), out
+    assert "base + 3 adapters (rank 4) mixed in every batch" in out
+    model, _ = load_model(tiny_checkpoint)
+    want = sum(4 * 4 * (m.in_features + m.out_features) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in
+               ("wq", "wk", "wv", "wo", "w1", "w2", "w3"))
+    assert out.count(f"own {fmt_bytes(want)},") == 3, out
 
 
 def test_bench_agent_workload_compares_tiers_in_process(tiny_checkpoint, tmp_path, capsys):
