@@ -8,7 +8,7 @@ import re
 import pytest
 
 import reproduce
-from reproduction import tradeoffs
+from reproduction import readers, tradeoffs
 from core.errors import UserError
 
 
@@ -17,15 +17,15 @@ def test_readers_take_figures_from_tables_and_lines():
            "baseline fp32                     920.1 KB       1.2 MB   1.00       10\n"
            "| rtn | int4 g32 | 4.750 | 146.3 KB |\n"
            "step 10 | val loss 6.1\nstep 20 | val loss 5.9\n")
-    assert tradeoffs.cell("baseline fp32", 1)(out) == "1.2 MB"
-    assert tradeoffs.cell("baseline fp32", 9)(out) is None           # no such column
-    assert tradeoffs.md_cell("| rtn | int4 g32 |", 3)(out) == "146.3 KB"
-    assert tradeoffs.grab(r"(\d+×\d+) tokens")(out) == "4×32"
-    assert tradeoffs.last(r"val loss ([\d.]+)")(out) == "5.9"
-    assert tradeoffs.ratio(tradeoffs.cell("baseline fp32", 0),
-                           tradeoffs.cell("baseline fp32", 1))(out) == "0.77"
-    assert tradeoffs.number("1,536") == 1536 and tradeoffs.number("2.5 MB") == 2.5e6
-    ran = tradeoffs.test_result("tests/a.py::t")
+    assert readers.cell("baseline fp32", 1)(out) == "1.2 MB"
+    assert readers.cell("baseline fp32", 9)(out) is None           # no such column
+    assert readers.md_cell("| rtn | int4 g32 |", 3)(out) == "146.3 KB"
+    assert readers.grab(r"(\d+×\d+) tokens")(out) == "4×32"
+    assert readers.last(r"val loss ([\d.]+)")(out) == "5.9"
+    assert readers.ratio(readers.cell("baseline fp32", 0),
+                           readers.cell("baseline fp32", 1))(out) == "0.77"
+    assert readers.number("1,536") == 1536 and readers.number("2.5 MB") == 2.5e6
+    ran = readers.test_result("tests/a.py::t")
     assert ran("../r/tests/a.py::t[x] PASSED [50%]\n../r/tests/a.py::t_b FAILED\n") == \
         "passed (1 case)"                        # t_b is another test
     assert ran("tests/a.py::t[x] PASSED\ntests/a.py::t[y] FAILED\n") is None
