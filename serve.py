@@ -661,12 +661,12 @@ class Engine:
                 continue
             seq.tokens.append(tok)
             seq.token_times.append(now)
-            if seq.constraint is not None:
-                seq.constraint_state = seq.constraint.advance(seq.constraint_state, tok)
             self.stats["output_tokens"] += 1
-            try:
+            try:         # (decoding its text for stop strings; its automaton's next state)
+                if seq.constraint is not None:
+                    seq.constraint_state = seq.constraint.advance(seq.constraint_state, tok)
                 reason = self._stop_reason(seq, tok)
-            except Exception as e:         # (decoding its text for stop strings)
+            except Exception as e:         # this sequence fails alone
                 self._fail(seq, e)
                 continue
             if reason:
