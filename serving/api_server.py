@@ -727,7 +727,8 @@ def run_server(args, engine, enc):
                       args.max_tokens_cap, args.max_queue, args.verbose, args.max_connections,
                       args.header_timeout, args.body_timeout, args.allow_client_priority)
     host, port = srv.server_address[:2]
-    print(f"serving {args.checkpoint} as {args.model_name!r} on http://{host}:{port}/v1 "
+    adapters = f" + LoRA adapters {', '.join(srv.adapters)}" if srv.adapters else ""
+    print(f"serving {args.checkpoint} as {args.model_name!r}{adapters} on http://{host}:{port}/v1 "
           f"(KV pool {args.num_blocks} x {args.block_size} tokens = "
           f"{fmt_bytes(engine.cache.nbytes)}, {engine.cache.kv_dtype}); Ctrl-C stops", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)          # `kill` stops it like Ctrl-C
