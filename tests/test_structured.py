@@ -718,6 +718,14 @@ def test_api_response_format_and_guided_fields(engine_world):
         assert status == 400 and "patternProperties" in out["error"]["message"]
         status, out = call("/v1/completions", dict(comp, guided_regex="a", guided_choice=["a"]))
         assert status == 400 and out["error"]["param"] == "guided_choice"
+        # with n, log-probs, a stop string and penalties: every choice is still one of them
+        status, out = call("/v1/completions", dict(comp, n=3, temperature=1.0, seed=5,
+                                                   logprobs=2, stop=["zz"], presence_penalty=1.5,
+                                                   guided_choice=["alpha", "beta", "gamma"]))
+        assert status == 200 and len(out["choices"]) == 3
+        for c in out["choices"]:
+            assert c["text"] in ("alpha", "beta", "gamma") and c["finish_reason"] == "stop"
+            assert len(c["logprobs"]["tokens"]) == len(c["logprobs"]["token_logprobs"]) > 0
         status, out = call("/v1/completions", comp)           # still serving
         assert status == 200
     finally:
