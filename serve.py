@@ -47,6 +47,15 @@ What it teaches, and what each technique saves / adds / sacrifices:
     Saves prefill compute on multi-turn sessions; costs the copies and the tier's memory.
   - The disaggregation seam: a prefill_only request parks after its first token;
     export_kv / import_kv move its blocks to another engine, which decodes it.
+  - Structured output (serving/structured.py): a request's JSON schema, regex or choices
+    compiled once to a byte-level automaton; each step its logits are masked to the
+    tokens that keep the automaton alive (masks cached per state). Saves: every finished
+    output valid. Costs: a mask per step (a cache hit: under a microsecond; a new state: a
+    trie walk of the vocabulary, ~0.5 ms) and a model pushed off its own tokenization.
+  - Many LoRA adapters in one batch (serving/multi_lora.py, --lora NAME=PATH): the base
+    matmul shared by every row, each token's low-rank pair gathered by its adapter.
+    Saves a model copy per adapter; costs a gather and thin matmuls per layer; the prefix
+    cache keys blocks by adapter too (an adapter changes the K/V of the same prompt).
 
 The engine drives the unmodified model: the step's tokens (decodes and prefill chunks of
 all running sequences) are packed into one row, run through `model.layers` with a

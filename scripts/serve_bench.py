@@ -601,11 +601,13 @@ def adapters_bench(args, model, enc, clock):
     --adapter-rank, every block linear) mixed round-robin with the base in every batch,
     and with one adapter merged into a copy of the weights: tok/s each, and the memory."""
     reqs = make_workload(args, model.config, enc.eot_token)
-    names = [f"a{k}" for k in range(args.adapters)]
     batch = copy.deepcopy(model)
-    aset = multi_lora.AdapterSet(batch, [multi_lora.random_adapter(
-        model, n, args.adapter_rank, ("wq", "wk", "wv", "wo", "w1", "w2", "w3"), seed=k)
-        for k, n in enumerate(names)])
+    # the files given with --lora, else --adapters random ones (the cost, not the quality)
+    aset = serve.load_adapters(args, batch) or multi_lora.AdapterSet(batch, [
+        multi_lora.random_adapter(model, f"a{k}", args.adapter_rank,
+                                  ("wq", "wk", "wv", "wo", "w1", "w2", "w3"), seed=k)
+        for k in range(args.adapters)])
+    names = aset.names[1:]
     plain = lambda i, r: SamplingParams(max_tokens=r.out_len, temperature=0, ignore_eos=True)
     warm_up(model, enc, reqs, args, clock)
     mixed = lambda i, r: SamplingParams(max_tokens=r.out_len, temperature=0, ignore_eos=True,
@@ -615,8 +617,9 @@ def adapters_bench(args, model, enc, clock):
     merged = multi_lora.merged_copy(model, aset.adapters[0])
     t_merged, n_merged, _ = run_variant(merged, enc, reqs, args, plain, clock=clock)
     base = n_base / t_base
+    ranks = "/".join(sorted({str(a.rank) for a in aset.adapters}))
     print(f"many LoRA adapters: base {base:.0f} tok/s; base + {len(names)} adapters (rank "
-          f"{args.adapter_rank}) mixed in every batch {n_mix / t_mix:.0f} tok/s "
+          f"{ranks}) mixed in every batch {n_mix / t_mix:.0f} tok/s "
           f"({n_mix / t_mix / base:.2f}x); one merged {n_merged / t_merged:.0f} tok/s "
           f"({n_merged / t_merged / base:.2f}x)")
     print("\n".join(aset.memory_report(model)))
@@ -642,7 +645,8 @@ BENCH_KNOBS = [
          "structured: free text vs a JSON schema; adapters: base vs --adapters LoRA "
          "adapters in one batch vs merged",
          choices=["uniform", "mixed", "agent", "structured", "adapters"]),
-    knob("--adapters", 4, "adapters: random LoRA adapters mixed with the base"),
+    knob("--adapters", 4, "adapters: random LoRA adapters mixed with the base (unless --lora "
+         "names files)"),
     knob("--adapter-rank", 8, "adapters: their rank"),
     knob("--long-len", "160:224", "mixed: long prompts' range LO:HI"),
     knob("--long-frac", 0.25, "mixed: share of long prompts"),
@@ -687,6 +691,8 @@ def main(argv=None):
         raise UserError("--interactive-frac must be in [0, 1]")
     if not 0 <= args.long_frac <= 1:
         raise UserError("--long-frac must be in [0, 1]")
+    if args.lora and args.workload != "adapters":
+        raise UserError("--lora: only --workload adapters serves adapters in this bench")
     model, enc = serve.load_served_model(args)
     if args.workload == "agent":
         return tier_bench(args, model, enc)
