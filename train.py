@@ -533,7 +533,11 @@ def build(args, rt):
                             "only; with --dp use fp32 or autocast-bf16")
         master = MasterWeights(model, LOW_PRECISION[args.precision])
     if args.precision in FP8_RECIPES:     # the blocks' nn.Linear -> fp8.Float8Linear, same
-        fp8.convert_to_fp8(model, FP8_RECIPES[args.precision], args.fp8_scaling,  # Parameters
+        # Parameters. Not given, the tile is V3's 128, or the largest power of two below it
+        # that divides every converted width (the demo's 64-wide K/V projections: 64)
+        if args.fp8_block is None:
+            args.fp8_block = fp8.default_block(model)
+        fp8.convert_to_fp8(model, FP8_RECIPES[args.precision], args.fp8_scaling,
                            args.fp8_block)
     apply_activation_checkpointing(model, args.checkpointing)
     if args.dp:
@@ -578,7 +582,9 @@ def banner(args, rt, run, n_params, tokens_per_step):
            f"{cfg.n_head} heads / {cfg.n_kv_head} kv, vocab {cfg.vocab_size}) | corpus "
            f"{corpus.name}: {len(corpus.train):,} train / {len(corpus.val):,} val tokens, "
            f"{corpus.bytes_per_token:.2f} bytes/token | {tokens_per_step:,} tokens/step | "
-           f"{args.precision}, checkpointing {args.checkpointing}, device {rt.device}"
+           f"{args.precision}" + (f" (B = {args.fp8_block})" if args.precision == "fp8-block"
+                                  else "") +
+           f", checkpointing {args.checkpointing}, device {rt.device}"
            + (f" | --dp {args.dp} on {rt.world_size} ranks" if args.dp else ""))
     if rt.distributed:             # the two phases of hang detection (core/runtime.py)
         later = ("the same (--step-timeout 0)" if args.step_timeout == 0 else
@@ -894,8 +900,9 @@ MEMORY_KNOBS = [
          "with fp32 master weights (fp16 adds dynamic loss scaling); fp8 / fp8-block: the "
          "blocks' linears in FP8, scaled per tensor or per tile and block (training/fp8.py)",
          choices=["fp32", "autocast-bf16", "bf16", "fp16", *FP8_RECIPES]),
-    knob("--fp8-block", 128, "fp8-block: the tile width B (1×B activation tiles, B×B weight "
-         "blocks; DeepSeek-V3: 128; the demo's 64-wide K/V projections need 64)"),
+    knob("--fp8-block", int, "fp8-block: the tile width B (1×B activation tiles, B×B weight "
+         "blocks), dividing every block linear's width (not given: DeepSeek-V3's 128, or the "
+         "largest power of two below it that divides them: 64 for the demo)"),
     knob("--fp8-scaling", "dynamic", "fp8: each scale from the tensor's own amax (dynamic) or "
          "from the last 16 steps' amaxes (delayed, Transformer Engine's; tensorwise only)",
          choices=list(fp8.SCALINGS)),

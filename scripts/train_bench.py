@@ -136,12 +136,11 @@ def bench(args, rt, conditions=None):
 
 
 def fp8_block_for(args):
-    """The largest tile ≤ --fp8-block dividing every block linear's width (the demo's
-    64-wide K/V projections: 64; V3's 128 needs widths in multiples of 128)."""
+    """--fp8-block, or the block train.py would pick (fp8.default_block: the demo's 64)."""
+    if args.fp8_block is not None:
+        return args.fp8_block
     cfg = get_config(args.preset or "small", **given(args, train.CONFIG_KNOBS))
-    widths = [w for *_, m in fp8.layer_linears(GPT(cfg, seed=None))
-              for w in (m.in_features, m.out_features)]
-    return fp8.largest_block_dividing(widths, args.fp8_block)
+    return fp8.default_block(GPT(cfg, seed=None))
 
 
 def bench_row(args, rt, changes):

@@ -177,7 +177,7 @@ def test_fp8_trains_within_the_band_of_bf16_and_saves_a_plain_checkpoint(text_fi
     bf16 = train.main(common + ["--precision", "bf16", "--ckpt", str(tmp_path / "b.pt")])
     runs = {"fp8": ["--precision", "fp8"],
             "fp8 delayed": ["--precision", "fp8", "--fp8-scaling", "delayed"],
-            "fp8-block": ["--precision", "fp8-block", "--fp8-block", "16"]}
+            "fp8-block": ["--precision", "fp8-block"]}         # B not given: tiny's 16
     for label, flags in runs.items():
         ckpt = str(tmp_path / f"{label.replace(' ', '_')}.pt")
         hist = train.main(common + flags + ["--ckpt", ckpt])
@@ -244,7 +244,8 @@ def test_bench_rows(text_file, capsys):
     (["--preset", "tiny", "--seq-len", "1000"], "longer than the model's context"),
     (["--resume", "--ckpt", "/nonexistent/x.pt"], "not found"),
     (["--estimate", "--params", "lots"], "cannot read a parameter count"),
-    (["--preset", "tiny", "--precision", "fp8-block"], "not a multiple of the block 128"),
+    (["--preset", "tiny", "--precision", "fp8-block", "--fp8-block", "128"],
+     "not a multiple of the block 128"),
     (["--preset", "tiny", "--precision", "fp8-block", "--fp8-block", "16", "--fp8-scaling",
       "delayed"], "delayed scaling is for the tensorwise recipe"),
 ])

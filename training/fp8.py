@@ -411,6 +411,13 @@ def largest_block_dividing(widths, cap=128):
     return b
 
 
+def default_block(model, cap=128):
+    """The block recipe's tile when none is asked for: V3's 128, or the largest power of two
+    below it dividing every converted linear's width (the demo model: 64)."""
+    return largest_block_dividing([w for *_, m in layer_linears(model)
+                                   for w in (m.in_features, m.out_features)], cap)
+
+
 def convert_to_fp8(model, recipe="tensorwise", scaling="dynamic", block=128, history=16):
     """Swap every nn.Linear inside model.layers for a Float8Linear sharing its Parameters,
     in place. -> the converted names. For the block recipe every converted layer's
@@ -428,7 +435,7 @@ def convert_to_fp8(model, recipe="tensorwise", scaling="dynamic", block=128, his
                     raise UserError(
                         f"fp8 block recipe: {name} has {what} {width}, not a multiple of "
                         f"the block {block}; pick a block dividing every linear's width "
-                        f"(e.g. --fp8-block {largest_block_dividing(widths, block)})")
+                        f"(e.g. --fp8-block {largest_block_dividing(widths)})")
     for name, parent, attr, m in linears:
         setattr(parent, attr, Float8Linear.from_linear(m, recipe, scaling, block, history))
     return [name for name, *_ in linears]
