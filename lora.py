@@ -45,8 +45,6 @@ weights: ΔW is a difference from ONE W0). `--load` checks all of it and refuses
 script reads -- inference at exactly the base model's cost, the adapter no longer swappable.
 """
 import copy
-import hashlib
-import inspect
 import math
 import statistics
 import sys
@@ -60,8 +58,9 @@ import torch.nn.functional as F
 
 from core import data
 from core import scores
+from core.adapter_file import (ADAPTER_FORMAT, ADAPTER_TENSORS, ADAPTER_VERSION, VERA_PAIR,
+                               base_fingerprint, read_adapter)
 from core.checkpoint import load_model
-from core.files import load_checkpoint
 from model import GPT, get_config, PRESETS
 from compression.nf4 import NF4Matmul, NF4Weight, nf4_bits_report
 from core.cli import command_line, fmt_bytes, fmt_count, knob, require_at_least_one
@@ -396,27 +395,6 @@ def merge_all(model, merge=True):                 # merge=False: unmerge
 # An adapter outside its run: a file complete enough to rebuild the adapted model, checked
 # on load; merge-and-unload into a plain GPT that every other script reads.
 
-# A format tag and a version: read_adapter refuses other files and other versions instead
-# of guessing. Not saved: QLoRA's NF4 codes, a deterministic function of the (hashed) W0.
-ADAPTER_FORMAT, ADAPTER_VERSION = "nanoscale-lora-adapter", 1
-ADAPTER_TENSORS = ("lora_A", "lora_B", "magnitude", "vera_d", "vera_b")   # per layer
-VERA_PAIR = ("vera_shared.A", "vera_shared.B")                           # once per model
-
-
-def base_fingerprint(model):
-    """sha256 of the base model's state (names, dtypes, shapes, bytes): its identity. An
-    adapter is a difference from ONE W0; added to another base it is noise."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        # cpu: the same hash on any device; contiguous: .view(uint8) needs it, and the bytes must
-        # come in logical order. Names, dtypes and shapes are hashed too: a bf16 cast or a reshape
-        # of the same bytes is another base. Bit-exact: a base one ulp away is refused.
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def adapter_state(model):
     """What an adapter file holds: each layer's adapter tensors and, for VeRA, the shared
     frozen pair (without it, d and b scale random matrices nobody can rebuild)."""
@@ -439,30 +417,6 @@ def save_adapter(model, spec, path, training=None):
                    base=dict(sha256=spec["base_sha256"], config=asdict(model.config)),
                    tensors=adapter_state(model), training=training or {})
     atomic_save(payload, path)
-
-
-def read_adapter(path):
-    """-> the adapter file's dict, or one UserError line: missing, unreadable (corrupt, or
-    not plain data: model.load_checkpoint never unpickles objects), not an adapter file."""
-    ad = load_checkpoint(path, what="adapter file", fix="Write a new one with lora.py --save.")
-    # The types every later line relies on, checked up front: a hand-edited or foreign file
-    # fails here in one line, not with a KeyError three functions later.
-    shape = dict(method=str, hparams=dict, targets=list, base=dict, tensors=dict)
-    if not isinstance(ad, dict) or ad.get("format") != ADAPTER_FORMAT or \
-            not all(isinstance(ad.get(k), t) for k, t in shape.items()) or \
-            not isinstance(ad["base"].get("sha256"), str) or \
-            not all(isinstance(t, torch.Tensor) for t in ad["tensors"].values()):
-        raise UserError(f"{path!r} is not a lora.py adapter file (write one with --save)")
-    if ad.get("version") != ADAPTER_VERSION:
-        raise UserError(f"adapter file {path!r} has version {ad.get('version')!r}; this "
-                        f"lora.py reads version {ADAPTER_VERSION}")
-    # Settings apply_adapters does not take (a file from another lora.py): refused, not
-    # silently dropped -- dropping one could rebuild an adapter of another shape or scale.
-    unknown = set(ad["hparams"]) - set(inspect.signature(apply_adapters).parameters)
-    if ad["method"] not in METHODS or ad["method"] == "full" or unknown:
-        raise UserError(f"adapter file {path!r}: unknown method {ad['method']!r} or "
-                        f"settings {sorted(unknown)}")
-    return ad
 
 
 def load_adapter(model, ad, path="adapter"):

@@ -77,7 +77,6 @@ from core import data
 from kvcache import (TIER_KINDS, BlockAllocator, KVTier, PagedKVCache, blocks_for,
                      extend_hash_chain)
 from core.checkpoint import load_model
-import lora
 from model import sample_next
 from core.cli import command_line, knob
 from core.errors import UserError
@@ -863,12 +862,11 @@ def engine_from_args(model, enc, args, policy, adapters=None, clock=time.perf_co
 
 
 def load_adapters(args, model):
-    """--lora NAME=PATH ... -> a multi_lora.AdapterSet (each file checked against this base
-    by lora.py's own reader and fingerprint), or None."""
+    """--lora NAME=PATH ... -> a multi_lora.AdapterSet (each file read by
+    core/adapter_file.py and checked against this base's fingerprint), or None."""
     if not args.lora:
         return None
-    return multi_lora.AdapterSet.from_files(model, args.lora, lora.read_adapter,
-                                            lora.base_fingerprint, base_name=args.model_name)
+    return multi_lora.AdapterSet.from_files(model, args.lora, base_name=args.model_name)
 
 
 def load_served_model(args):

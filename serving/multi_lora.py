@@ -69,6 +69,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from core.adapter_file import base_fingerprint, read_adapter
 from core.cli import command_line, fmt_bytes, knob, require_at_least_one
 from core.errors import UserError
 from core.runtime import TimingConditions, run_cli
@@ -150,12 +151,11 @@ def pairs_of(ad, path, in_features):
     return layers, (1.0 if method == "vera" else lora_scale(ad["hparams"]))
 
 
-def adapter_from_file(name, path, read_adapter, base_sha256, in_features):
+def adapter_from_file(name, path, base_sha256, in_features):
     """One adapter file (lora.py --save) -> Adapter, or one UserError line: missing or not an
-    adapter file (read_adapter), trained on another base, a method that is not a low-rank
-    add. read_adapter is lora.read_adapter, passed in: a part under serving/ never imports
-    a top-level script (tests/test_layers.py), the engine that imports both hands it over."""
-    # lora.py's reader: missing file, not an adapter file, wrong version -> its UserError
+    adapter file (core/adapter_file.py's reader, lora.py's too), trained on another base, a
+    method that is not a low-rank add."""
+    # missing file, not an adapter file, wrong version, unknown settings -> its UserError
     ad = read_adapter(path)
     # The base first, as lora.load_adapter: ΔW learnt on another W0 fits the shapes and is noise.
     theirs = ad["base"]["sha256"]
@@ -220,16 +220,15 @@ class AdapterSet:
                        for n in self.layers}
 
     @classmethod
-    def from_files(cls, model, specs, read_adapter, base_fingerprint, base_name=BASE_NAME):
-        """specs: ['NAME=PATH', ...]. read_adapter, base_fingerprint: lora.py's own reader
-        and base identity (sha256 of the weights), passed by the caller (see
-        adapter_from_file). The served base is hashed once for all the files."""
+    def from_files(cls, model, specs, base_name=BASE_NAME):
+        """specs: ['NAME=PATH', ...], each a lora.py --save file, checked against this base
+        by the weights' fingerprint (hashed once for all the files)."""
         pairs = parse_pairs(specs)
         sha = base_fingerprint(model)
         widths = {n: m.in_features for n, m in model.named_modules()
                   if isinstance(m, nn.Linear)}
-        return cls(model, [adapter_from_file(n, p, read_adapter, sha, widths)
-                           for n, p in pairs], base_name)
+        return cls(model, [adapter_from_file(n, p, sha, widths) for n, p in pairs],
+                   base_name)
 
     def stack(self, layer, linear, dtype, device):
         """The stacks of one layer, padded to the largest rank that touches it."""

@@ -7,6 +7,7 @@
 # engine read.
 import argparse
 import copy
+import inspect
 import math
 import pickle
 from dataclasses import asdict
@@ -14,7 +15,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from core import data
+from core import adapter_file, data
 import lora
 from scripts import lora_estimate
 from compression import nf4
@@ -535,6 +536,14 @@ def test_merge_and_unload_is_a_plain_gpt_that_load_model_and_the_engine_read(met
 
 
 @pytest.mark.slow
+def test_the_adapter_file_knows_every_setting_apply_adapters_takes():
+    """core/adapter_file.py refuses a file recording a setting it does not know: its list
+    must be exactly lora.apply_adapters' settings (the model and method aside)."""
+    params = set(inspect.signature(lora.apply_adapters).parameters) - {"model", "method"}
+    assert set(adapter_file.SETTINGS) == params
+    assert set(adapter_file.FILE_METHODS) == set(lora.METHODS) - {"full"}
+
+
 def test_cli_save_continue_eval_export(tmp_path):
     """The user's path: train + --save; --load continues training (from the file's
     method and tensors); eval --load evaluates and --export writes the merged model."""

@@ -69,8 +69,7 @@ def world(tmp_path_factory):
         lora.save_adapter(model, spec, paths[name])
         merged[name] = lora.merge_and_unload(model).eval()
     multi = copy.deepcopy(base)
-    aset = AdapterSet.from_files(multi, [f"{n}={paths[n]}" for n in NAMES],
-                                 lora.read_adapter, lora.base_fingerprint)
+    aset = AdapterSet.from_files(multi, [f"{n}={paths[n]}" for n in NAMES])
     return dict(base=base, paths=paths, merged=merged, aset=aset, tmp=tmp,
                 slot={n: aset.index(n) for n in NAMES})
 
@@ -178,8 +177,7 @@ def one_line(fn, *words):
 
 def test_user_mistakes_are_one_line(world):
     base, tmp, paths = world["base"], world["tmp"], world["paths"]
-    load = lambda *specs: AdapterSet.from_files(copy.deepcopy(base), list(specs),
-                                                lora.read_adapter, lora.base_fingerprint)
+    load = lambda *specs: AdapterSet.from_files(copy.deepcopy(base), list(specs))
     # an adapter trained on another base (same shapes: it would load and be noise)
     other, spec = trained(base_model(seed=1), "lora", seed=4, rank=4)
     lora.save_adapter(other, spec, str(tmp / "other.pt"))
