@@ -646,11 +646,12 @@ class Engine:
             row[tok] += bias
         if seq.constraint is not None:     # structured output: only what keeps it alive
             row = structured.mask_logits(row, seq.constraint.allowed(seq.constraint_state))
-        stops = list(self._stop_ids(seq))
-        # min_tokens yields to a constraint that can only end here (EOS alone allowed)
-        if early and (seq.constraint is None or
-                      torch.isfinite(row).sum() > torch.isfinite(row[stops]).sum()):
-            row[stops] = float("-inf")
+        if early:
+            stops = list(self._stop_ids(seq))
+            # min_tokens yields to a constraint that can only end here (EOS alone allowed)
+            if seq.constraint is None or \
+                    torch.isfinite(row).sum() > torch.isfinite(row[stops]).sum():
+                row[stops] = float("-inf")
         if out and (p.presence_penalty or p.frequency_penalty):
             # (V,) counts of each token in the output only, not the prompt (as vLLM
             # applies these two penalties); [:V] trims nothing unless an id were >= V

@@ -14,13 +14,19 @@ runs in the test session's working folder, a temporary folder that tests/conftes
 the session into. So a script's default outputs (`out/ckpt.pt`, `out/serve/...`) land
 there, never in the reader's `out/`.
 """
+import contextlib
+import http.client
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
+
+from serving.api_server import make_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -131,3 +137,34 @@ def _wait(cmd, p, timeout):
         out, _ = p.communicate()
         raise AssertionError(f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n{out}") from None
     return Result(p.returncode, out)
+
+
+# ----------------------------------------------------------------------------------------
+# serve.py's HTTP server in-process, for the tests that speak the OpenAI protocol to it
+
+@contextlib.contextmanager
+def served(engine, enc, model_name):
+    """make_server around `engine` on a free port, serving from a thread; shut down after."""
+    srv = make_server(engine, enc, "127.0.0.1", 0, model_name=model_name)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield srv
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        srv.loop.stop()
+
+
+def http_json(srv, method, path, body=None):
+    """One request with a JSON body -> (status, the JSON answer), or for a server-sent
+    event stream (status, [each event's JSON])."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
+    conn.request(method, path, body=json.dumps(body) if body is not None else None,
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    raw = r.read().decode()
+    conn.close()
+    if r.getheader("Content-Type", "").startswith("text/event-stream"):
+        return r.status, [json.loads(line[6:]) for line in raw.splitlines()
+                          if line.startswith("data: {")]
+    return r.status, json.loads(raw)

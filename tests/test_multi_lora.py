@@ -4,14 +4,12 @@
 # gather really is per row; the packed (1, T) row of serve.py's engine works, head included;
 # the user's mistakes are one-line UserErrors; detach gives the plain linears back.
 import copy
-import http.client
-import json
-import threading
 
 import pytest
 import torch
 import torch.nn as nn
 
+from harness import http_json, served
 import lora
 import serve
 from core import data
@@ -19,7 +17,6 @@ from core.cli import fmt_bytes
 from core.errors import UserError
 from model import GPT, get_config
 from serving import multi_lora
-from serving.api_server import make_server
 from serving.multi_lora import AdapterSet, MultiLoRALinear, attach, detach
 from serving.requests import SamplingParams
 
@@ -287,15 +284,8 @@ def test_api_lists_the_adapters_and_routes_requests_by_model_name(world):
     enc = data.make_encoding({bytes([i]): i for i in range(256)})
     model = copy.deepcopy(world["base"])
     eng = serve.Engine(model, enc, block_size=8, num_blocks=128, adapters=world["aset"])
-    srv = make_server(eng, enc, "127.0.0.1", 0, model_name="base")
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        def call(method, path, body=None):
-            conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
-            conn.request(method, path, body=json.dumps(body) if body else None,
-                         headers={"Content-Type": "application/json"})
-            r = conn.getresponse()
-            return r.status, json.loads(r.read())
+    with served(eng, enc, "base") as srv:
+        call = lambda method, path, body=None: http_json(srv, method, path, body)
         status, listing = call("GET", "/v1/models")
         assert status == 200
         assert [(m["id"], m["parent"]) for m in listing["data"]] == \
@@ -310,7 +300,3 @@ def test_api_lists_the_adapters_and_routes_requests_by_model_name(world):
             assert out["choices"][0]["text"] == serve.decode_tokens(enc, ref), name
         status, out = call("POST", "/v1/completions", dict(model="nope", prompt=prompt))
         assert status == 404 and "'math'" in out["error"]["message"]
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        srv.loop.stop()

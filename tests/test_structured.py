@@ -6,22 +6,20 @@
 # which is NOT the model conditioned on the whole output; unsatisfiable and hostile specs
 # fail in one line at compile time, never hang; the mask cache hits and stays bounded.
 import hashlib
-import http.client
 import json
 import random
 import re
-import threading
 
 import numpy as np
 import pytest
 import torch
 
 from core import data
+from harness import http_json, served
 from core.errors import UserError
 from model import GPT, get_config
 from serve import Engine
 from serving import structured as st
-from serving.api_server import make_server
 from serving.requests import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.py: tiny tensors, one thread
@@ -687,16 +685,8 @@ def test_api_response_format_and_guided_fields(engine_world):
     keyword is a 400 naming it; two constraints at once are a 400; the server goes on."""
     enc, model = engine_world
     eng = Engine(model, enc, block_size=8, num_blocks=128)
-    srv = make_server(eng, enc, "127.0.0.1", 0, model_name="tiny")
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-
-    def call(path, body):
-        conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
-        conn.request("POST", path, body=json.dumps(body),
-                     headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        return r.status, json.loads(r.read())
-    try:
+    with served(eng, enc, "tiny") as srv:
+        call = lambda path, body: http_json(srv, "POST", path, body)
         chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=60,
                     temperature=0)
         status, out = call("/v1/chat/completions", dict(chat, response_format={
@@ -728,10 +718,6 @@ def test_api_response_format_and_guided_fields(engine_world):
             assert len(c["logprobs"]["tokens"]) == len(c["logprobs"]["token_logprobs"]) > 0
         status, out = call("/v1/completions", comp)           # still serving
         assert status == 200
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        srv.loop.stop()
 
 
 # ----------------------------------------------------------------------------------------
@@ -753,25 +739,12 @@ def tool_server(engine_world):
     model with a 1024-token context."""
     enc, _ = engine_world
     model = GPT(get_config("tiny", block_size=1024), seed=3).eval()
-    eng = Engine(model, enc, block_size=16, num_blocks=256)
-    srv = make_server(eng, enc, "127.0.0.1", 0, model_name="tiny")
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-    srv.loop.stop()
+    with served(Engine(model, enc, block_size=16, num_blocks=256), enc, "tiny") as srv:
+        yield srv
 
 
 def post(srv, body, stream=False):
-    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(body, stream=stream)),
-                 headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    raw = r.read().decode()
-    if not stream:
-        return r.status, json.loads(raw)
-    return r.status, [json.loads(line[6:]) for line in raw.splitlines()
-                      if line.startswith("data: {")]
+    return http_json(srv, "POST", "/v1/chat/completions", dict(body, stream=stream))
 
 
 def check_call(call, tools):
