@@ -177,6 +177,25 @@ class BlockAllocator:
             else:
                 self.free.append(block)
 
+    def drop_cached(self):
+        """Forget every cached prefix: each cached block back to free, its hash unregistered
+        (vLLM's reset_prefix_cache). For a change of weights -- an RL trainer's sync (rl.py
+        --rollout engine): K/V written by the old weights are not the new model's, so a hit
+        on them would sample from neither. Only with no block in use: a running sequence's
+        K/V are as stale, and the caller must finish or abort it first. -> blocks dropped."""
+        if any(self.refcount):
+            raise RuntimeError("drop_cached with blocks in use: finish the sequences first")
+        dropped = list(self.evictable)
+        for block in dropped:
+            del self.block_of[self.hash_of[block]]
+            self.hash_of[block] = self.tokens_of[block] = None
+            self.free.append(block)
+        self.evictable.clear()
+        if self.tier is not None:           # the second tier holds old K/V too
+            for h in list(self.tier.hashes()):
+                self.tier.discard(h)
+        return len(dropped)
+
     def cached_hashes(self, tier=False):
         """The router's view of this pool (the seam a cache-aware router reads): the set
         of chain hashes of every full block whose K/V are here, in use or cached (and,

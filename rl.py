@@ -44,12 +44,12 @@ Measured (compare, 2 shared CPU cores): a PPO step costs 1.15-1.5x a GRPO step, 
 """
 import copy
 import importlib
+from collections import deque
 import math
 import numbers
 import os
 import sys
 import time
-from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -57,15 +57,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core import data
-from core import scores
-from core.checkpoint import load_model
-from core.files import load_checkpoint
-from training import rl_ledger
-from model import GPT, KVCache, get_config, PRESETS
+from kvcache import blocks_for
+from lora import apply_adapters
+from serve import Engine
+from serving.requests import SamplingParams
+from training import rl_ledger, rl_sync
+from training.rl_models import build_models
+from training.rl_rollout import distill_metrics, evaluate, pack, sample, token_logprobs
+from model import PRESETS
 from core.cli import command_line, fmt_count, knob, require_at_least_one
 from core.distributed import all_reduce_flat, setup_runtime
 from core.errors import UserError
-from core.files import atomic_save
 from core.meters import ActivationMeter, comm, model_state_bytes, StepTimer, tensor_bytes
 from core.runtime import print0, Progress, run_cli, TimingConditions
 
@@ -75,6 +77,7 @@ RL_ALGOS = ("reinforce", "ppo", "grpo", "drgrpo")
 DISTILL_ALGOS = ("distill", "softkd", "seqkd")
 ALGOS = RL_ALGOS + DISTILL_ALGOS
 NORMS = ("grpo", "bnpo", "dr_grpo", "dapo")         # TRL's loss_type names, TRL's meanings
+ROLLOUTS = ("generate", "engine")                   # --rollout: who samples the answers
 
 
 # ----------------------------------------------------------------------------------------
@@ -191,15 +194,20 @@ def aggregate(per_token, mask, norm, max_len=None, global_tokens=None, world=1):
 
 
 def grpo_loss(logp, old_logp, ref_logp, adv, mask, eps_low=0.2, eps_high=0.2, beta=0.0,
-              norm="grpo", max_len=None, global_tokens=None, world=1, kl_ratio=False):
+              norm="grpo", max_len=None, global_tokens=None, world=1, kl_ratio=False,
+              is_weight=None):
     """GRPO / Dr. GRPO: each answer's advantage on all its tokens, clipped ratio, + β·k3.
     kl_ratio (TRL's use_bias_correction_kl, off by default there too): multiply each
     token's k3 by ρ = π_θ/π_old (not detached, as TRL): the tokens were sampled from
     π_old, not π_θ, so E_π_old[ρ·k3] is the KL of π_θ -- the importance-sampling
-    correction (DeepSeek-V3.2) that matters from the second epoch on, when π_θ ≠ π_old."""
+    correction (DeepSeek-V3.2) that matters from the second epoch on, when π_θ ≠ π_old.
+    is_weight: truncated importance sampling's min(π_old/μ, C) per token (rl_sync), for
+    tokens a sampler μ drew that is not the trainer's π_old; None = 1."""
     # adv[:, None]: one advantage per answer on all its tokens (DeepSeekMath's outcome
     # supervision: a sequence-level reward, no per-token credit assignment)
     per_token, clipped = clipped_surrogate(logp, old_logp, adv[:, None], eps_low, eps_high)
+    if is_weight is not None:  # the policy-gradient term only: the KL below is π_θ's own
+        per_token = per_token * is_weight
     if beta:  # β = 0: π_ref is not even read
         kl = k3_kl(logp, ref_logp)
         if kl_ratio:
@@ -261,100 +269,52 @@ def soft_kd_loss(student_logits, teacher_logits, mask, tau=2.0, global_tokens=No
 
 
 # ----------------------------------------------------------------------------------------
-# Rollouts (sample answers with the KV cache, keep each token's log-prob) and evaluation.
+# Rollouts. The reference: training/rl_rollout.sample, the policy itself sampling G answers
+# per prompt with a plain KV cache (each token's log-prob kept). The same contract through
+# the serving engine (--rollout engine), as RL stacks sample now: a sampler with its OWN
+# copy of the weights (synced after each optimizer step: train()), paged KV, continuous
+# batching, and the group's shared prompt computed once.
 
-def sample(model, prompts, n, temperature, max_new, seeds, stop_id):
-    """n answers per prompt. Randomness per PROMPT (a generator seeded by seeds[i], Gumbel-max
-    sampling: argmax(log p + Gumbel noise) is a draw from p), so the answers do not depend on
-    which rank or batch a prompt lands in: 2 ranks sample what one process samples.
-    -> answers (list of token lists, stop token included if produced), their log-probs
-    (log-softmax of logits/temperature, the "old" policy)."""
-    device = model.output.weight.device
-    V = model.config.vocab_size
-    # filled in at each answer's place i·n + k, whatever order the length buckets run in
-    answers = [None] * (len(prompts) * n)
-    logps = [None] * (len(prompts) * n)
-    with torch.no_grad():
-        for plen in sorted({len(p) for p in prompts}):     # a KV cache holds one length
-            ids = [i for i, p in enumerate(prompts) if len(p) == plen]
-            # each prompt n times: n rows, its prefill computed n times (a plain cache shares
-            # no prefix between rows); one CPU generator per PROMPT: noise blind to batch, rank
-            idx = torch.tensor([prompts[i] for i in ids for _ in range(n)], device=device)
-            gens = [torch.Generator().manual_seed(int(seeds[i])) for i in ids]
-            cache = KVCache(model.config, len(idx), plen + max_new, device)  # room for all
-            logits = model(idx, cache=cache)[0][:, -1]  # prefill
-            toks = []
-            lps = []
-            done = torch.zeros(len(idx), dtype=torch.bool, device=device)
-            for _ in range(max_new):
-                # T = 0 (greedy): log-probs at T = 1, argmax below. Kept: log π_old, at the sampling
-                # temperature, which token_logprobs must use again for ρ to start at 1.
-                logp = F.log_softmax(logits.float() / (temperature or 1.0), -1)
-                if temperature == 0:
-                    gumbel = 0                  # greedy: the argmax of log p itself
-                else:                           # -log(-log U), U uniform: Gumbel noise
-                    # (n, V) uniforms per prompt per token, drawn on the CPU so that the
-                    # numbers, and so the answers, are the same on any device
-                    uniform = torch.cat([torch.rand(n, V, generator=g) for g in gens])
-                    gumbel = -torch.log(-torch.log(uniform.to(device)))
-                nxt = (logp + gumbel).argmax(-1)  # Gumbel-max: a draw from p
-                toks.append(nxt)
-                lps.append(logp.gather(1, nxt[:, None])[:, 0])
-                done |= nxt == stop_id  # done rows run on, cut below
-                if done.all():
-                    break
-                logits = model(nxt[:, None], cache=cache)[0][:, -1]  # one token per row
-            toks = torch.stack(toks, 1).tolist()
-            lps = torch.stack(lps, 1).tolist()
-            rows = [(i, k) for i in ids for k in range(n)]   # answer k of prompt i
-            for row, (i, k) in enumerate(rows):
-                # the stop token is kept: the policy must learn to emit it (its log-prob trains)
-                if stop_id in toks[row]:
-                    end = toks[row].index(stop_id) + 1
-                else:
-                    end = len(toks[row])
-                answers[i * n + k] = toks[row][:end]
-                logps[i * n + k] = lps[row][:end]
-    return answers, logps
+def build_engine(policy, args, prompt_room):
+    """serve.py's engine on a copy of the policy, sized for one step's P·G answers of at
+    most prompt_room + max_new tokens. Its log-probs are "processed" (vLLM's logprobs_mode):
+    of the distribution each token was drawn from, as the importance ratio needs."""
+    # the copy is the sampler: from here on the trainer's steps reach it only by sync
+    sampler = copy.deepcopy(policy).requires_grad_(False)
+    rl_sync.rounded_weights(sampler, args.engine_weights)    # a quantized checkpoint
+    rows = args.prompts * args.group
+    per_answer = blocks_for(prompt_room + args.max_new, args.engine_block)
+    # the pool must also hold one max-length sequence (the engine's own check)
+    room = blocks_for(sampler.config.block_size, args.engine_block)
+    kv = None if args.engine_kv == "fp32" else args.engine_kv
+    return Engine(sampler, block_size=args.engine_block, num_blocks=rows * per_answer + room,
+                  max_num_batched_tokens=rows * (prompt_room + 1), max_num_seqs=rows,
+                  kv_dtype=kv, logprobs_mode="processed")
 
 
-def pack(prompts, answers, device, *per_token):
-    """Rows prompt + answer, right-padded. -> seq (N, L), mask (N, L-1) True where position
-    t predicts an answer token, and each per-token list laid out on the same (N, L-1) grid."""
-    seq, mask = data.pack_answers(prompts, answers)
-    # Each per-token list (e.g. sample's old log-probs) on the mask's grid: position
-    # len(p) - 1 + j predicts answer token j; elsewhere 0, and masked out by every loss.
-    grids = [torch.zeros(mask.shape) for _ in per_token]
-    for i, (p, a) in enumerate(zip(prompts, answers)):
-        for g, vals in zip(grids, per_token):
-            g[i, len(p) - 1:len(p) - 1 + len(a)] = torch.tensor(vals[i], dtype=torch.float)
-    return (seq.to(device), mask.to(device), *(g.to(device) for g in grids))
-
-
-def token_logprobs(model, seq, temperature=1.0, logits=None):
-    """log π(seq[t+1] | seq[:t+1]) for every position, logits/temperature as when sampling."""
-    if logits is None:  # else: the caller's forward, reused
-        logits = model(seq[:, :-1])[0]
-    logp = F.log_softmax(logits.float() / (temperature or 1.0), -1)
-    # seq[:, 1:]: the token each position predicts, the shift the mask is on
-    return logp.gather(-1, seq[:, 1:, None])[..., 0]
-
-
-@torch.no_grad()
-def evaluate(model, enc, problems, k=8, max_new=8, seed=0):
-    """-> greedy exact match, sampled (T=1, k per prompt) exact match, sampled length."""
-    nl = enc.encode_ordinary(data.TERMINATOR)[0]
-    prompts = [enc.encode_ordinary(p.prompt) for p in problems]
-    seeds = [seed + i for i in range(len(problems))]
-    greedy = scores.greedy_answers(model, enc, problems, max_new)
-    sampled, _ = sample(model, prompts, k, 1.0, max_new, seeds, nl)
-
-    def accuracy(outs, per_prompt):
-        right = sum(data.score(enc.decode(o), problems[i // per_prompt].answer)  # k per prompt
-                    for i, o in enumerate(outs))
-        return right / len(outs)
-    return dict(greedy=accuracy(greedy, 1), sampled=accuracy(sampled, k),
-                length=sum(map(len, sampled)) / len(sampled), greedy_out=greedy)
+def engine_sample(engine, prompts, n, temperature, max_new, seeds, stop_id):
+    """sample()'s contract through the engine -> (answers, their log-probs), answer k of
+    prompt i at i·n + k. Each prompt goes in as n requests: the first computes it, the n-1
+    others are held behind it (the engine's `after`) and start from its blocks as prefix-
+    cache hits. Each request has its own seeded generator (the engine's sampler: other
+    draws than sample()'s Gumbel noise, from the same law; greedy: the same tokens)."""
+    seqs = []
+    for prompt, seed in zip(prompts, seeds):
+        first = None
+        for k in range(n):
+            params = SamplingParams(max_tokens=max_new, temperature=temperature,
+                                    seed=(int(seed) * n + k) % 2 ** 63,
+                                    stop_token_ids=(stop_id,), logprobs=0)
+            seq = engine.add_request(prompt, params, after=first)
+            first = first or seq
+            seqs.append(seq)
+    while engine.has_work():
+        engine.step()
+    errors = [s.error for s in seqs if s.finish_reason == "error"]
+    if errors:                  # a fault the engine isolated: this batch cannot be trained on
+        raise RuntimeError(f"engine rollout failed: {errors[0]}")
+    # output_ids end with the stop token when it came, as sample()'s answers do
+    return [s.output_ids for s in seqs], [[lp for _, lp, _ in s.logprobs] for s in seqs]
 
 
 # ----------------------------------------------------------------------------------------
@@ -385,10 +345,12 @@ def step_optimizer(params, opt, world, grad_clip):
     opt.step()
 
 
-def rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, reward_fn):
+def rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, reward_fn,
+            engine=None):
     """Rollout: this rank's slice of the step's global prompts (a function of seed, step),
-    G answers each from the policy (seqkd: the teacher's; softkd: the ground truth), their
-    rewards, and the global counts. -> the batch: a dict the later steps read and extend."""
+    G answers each from the policy (seqkd: the teacher's; softkd: the ground truth; with an
+    engine, from its synced copy), their rewards, and the global counts. -> the batch: a
+    dict the later steps read and extend."""
     P = args.prompts                     # prompts per rank
     G = args.group                       # answers per prompt
     W = rt.world_size
@@ -407,6 +369,8 @@ def rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, rewar
         # ground truth, no sampling; old log-probs 0 (unused: softkd reads the teacher's logits)
         answers = [enc.encode_ordinary(p.answer + data.TERMINATOR) for p in probs]
         old = [[0.0] * len(a) for a in answers]
+    elif engine is not None:             # old: the ENGINE's log-probs, μ
+        answers, old = engine_sample(engine, prompts[::G], G, temp, args.max_new, seeds, nl)
     else:
         sampler = teacher if algo == "seqkd" else policy  # seqkd: teacher samples
         answers, old = sample(sampler, prompts[::G], G, temp, args.max_new, seeds, nl)  # G each
@@ -491,7 +455,7 @@ def policy_loss(algo, logits, b, args, norm, temp):
         # n: the global token count ("dapo" divides by it; "grpo", "bnpo", "dr_grpo" do not)
         return grpo_loss(logp, b["old_logp"], b["ref_logp"], b["adv"], mask, args.eps_low,
                          args.eps_high, args.beta, norm, args.max_new, n, W,
-                         args.kl_ratio_correction)
+                         args.kl_ratio_correction, b.get("is_weight"))
     if algo in ("ppo", "distill"):
         # per-token advantages; distill runs 1 epoch, so ρ ≈ 1: plain policy gradient
         per_tok, clipped = clipped_surrogate(logp, b["old_logp"], b["adv_t"], args.eps_low,
@@ -581,10 +545,51 @@ def make_optimizers(algo, policy, args):
     return params, opt, critic, copt
 
 
+def sample_batch(algo, policy, teacher, enc, args, rt, train_probs, j, temp, reward_fn,
+                 engine, m):
+    """Batch j from the sampler (rollout), timed, its metrics kept; tagged with the policy
+    version that sampled it (the optimizer steps taken so far: m["version"])."""
+    with StepTimer(rt.device) as t:
+        b = rollout(algo, policy, teacher, enc, args, rt, train_probs, j, temp, reward_fn,
+                    engine)
+    m["gen"] += t.seconds
+    m["sampled"] += int(b["n_tok"]) if algo != "softkd" else 0  # softkd samples none
+    for k in ("reward", "length", "len_wrong"):
+        m[k].append(b[k])
+    b["version"] = m["version"]
+    return b
+
+
+@torch.no_grad()
+def correct_off_policy(b, policy, args, m, temp):
+    """Engine rollouts: the trainer's own π_old of the sampled tokens (a no-grad forward),
+    the mismatch KL(μ‖π_old) it shows (0 where sampler and trainer compute alike), and with
+    --tis-cap C the truncated importance weight min(π_old/μ, C) -- then the clip's ratio is
+    π_θ/π_old, the trainer's own. Without it, μ stands in for π_old (as on-policy GRPO)."""
+    trainer_logp = token_logprobs(policy, b["seq"], temp)
+    kl_sum, n = allsum(*rl_sync.mismatch_kl(b["old_logp"], trainer_logp, b["mask"]))
+    m["mismatch"].append(kl_sum / max(n, 1))
+    if args.tis_cap:
+        b["is_weight"] = rl_sync.truncated_is_weight(trainer_logp, b["old_logp"], args.tis_cap)
+        b["old_logp"] = trainer_logp
+
+
+def sync_sampler(policy, engine, args, m):
+    """After the step: the trainer's weights into the engine's copy, in place, and the
+    engine's cached K/V dropped -- they were computed by the old weights, and a prefix hit
+    on them would sample the next group from a mixture of two policies."""
+    moved, seconds = rl_sync.sync_weights(policy, engine.model, args.engine_weights)
+    engine.reset_prefix_cache()
+    m["sync_bytes"] += moved
+    m["sync_s"] += seconds
+
+
 def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teacher=None):
     """Run one algorithm for args.steps steps; each step: rollout -> score -> advantages ->
-    policy loss and step (`epochs` passes, each followed by PPO's critic step). -> dict of
-    what was measured."""
+    policy loss and step (`epochs` passes, each followed by PPO's critic step). With an
+    engine (--rollout engine) the sampler runs up to K batches ahead (K =
+    --max-offpolicy-steps; 0 = on-policy) and gets the new weights after each step.
+    -> dict of what was measured."""
     reward_fn = make_reward_fn(args.reward, args.format_reward)
     norm = args.norm or ("dr_grpo" if algo == "drgrpo" else "grpo")
     # Off-policy distillation at T = 1: the teacher's distributions as they are. REINFORCE and
@@ -597,28 +602,42 @@ def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teache
     m["start"] = m["end"] = evaluate(policy, enc, test_probs, args.eval_samples, args.max_new)
     print0(f"{algo}: start | held-out greedy {m['start']['greedy']:.1%} sampled "
            f"{m['start']['sampled']:.1%} | length {m['start']['length']:.2f}")
+    engine = None
+    if args.rollout == "engine":
+        room = max(len(enc.encode_ordinary(p.prompt)) for p in train_probs)
+        engine = build_engine(policy, args, room)
     # % of the steps and an eta, at most every 10 s (and at the end): the unit that moves
     progress = Progress(algo, args.steps, unit="steps")
+    ahead = deque()               # batches sampled, not yet trained on
     for step in range(args.steps):
-        with StepTimer(rt.device) as t:
-            b = rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, reward_fn)
-        m["gen"] += t.seconds
-        m["sampled"] += int(b["n_tok"]) if algo != "softkd" else 0  # softkd samples none
-        for k in ("reward", "length", "len_wrong"):
-            m[k].append(b[k])
+        # the sampler runs ahead by at most K batches: batch step+K is sampled by the policy
+        # of step (K = 0: each batch by the policy that learns from it, today's GRPO)
+        while len(ahead) <= args.max_offpolicy_steps and step + len(ahead) < args.steps:
+            ahead.append(sample_batch(algo, policy, teacher, enc, args, rt, train_probs,
+                                      step + len(ahead), temp, reward_fn, engine, m))
+        b = ahead.popleft()
+        m["staleness"].append(m["version"] - b["version"])
         with StepTimer(rt.device) as t:
             score(algo, b, ref, teacher, critic, temp)
+            if engine is not None:
+                correct_off_policy(b, policy, args, m, temp)
         m["score"] += t.seconds
         advantages(algo, b, args, m, temp)  # no forward: arithmetic
         for _ in range(epochs):
             policy_step(algo, policy, params, opt, b, args, norm, temp, m, rt)
             if critic:  # after each policy pass
                 critic_step(critic, copt, b, args, m, rt)
+        m["version"] += 1
+        if engine is not None:
+            sync_sampler(policy, engine, args, m)
         log_step(m, algo, step, args, policy, enc, test_probs)
         progress.update(step + 1)
     critic_params = critic.num_params() if critic else 0
     m.update(algo=algo, params=policy.num_params(), critic_params=critic_params,
              held=held_besides_policy(ref, teacher, critic, m))
+    if engine is not None:
+        m["engine"] = engine.stats
+        rl_ledger.print_engine_line(m, args.steps)
     return m
 
 
@@ -634,18 +653,21 @@ def held_besides_policy(ref, teacher, critic, m):
 
 def new_metrics():
     """What train() measures: seconds per phase, tokens, peak activation bytes, and one
-    entry per step of reward, length, KL and clip fraction."""
+    entry per step of reward, length, KL and clip fraction (with an engine: staleness in
+    optimizer steps and the sampler/trainer mismatch KL too)."""
     return dict(gen=0.0, score=0.0, train=0.0, critic=0.0,
                 sampled=0, trained=0, act=0, critic_act=0,
                 zero_var=0, groups=0,
                 clip=[], reward=[], length=[], len_wrong=[], kl=[],
-                baseline=None)
+                baseline=None,
+                # engine rollouts: policy version, staleness and mismatch per batch, sync
+                version=0, staleness=[], mismatch=[], sync_bytes=0, sync_s=0.0)
 
 
 # ----------------------------------------------------------------------------------------
 # The models the runs start from: an SFT'd policy (the distillation student too) and a
-# teacher, each trained once and cached. π_ref is a copy of the policy, PPO's critic is
-# make_critic's (the loop, above).
+# teacher, each trained once by sft() and cached (training/rl_models.py). π_ref is a copy
+# of the policy, PPO's critic is make_critic's (the loop, above).
 
 def sft(model, enc, problems, steps, lr=1e-3, batch=32, seed=0, label="sft"):
     """Supervised fine-tuning on "a+b=" -> "c\\n", loss on the answer tokens only."""
@@ -667,88 +689,9 @@ def sft(model, enc, problems, steps, lr=1e-3, batch=32, seed=0, label="sft"):
     return model
 
 
-def same_tokenizer(ck, enc):       # a teacher must score the student's very tokens
-    """Whether checkpoint `ck` carries the tokenizer `enc` (compared as plain data)."""
-    return data.encoding_to_state(data.encoding_from_state(ck["tokenizer"])) == \
-        data.encoding_to_state(enc)
-
-
-def cached(path, meta, enc, build, rt):
-    """Load the model cached at `path` if it was built with the same `meta`, else build it
-    and (rank 0) save it in train.py's checkpoint format, so load_model reads it too."""
-    if path and os.path.exists(path):
-        model, ck = load_model(path, rt.device)
-        same = same_tokenizer(ck, enc)
-        # valid only for the same settings AND tokenizer; anything else rebuilds and overwrites
-        if ck.get("rl_meta") == meta and same:
-            return model
-    # Every rank runs build() (seeded): the same model as long as the kernels are deterministic
-    # (CPU; on CUDA torch.use_deterministic_algorithms would ensure it). No broadcast follows.
-    model = build()
-    if path and rt.is_main:
-        atomic_save({"config": asdict(model.config), "model": model.state_dict(),
-                     "rl_meta": meta, "tokenizer": data.encoding_to_state(enc)}, path)
-    return model
-
-
-def checkpoint_tokenizer(path):
-    """The tokenizer a checkpoint carries, read as plain data (model.load_checkpoint: never
-    unpickles objects); a file that is not one of ours is one UserError line."""
-    ck = load_checkpoint(path)
-    if not isinstance(ck, dict) or not isinstance(ck.get("tokenizer"), dict):
-        raise UserError(f"{path} carries no tokenizer (not a checkpoint written by train.py)")
-    return data.encoding_from_state(ck["tokenizer"])
-
-
-def build_models(args, rt, algos):
-    """The SFT'd policy (= the distillation student) and the teacher, from fresh inits: `small`
-    (Python-pretrained or fresh) learnt this task no faster per step than `draft`, at 3x the
-    cost (measured: 8.5% held-out after 400 steps vs draft's 6.6% after 500). Cached."""
-    if args.ckpt == "none":        # 256 bytes: tests, no corpus, no checkpoint
-        enc = data.make_encoding({bytes([i]): i for i in range(256)})
-        desc = "256-byte"
-    elif not os.path.exists(args.ckpt):
-        raise UserError(f"checkpoint {args.ckpt!r} not found (train one: python train.py)")
-    else:                          # the repo's BPE, carried by the checkpoint
-        enc = checkpoint_tokenizer(args.ckpt)
-        desc = f"BPE of {args.ckpt}"
-    # SFT's own problems (sft_seed); the RL prompts are main's draw (seed). key: all that the
-    # SFT'd weights depend on (fresh adds the preset and the steps).
-    train = data.make_problems(args.n_train, args.sft_seed, args.digits, args.ops, "train")
-    key = dict(tokenizer=desc, digits=args.digits, ops=args.ops, n_train=args.n_train,
-               seed=args.sft_seed, lr=args.sft_lr, batch=args.sft_batch)
-
-    def fresh(name, preset, steps):
-        """The SFT'd model `name`: from its cache file when one was built with these
-        settings, else trained here (with a progress line) and cached."""
-        path = os.path.join(args.cache_dir, f"rl_{name}.pt") if args.cache_dir else ""
-        if args.ckpt == "none":
-            path = ""                      # byte tokenizer runs (tests) are never cached
-        meta = {**key, "preset": preset, "steps": steps}
-
-        def build():
-            model = GPT(get_config(preset, vocab_size=enc.n_vocab), seed=args.sft_seed)
-            label = f"SFT of the {name} model ({preset}, cached in {path or 'no file'})"
-            return sft(model.to(rt.device), enc, train, steps, args.sft_lr, args.sft_batch,
-                       args.sft_seed, label=label)
-        return cached(path, meta, enc, build, rt)
-    out = dict(enc=enc, desc=desc, policy=fresh("sft", args.preset, args.sft_steps))
-    if any(a in DISTILL_ALGOS for a in algos):
-        if args.teacher == "auto":
-            out["teacher"] = fresh("teacher", args.teacher_preset, args.teacher_sft_steps)
-        else:
-            out["teacher"], ck = load_model(args.teacher, rt.device)
-            same = same_tokenizer(ck, enc)
-            # distill scores the student's token ids with the teacher: the ids must mean the same
-            if not same or out["teacher"].config.vocab_size != enc.n_vocab:
-                raise UserError(f"teacher {args.teacher} has a different tokenizer from the "
-                                f"student's ({desc}): its log-probs score other tokens")
-    return out
-
-
 # ----------------------------------------------------------------------------------------
-# The runs and their ledger: distill_metrics (below) measures the distilled students;
-# training/rl_ledger.py lays out the tables of what train() measured.
+# The runs and their ledger: training/rl_rollout.distill_metrics measures the distilled
+# students; training/rl_ledger.py lays out the tables of what train() measured.
 
 def chosen_algos(args):
     """The algorithms this run trains, each checked before minutes of model building."""
@@ -760,52 +703,14 @@ def chosen_algos(args):
             raise UserError(f"{a} needs --group G >= 2: the advantage is a reward minus its "
                             f"group's mean, and a group of one is always 0")
     make_reward_fn(args.reward, args.format_reward)          # a bad --reward fails now
+    if args.rollout == "engine" or args.lora_rank:
+        # the engine's loop (staleness, sync, the importance weight) is written for the
+        # group algorithms: their old log-probs and clip are what the correction acts on
+        other = [a for a in algos if a not in ("grpo", "drgrpo")]
+        if other:
+            raise UserError(f"--rollout engine and --lora-rank train grpo or drgrpo, not "
+                            f"{', '.join(other)}")
     return algos
-
-
-@torch.no_grad()
-def distill_metrics(student, teacher, enc, problems, max_new=8, seed=0):
-    """Closeness to the teacher: reverse KL(π_s‖π_t) per token on the student's samples,
-    forward KL(π_t‖π_s) on the teacher's (exact sums over the vocabulary); greedy agreement.
-    Exposure bias: where the student's own first answer token is a right start ("1" or "11"
-    for 116), exact match continuing from ITS OWN start vs from the data's (the BPE's split,
-    "11", all off-policy training conditions on). They differ where the student splits the
-    number its own way: states only on-policy training visits."""
-    nl = enc.encode_ordinary(data.TERMINATOR)[0]
-    prompts = [enc.encode_ordinary(p.prompt) for p in problems]
-    seeds = [seed + i for i in range(len(problems))]
-    out = {}
-    dev = student.output.weight.device
-    for name, sampler in (("rev_kl", student), ("fwd_kl", teacher)):
-        answers, _ = sample(sampler, prompts, 4, 1.0, max_new, seeds, nl)  # 4 per prompt
-        seq, mask = pack([p for p in prompts for _ in range(4)], answers, dev)
-        ls = F.log_softmax(student(seq[:, :-1])[0].float(), -1)
-        lt = F.log_softmax(teacher(seq[:, :-1])[0].float(), -1)
-        if name == "rev_kl":                # KL(p‖q) with p the sampler's distribution
-            p, q = ls, lt
-        else:
-            p, q = lt, ls
-        # exact per position (a sum over the vocabulary), averaged over the answer positions
-        kl_sum = ((p.exp() * (p - q)).sum(-1) * mask).sum().item()
-        out[name] = kl_sum / mask.sum().item()
-    own, _ = sample(student, prompts, 1, 0, max_new, seeds, nl)  # greedy
-
-    def right(i, toks):
-        return data.score(enc.decode(toks), problems[i].answer)
-    ok = [i for i, o in enumerate(own) if o[:1] != [nl] and
-          problems[i].answer.startswith(enc.decode(o[:1]))]   # a right first token
-    start = [enc.encode_ordinary(problems[i].answer)[:1] for i in ok]  # the data's split
-    from_data_start = [prompts[i] + s for i, s in zip(ok, start)]
-    cont, _ = sample(student, from_data_start, 1, 0, max_new, seeds, nl)
-    n_ok = max(len(ok), 1)
-    out["own"] = sum(right(i, own[i]) for i in ok) / n_ok
-    out["data"] = sum(right(i, s + c) for i, s, c in zip(ok, start, cont)) / n_ok
-    out["split"] = sum(own[i][:1] != s for i, s in zip(ok, start)) / n_ok
-    teach, _ = sample(teacher, prompts, 1, 0, max_new, seeds, nl)
-    out["free"] = sum(right(i, o) for i, o in enumerate(own)) / len(problems)
-    agree = sum(enc.decode(a) == enc.decode(b) for a, b in zip(own, teach))
-    out["agree"] = agree / len(problems)
-    return out
 
 
 def task_problems(args):
@@ -836,6 +741,8 @@ def run_algorithms(algos, policy, teacher, enc, args, rt, train_probs, test_prob
             progress.update(i, now_on=algo)
         comm.reset()
         model = copy.deepcopy(policy)        # every algorithm starts from the same SFT'd policy
+        if args.lora_rank:   # LoRA RL: the adapter alone trains (LoRA Without Regret, 2025)
+            apply_adapters(model, "lora", rank=args.lora_rank, seed=args.seed)
         # π_ref: a frozen copy of the START policy (REINFORCE's loss ignores it: only the KL
         # metric reads it, yet the ledger counts it as held)
         ref = copy.deepcopy(policy).requires_grad_(False) if algo in RL_ALGOS else None
@@ -891,6 +798,23 @@ RL_KNOBS = [
     knob("--format-reward", 0.0, "+ weight × data.format_reward"),
 ]
 
+ROLLOUT_KNOBS = [
+    knob("--rollout", "generate", "who samples: generate (the policy itself, a plain KV "
+         "cache: the reference) or engine (serve.py's engine on a synced copy)",
+         choices=ROLLOUTS),
+    knob("--max-offpolicy-steps", 0, "K: the engine samples batch t+K while the trainer "
+         "learns on batch t (0 = on-policy)"),
+    knob("--tis-cap", 0.0, "truncated importance sampling: weigh each token by min(π_old/μ, "
+         "C), π_old recomputed by the trainer; 0 = off (μ stands in for π_old)"),
+    knob("--engine-kv", "fp32", "the engine's KV cache", choices=["fp32", "int8"]),
+    knob("--engine-weights", "fp32", "the sampler's weights: the trainer's, or int8 RTN "
+         "per row (a quantized checkpoint)", choices=rl_sync.SAMPLER_WEIGHTS),
+    knob("--engine-block", 2, "the engine's KV block (tokens): only full blocks are shared, "
+         "and the task's prompts are a few tokens"),
+    knob("--lora-rank", 0, "train a LoRA adapter of this rank only, the base frozen "
+         "(0 = full fine-tuning); the sync then sends the adapter alone"),
+]
+
 DISTILL_KNOBS = [
     knob("--teacher", "auto", "checkpoint; auto = a --teacher-preset model SFT'd "
          "--teacher-sft-steps (cached)"),
@@ -925,7 +849,8 @@ RUN_KNOBS = [
     knob("--save", "", "write {algo: trained weights} here"),
 ]
 
-KNOBS = {None: MODE_KNOBS, "RL": RL_KNOBS, "distillation": DISTILL_KNOBS,
+KNOBS = {None: MODE_KNOBS, "RL": RL_KNOBS, "rollouts": ROLLOUT_KNOBS,
+         "distillation": DISTILL_KNOBS,
          "task and SFT": TASK_KNOBS, "run": RUN_KNOBS}
 
 
@@ -943,7 +868,24 @@ def parse_args(argv=None):
     # group is zero-variance and GRPO / Dr. GRPO never move. Try it and watch zero-var.
     if args.temperature < 0 or args.tau <= 0:
         raise UserError("--temperature must be >= 0 and --tau > 0")
+    check_rollout_args(args)
     return args
+
+
+def check_rollout_args(args):
+    """The rollout flags' one-line errors: the engine's knobs need the engine, K >= 0, and
+    a cap C >= 1 (below 1 it would shrink even the on-policy tokens' weight)."""
+    engine_only = dict(max_offpolicy_steps=0, tis_cap=0.0, engine_kv="fp32",
+                       engine_weights="fp32")
+    changed = [k for k, v in engine_only.items() if getattr(args, k) != v]
+    if args.rollout != "engine" and changed:
+        raise UserError(f"--{changed[0].replace('_', '-')} needs --rollout engine (generate "
+                        f"samples with the trainer's own weights)")
+    if args.max_offpolicy_steps < 0 or args.lora_rank < 0 or args.engine_block < 1:
+        raise UserError("--max-offpolicy-steps and --lora-rank must be >= 0, --engine-block "
+                        ">= 1")
+    if args.tis_cap and args.tis_cap < 1:
+        raise UserError(f"--tis-cap must be 0 (off) or >= 1, got {args.tis_cap}")
 
 def main(argv=None):
     args = parse_args(argv)
@@ -951,7 +893,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
         algos = chosen_algos(args)
         t0 = time.perf_counter()
-        models = build_models(args, rt, algos)
+        models = build_models(args, rt, any(a in DISTILL_ALGOS for a in algos), sft)
         enc = models["enc"]
         policy = models["policy"]
         teacher = models.get("teacher")

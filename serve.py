@@ -86,6 +86,7 @@ from serving.requests import GREEDY_EPS, SamplingParams, decode_tokens
 
 DEFAULT_CHECKPOINT = "out/ckpt.pt"
 POLICIES = ("fcfs", "slo")
+LOGPROBS_MODES = ("raw", "processed")     # Engine(logprobs_mode=): what a log-prob is of
 WAITING, RUNNING, HELD, FINISHED = "waiting", "running", "held", "finished"
 PREFILLED = "prefilled"    # prefill_only: first token sampled, blocks held for export_kv
 # ----------------------------------------------------------------------------------------
@@ -162,10 +163,13 @@ class Engine:
                  max_num_batched_tokens=256, max_num_seqs=64, policy="fcfs",
                  prefix_caching=True, chunked_prefill=True, kv_dtype=None, eos_id=None,
                  clock=time.perf_counter, fault_hook=None, kv_tier="none",
-                 kv_tier_blocks=1024, kv_tier_dir=None, adapters=None):
+                 kv_tier_blocks=1024, kv_tier_dir=None, adapters=None, logprobs_mode="raw"):
         cfg = model.config
         if policy not in POLICIES:
             raise UserError(f"unknown policy {policy!r}: use {' or '.join(POLICIES)}")
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise UserError(f"unknown logprobs_mode {logprobs_mode!r}: use "
+                            f"{' or '.join(LOGPROBS_MODES)}")
         if block_size < 1 or num_blocks < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise UserError("block_size, num_blocks, max_num_seqs and max_num_batched_tokens "
                             "must all be >= 1")
@@ -184,6 +188,10 @@ class Engine:
                             f"({cfg.block_size}), got {max_num_batched_tokens}")
         self.model, self.enc, self.cfg, self.clock = model.eval(), enc, cfg, clock
         self.fault_hook = fault_hook
+        # vLLM's logprobs_mode: "raw" (OpenAI's: the model's own distribution, before
+        # temperature and every adjustment) or "processed" (the law the token was drawn
+        # from: adjusted logits / temperature) -- what an RL trainer's importance ratio needs
+        self.logprobs_mode = logprobs_mode
         # Many LoRA adapters in one batch, never merged (serving/multi_lora.py): the adapted
         # linears are wrapped in place; each step tells them every token's adapter.
         self.lora = multi_lora.attach(model, adapters) if adapters is not None else None
@@ -300,6 +308,14 @@ class Engine:
 
     def has_work(self):
         return bool(self.waiting or self.running)
+
+    def reset_prefix_cache(self):
+        """New weights (an RL trainer's sync): forget the cached K/V of the old ones, which
+        would otherwise be served as prefix hits. Only between requests. -> blocks dropped."""
+        if self.live:
+            raise UserError(f"reset_prefix_cache with {len(self.live)} requests in flight: "
+                            f"their K/V come from the old weights too; finish them first")
+        return self.alloc.drop_cached()
 
     def generate(self, prompts, params=None):
         """In-process use: run a list of prompts to completion -> their Sequences
@@ -624,9 +640,13 @@ class Engine:
             # sample_next takes (B, V) rows; top_k 0 ("off" in SamplingParams) goes as None
             tok = int(sample_next(row[None], p.temperature, p.top_k or None, p.top_p,
                                   seq.generator)[0])
-        # from the raw logits, not `row`: the model's own probability of the token
+        # raw: the model's own probability of the token; processed: the sampler's, the
+        # distribution it was drawn from (greedy: the adjusted logits at temperature 1)
         if p.logprobs is not None:
-            seq.logprobs.append(logprob_entry(logits, tok, p.logprobs))
+            if self.logprobs_mode == "processed" and p.temperature >= GREEDY_EPS:
+                row = row / p.temperature
+            seq.logprobs.append(logprob_entry(logits if self.logprobs_mode == "raw" else row,
+                                              tok, p.logprobs))
         return tok
 
     def _process(self, seq, logits):

@@ -15,7 +15,7 @@ in any file ever runs.
     training.data_parallel.read_generation  train.py --dp ... --resume (a save folder)
     core.llama_format.load_folder        a Hugging Face folder given as --checkpoint
     lora.read_adapter                    lora.py --load
-    rl.checkpoint_tokenizer              rl.py --ckpt / --teacher-ckpt (the tokenizer)
+    training.rl_models.checkpoint_tokenizer  rl.py --ckpt / --teacher-ckpt (the tokenizer)
     core.data.read_documents             --data of train.py, curate.py, evaluate.py
 """
 import io
@@ -30,13 +30,13 @@ import pytest
 import torch
 
 import lora
-import rl
 from core import checkpoint, data, llama_format
 from core.errors import UserError
 from core.files import load_checkpoint
 from model import GPT, get_config
 from training import data_parallel
 from training import resume
+from training import rl_models
 
 MARKER = "ran-code.txt"          # an evil pickle creates this file (in the test's folder)
 
@@ -147,7 +147,7 @@ LOADERS = {
     "read_generation": data_parallel.read_generation,
     "load_folder": llama_format.load_folder,
     "read_adapter": lora.read_adapter,
-    "checkpoint_tokenizer": rl.checkpoint_tokenizer,
+    "checkpoint_tokenizer": rl_models.checkpoint_tokenizer,
     "read_documents": data.read_documents,
 }
 
