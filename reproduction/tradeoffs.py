@@ -476,6 +476,24 @@ RUNS = [
                            "zero_var": 15}.items()},
          "critic": grab(r"PPO's critic: \+([\d.]+k parameters \(\d+% of the policy's\))"),
          "critic_state": grab(r"PPO's critic: .*, \+([\d.]+ [KMG]?B) state")}),
+    # GRPO with its rollouts through serve.py's engine on a synced copy of the policy:
+    # rollout tok/s, generation's share of the step, the group prompts' prefix-cache hits,
+    # the weight sync per step, the sampler/trainer mismatch; then the engine two steps
+    # ahead (K = 2) with truncated importance sampling. quick: tiny, 3 steps.
+    *[Run(name, f"python rl.py --algo grpo --rollout engine{flags}",
+          "python rl.py --checkpoint none --preset tiny --digits 1 --ops +- --max-new 4 "
+          f"--steps 3 --group 4 --sft-steps 20 --eval-samples 2 --eval-problems 20 "
+          f"--algo grpo --rollout engine{flags}",
+          {"tok_s": grab(r"engine rollouts: (\d+ tok/s)"),
+           "gen_share": grab(r"generation (\d+%) of the time"),
+           "hits": grab(r"prefix-cache hits (\d+%)"),
+           "sync": grab(r"sync (\S+ \S+) in"),
+           "sync_ms": grab(r"in ([\d.]+ ms) per step"),
+           "mismatch": grab(r"mismatch KL\(μ‖π_old\) (\S+)/token"),
+           "staleness": grab(r"staleness ([\d.]+) steps"),
+           "held_out": cell("grpo", 10, after="ledger (")}, needs=("demo",))
+      for name, flags in (("rl_engine", ""),
+                          ("rl_offpolicy", " --max-offpolicy-steps 2 --tis-cap 2"))],
     # The tests behind the rows no command measures (ASSERTED above), in one pytest run.
     Run("asserted", PYTEST, PYTEST.replace(" -v ", " --collect-only -q "),
         {name: test_result(node) for name, node in ASSERTED.items()}),
@@ -856,6 +874,16 @@ ROWS = [
      "teacher forward (full-vocabulary KL) / teacher generation: {rl.softkd_vs_grpo}× / "
      "{rl.seqkd_vs_grpo}× GRPO's step",
      "exposure bias; held-out {rl.softkd_held_out} / {rl.seqkd_held_out}"),
+    # the sampler a serving engine on its own copy (verl, OpenRLHF, torchtitan's RL): the
+    # prompt shared by a group's G answers is computed once; K = 2 trades staleness for overlap
+    ("GRPO rollouts through the serving engine (`{rl_engine.cmd}`; K = 2: `{rl_offpolicy.cmd}`)",
+     "the group's prompt computed once ({rl_engine.hits} of prompt tokens from the prefix "
+     "cache); paged KV and continuous batching: {rl_engine.tok_s} sampled",
+     "a sampler copy of the weights; a sync of {rl_engine.sync}/step in {rl_engine.sync_ms}; "
+     "a no-grad forward for π_old",
+     "generation {rl_engine.gen_share} of the step; mismatch KL {rl_engine.mismatch}/token "
+     "on-policy, {rl_offpolicy.mismatch} at K = 2 (staleness {rl_offpolicy.staleness} "
+     "steps); held-out {rl_engine.held_out} / {rl_offpolicy.held_out}"),
     # bits/byte = loss_nats · tokens / (bytes · ln 2)
     ("bits/byte instead of perplexity (`{ppl.cmd}`)",
      "—", "one forward over the text; the bootstrap only resamples",
