@@ -43,6 +43,7 @@ Measured (compare, 2 shared CPU cores): a PPO step costs 1.15-1.5x a GRPO step, 
 22.7 MB state, the critic 14.3 MB. Generation is a small part here (3-token answers).
 """
 import copy
+import dataclasses
 import importlib
 from collections import deque
 import math
@@ -63,7 +64,8 @@ from serve import Engine
 from serving.requests import SamplingParams
 from training import rl_ledger, rl_sync
 from training.rl_models import build_models
-from training.rl_rollout import distill_metrics, evaluate, pack, sample, token_logprobs
+from training.rl_rollout import (batch_prompts, distill_metrics, evaluate, pack, prompt_room,
+                                 sample, token_logprobs)
 from model import PRESETS
 from core.cli import command_line, fmt_count, knob, require_at_least_one
 from core.distributed import all_reduce_flat, setup_runtime
@@ -322,9 +324,9 @@ def engine_sample(engine, prompts, n, temperature, max_new, seeds, stop_id):
 # samples its slice; every global statistic (token counts, mean reward, whitening) is summed
 # over ranks and gradients are averaged with one flat all-reduce, so 2 ranks == 1 process.
 
-def allsum(*xs):
-    """Sums of a few numbers over the ranks (on the GPU under NCCL: it reduces CUDA
-    tensors only)."""
+def allsum(*xs, group=None):
+    """Sums of a few numbers over the ranks of `group` (None: all; --rollout-rank: the
+    trainers). On the GPU under NCCL: it reduces CUDA tensors only."""
     nccl = torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
     # float64: token counts and reward sums stay exact far past fp32's 2^24. ONE all-reduce
     # for all of them (each call is a latency). Every rank must call allsum at the same points
@@ -332,45 +334,43 @@ def allsum(*xs):
     t = torch.tensor([float(x) for x in xs], dtype=torch.float64,
                      device="cuda" if nccl else "cpu")
     if torch.distributed.is_initialized():
-        comm.all_reduce(t)
+        comm.all_reduce(t, group=group)
     return t.tolist()
 
 
-def step_optimizer(params, opt, world, grad_clip):
+def step_optimizer(params, opt, world, grad_clip, group=None):
     """Average the grads over the ranks (one flat all-reduce), clip the global norm (the
     same on every rank, so replicas stay equal), step. The policy and PPO's critic each."""
-    all_reduce_flat([p.grad for p in params], divide_by=world)   # data parallel: average
+    all_reduce_flat([p.grad for p in params], group, divide_by=world)   # data parallel
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
     opt.step()
 
 
 def rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, reward_fn,
-            engine=None):
+            source=None):
     """Rollout: this rank's slice of the step's global prompts (a function of seed, step),
-    G answers each from the policy (seqkd: the teacher's; softkd: the ground truth; with an
-    engine, from its synced copy), their rewards, and the global counts. -> the batch: a
+    G answers each from the policy (seqkd: the teacher's; softkd: the ground truth; from
+    `source` when given: an Engine on a synced copy, or the sampler rank's broadcast under
+    --rollout-rank, rl_sync.Roles), their rewards, and the global counts. -> the batch: a
     dict the later steps read and extend."""
     P = args.prompts                     # prompts per rank
     G = args.group                       # answers per prompt
-    W = rt.world_size
+    W = rt.world_size                    # the ranks that train
     nl = enc.encode_ordinary(data.TERMINATOR)[0]
-    # The global batch: P·W prompt indices from (seed, step), the same list on every rank,
-    # with replacement; rank r takes P of them. Each prompt G times: rows j·G .. j·G+G-1.
-    gidx = np.random.default_rng([args.seed, step]).integers(0, len(train_probs), P * W)
-    local = range(rt.rank * P, (rt.rank + 1) * P)
-    probs = [train_probs[gidx[j]] for j in local for _ in range(G)]
-    prompts = [enc.encode_ordinary(p.prompt) for p in probs]
-    # a sampling seed per GLOBAL prompt index j (SeedSequence mixes (seed, step, j) into
-    # well-spread 32-bit seeds): prompt j gets the same answers at any world size
-    seeds = [int(np.random.SeedSequence([args.seed, step, j]).generate_state(1)[0])
-             for j in local]
+    probs, prompts, seeds = batch_prompts(args, enc, train_probs, step, rt.rank * P, P)
+    roles = source if isinstance(source, rl_sync.Roles) else None
+    version = None                       # the policy version that sampled (None: this one)
     if algo == "softkd":
         # ground truth, no sampling; old log-probs 0 (unused: softkd reads the teacher's logits)
         answers = [enc.encode_ordinary(p.answer + data.TERMINATOR) for p in probs]
         old = [[0.0] * len(a) for a in answers]
-    elif engine is not None:             # old: the ENGINE's log-probs, μ
-        answers, old = engine_sample(engine, prompts[::G], G, temp, args.max_new, seeds, nl)
+    elif roles is not None:              # the sampler rank's batch: this trainer's rows
+        everyone, lps, version = rl_sync.broadcast_batch(roles, P * G * W, args.max_new)
+        mine = slice(rt.rank * P * G, (rt.rank + 1) * P * G)
+        answers, old = everyone[mine], lps[mine]
+    elif source is not None:             # old: the ENGINE's log-probs, μ
+        answers, old = engine_sample(source, prompts[::G], G, temp, args.max_new, seeds, nl)
     else:
         sampler = teacher if algo == "seqkd" else policy  # seqkd: teacher samples
         answers, old = sample(sampler, prompts[::G], G, temp, args.max_new, seeds, nl)  # G each
@@ -379,12 +379,13 @@ def rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, rewar
     seq, mask, old_logp = pack(prompts, answers, rt.device, old)
     # wrong answers' lengths: Dr. GRPO's claim is that GRPO's 1/|o| lets these grow
     wrong = [len(a) for a, c, p in zip(answers, texts, probs) if not data.score(c, p.answer)]
-    totals = allsum(mask.sum(), rewards.sum(), len(wrong), sum(wrong))
+    group = roles.trainers if roles is not None else None    # the ranks that train
+    totals = allsum(mask.sum(), rewards.sum(), len(wrong), sum(wrong), group=group)
     n_tok, r_sum, n_wrong, len_wrong = totals
     n_answers = P * G * W                # in the global batch
-    return dict(seq=seq, mask=mask, old_logp=old_logp, rewards=rewards, world=W,
+    return dict(seq=seq, mask=mask, old_logp=old_logp, rewards=rewards, world=W, group=group,
                 n_tok=n_tok, reward=r_sum / n_answers, length=n_tok / n_answers,
-                len_wrong=len_wrong / max(n_wrong, 1))
+                len_wrong=len_wrong / max(n_wrong, 1), version=version)
 
 
 @torch.no_grad()
@@ -415,7 +416,8 @@ def advantages(algo, b, args, m, temp):
         m["baseline"] = decay * b["baseline"] + (1 - decay) * reward
     elif algo in ("grpo", "drgrpo"):
         b["adv"] = group_advantages(b["rewards"], args.group, scale=algo == "grpo")
-        m["zero_var"] += int(allsum(zero_variance_groups(b["rewards"], args.group))[0])  # global
+        zero_var = zero_variance_groups(b["rewards"], args.group)
+        m["zero_var"] += int(allsum(zero_var, group=b["group"])[0])  # global
         m["groups"] += args.prompts * b["world"]
     elif algo == "ppo":                      # KL in the reward, R at the last token, GAE
         last = mask & ~F.pad(mask[:, 1:], (0, 1))  # where R is paid
@@ -423,7 +425,7 @@ def advantages(algo, b, args, m, temp):
         kl_penalty = -args.beta * (b["old_logp"] - b["ref_logp"]) * mask
         tok_r = kl_penalty + b["rewards"][:, None] * last
         adv_t, b["returns"] = gae(tok_r, b["old_values"], mask, args.gamma, args.lam)
-        s, s2 = allsum((adv_t * mask).sum(), (adv_t ** 2 * mask).sum())
+        s, s2 = allsum((adv_t * mask).sum(), (adv_t ** 2 * mask).sum(), group=b["group"])
         mean = s / n                         # whiten over the global batch's tokens
         b["adv_t"] = (adv_t - mean) / math.sqrt(max(s2 / n - mean ** 2, 0) + 1e-8)
     elif algo == "distill":                  # dense reward: minus the reverse KL sample
@@ -438,7 +440,7 @@ def advantages(algo, b, args, m, temp):
     elif algo == "distill":                  # KL to the teacher (k1)
         kl = -b["adv_t"]
     if kl is not None:                       # the same choice on every rank: allsum is safe
-        m["kl"].append(allsum((kl * mask).sum())[0] / n)
+        m["kl"].append(allsum((kl * mask).sum(), group=b["group"])[0] / n)
 
 
 def policy_loss(algo, logits, b, args, norm, temp):
@@ -487,7 +489,7 @@ def critic_step(critic, copt, b, args, m, rt):
         values = critic(b["seq"][:, :-1])[0][..., 0]
         value_loss(values, b["old_values"], b["returns"], b["mask"], args.vf_clip, b["n_tok"],
                    b["world"]).backward()
-        step_optimizer(list(critic.parameters()), copt, b["world"], args.grad_clip)
+        step_optimizer(list(critic.parameters()), copt, b["world"], args.grad_clip, b["group"])
     m["critic"] += t.seconds
     m["critic_act"] = max(m["critic_act"], meter.bytes)
     m["critic_state"] = model_state_bytes(critic, copt)["total"]  # PPO's extra state
@@ -520,14 +522,14 @@ def policy_step(algo, policy, params, opt, b, args, norm, temp, m, rt):
         logits = policy(b["seq"][:, :-1])[0]
         loss, clipped = policy_loss(algo, logits, b, args, norm, temp)
         loss.backward()
-        step_optimizer(params, opt, b["world"], args.grad_clip)
+        step_optimizer(params, opt, b["world"], args.grad_clip, b["group"])
     m["train"] += t.seconds
     m["act"] = max(m["act"], meter.bytes)
     m["state"] = model_state_bytes(policy, opt)["total"]   # grads still held
     opt.zero_grad(set_to_none=True)
     m["trained"] += int(b["n_tok"])  # per epoch
     if clipped is not None:
-        n_clipped = allsum((clipped & b["mask"]).sum())[0]
+        n_clipped = allsum((clipped & b["mask"]).sum(), group=b["group"])[0]
         m["clip"].append(n_clipped / max(b["n_tok"], 1))
 
 
@@ -546,17 +548,19 @@ def make_optimizers(algo, policy, args):
 
 
 def sample_batch(algo, policy, teacher, enc, args, rt, train_probs, j, temp, reward_fn,
-                 engine, m):
+                 source, m):
     """Batch j from the sampler (rollout), timed, its metrics kept; tagged with the policy
-    version that sampled it (the optimizer steps taken so far: m["version"])."""
+    version that sampled it (the optimizer steps taken so far: m["version"], unless the
+    sampler rank says which)."""
     with StepTimer(rt.device) as t:
         b = rollout(algo, policy, teacher, enc, args, rt, train_probs, j, temp, reward_fn,
-                    engine)
+                    source)
     m["gen"] += t.seconds
     m["sampled"] += int(b["n_tok"]) if algo != "softkd" else 0  # softkd samples none
     for k in ("reward", "length", "len_wrong"):
         m[k].append(b[k])
-    b["version"] = m["version"]
+    if b["version"] is None:
+        b["version"] = m["version"]
     return b
 
 
@@ -567,29 +571,38 @@ def correct_off_policy(b, policy, args, m, temp):
     --tis-cap C the truncated importance weight min(π_old/μ, C) -- then the clip's ratio is
     π_θ/π_old, the trainer's own. Without it, μ stands in for π_old (as on-policy GRPO)."""
     trainer_logp = token_logprobs(policy, b["seq"], temp)
-    kl_sum, n = allsum(*rl_sync.mismatch_kl(b["old_logp"], trainer_logp, b["mask"]))
+    kl_sum, n = allsum(*rl_sync.mismatch_kl(b["old_logp"], trainer_logp, b["mask"]),
+                       group=b["group"])
     m["mismatch"].append(kl_sum / max(n, 1))
     if args.tis_cap:
         b["is_weight"] = rl_sync.truncated_is_weight(trainer_logp, b["old_logp"], args.tis_cap)
         b["old_logp"] = trainer_logp
 
 
-def sync_sampler(policy, engine, args, m):
+def sync_sampler(policy, source, args, m, rank=0):
     """After the step: the trainer's weights into the engine's copy, in place, and the
     engine's cached K/V dropped -- they were computed by the old weights, and a prefix hit
-    on them would sample the next group from a mixture of two policies."""
-    moved, seconds = rl_sync.sync_weights(policy, engine.model, args.engine_weights)
-    engine.reset_prefix_cache()
+    on them would sample the next group from a mixture of two policies. Under
+    --rollout-rank: trainer 0's broadcast to the sampler rank (which drops its cache)."""
+    if isinstance(source, rl_sync.Roles):
+        if rank != 0:                   # the other trainers hold the same weights: not sent
+            return
+        names = rl_sync.trainable_names(policy)
+        moved, seconds = rl_sync.broadcast_weights(source, policy, names, receive=False)
+    else:
+        moved, seconds = rl_sync.sync_weights(policy, source.model, args.engine_weights)
+        source.reset_prefix_cache()
     m["sync_bytes"] += moved
     m["sync_s"] += seconds
 
 
-def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teacher=None):
+def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teacher=None,
+          roles=None):
     """Run one algorithm for args.steps steps; each step: rollout -> score -> advantages ->
     policy loss and step (`epochs` passes, each followed by PPO's critic step). With an
     engine (--rollout engine) the sampler runs up to K batches ahead (K =
-    --max-offpolicy-steps; 0 = on-policy) and gets the new weights after each step.
-    -> dict of what was measured."""
+    --max-offpolicy-steps; 0 = on-policy) and gets the new weights after each step; with
+    roles (--rollout-rank) the engine is another rank's. -> dict of what was measured."""
     reward_fn = make_reward_fn(args.reward, args.format_reward)
     norm = args.norm or ("dr_grpo" if algo == "drgrpo" else "grpo")
     # Off-policy distillation at T = 1: the teacher's distributions as they are. REINFORCE and
@@ -602,24 +615,25 @@ def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teache
     m["start"] = m["end"] = evaluate(policy, enc, test_probs, args.eval_samples, args.max_new)
     print0(f"{algo}: start | held-out greedy {m['start']['greedy']:.1%} sampled "
            f"{m['start']['sampled']:.1%} | length {m['start']['length']:.2f}")
-    engine = None
-    if args.rollout == "engine":
-        room = max(len(enc.encode_ordinary(p.prompt)) for p in train_probs)
-        engine = build_engine(policy, args, room)
+    source = roles                # who samples: None (the policy), an Engine, or a rank
+    if args.rollout == "engine" and roles is None:
+        source = build_engine(policy, args, prompt_room(enc, train_probs))
+    # the sampler rank runs ahead by itself: a trainer takes each batch as it comes
+    ahead_max = 0 if roles is not None else args.max_offpolicy_steps
     # % of the steps and an eta, at most every 10 s (and at the end): the unit that moves
     progress = Progress(algo, args.steps, unit="steps")
     ahead = deque()               # batches sampled, not yet trained on
     for step in range(args.steps):
         # the sampler runs ahead by at most K batches: batch step+K is sampled by the policy
         # of step (K = 0: each batch by the policy that learns from it, today's GRPO)
-        while len(ahead) <= args.max_offpolicy_steps and step + len(ahead) < args.steps:
+        while len(ahead) <= ahead_max and step + len(ahead) < args.steps:
             ahead.append(sample_batch(algo, policy, teacher, enc, args, rt, train_probs,
-                                      step + len(ahead), temp, reward_fn, engine, m))
+                                      step + len(ahead), temp, reward_fn, source, m))
         b = ahead.popleft()
         m["staleness"].append(m["version"] - b["version"])
         with StepTimer(rt.device) as t:
             score(algo, b, ref, teacher, critic, temp)
-            if engine is not None:
+            if source is not None:
                 correct_off_policy(b, policy, args, m, temp)
         m["score"] += t.seconds
         advantages(algo, b, args, m, temp)  # no forward: arithmetic
@@ -628,17 +642,58 @@ def train(algo, policy, enc, args, rt, train_probs, test_probs, ref=None, teache
             if critic:  # after each policy pass
                 critic_step(critic, copt, b, args, m, rt)
         m["version"] += 1
-        if engine is not None:
-            sync_sampler(policy, engine, args, m)
+        if source is not None:
+            sync_sampler(policy, source, args, m, rt.rank)
         log_step(m, algo, step, args, policy, enc, test_probs)
         progress.update(step + 1)
     critic_params = critic.num_params() if critic else 0
     m.update(algo=algo, params=policy.num_params(), critic_params=critic_params,
              held=held_besides_policy(ref, teacher, critic, m))
-    if engine is not None:
-        m["engine"] = engine.stats
+    if source is not None:         # the prefix cache's counts: on the sampler rank's engine
+        m["engine"] = source.stats if roles is None else None
         rl_ledger.print_engine_line(m, args.steps)
     return m
+
+
+def sample_for_trainers(policy, enc, args, rt, roles, train_probs):
+    """The sampler rank's whole run (--rollout-rank): each step, broadcast batch t to the
+    trainers, sample ahead up to batch t+K with the weights it has (while they learn on
+    batch t: the overlap K buys), then wait for trainer 0's new weights and drop the cached
+    K/V of the old ones. Batch j is the one a single process would sample (same prompts,
+    seeds, weights): its trainers' run equals one process's."""
+    if args.lora_rank:                  # the trainers' adapters, the same A's (same seed)
+        policy = copy.deepcopy(policy)
+        apply_adapters(policy, "lora", rank=args.lora_rank, seed=args.seed)
+    names = rl_sync.trainable_names(policy)     # before build_engine freezes its copy
+    engine = build_engine(policy, args, prompt_room(enc, train_probs))
+    nl = enc.encode_ordinary(data.TERMINATOR)[0]
+    trainers = roles.sampler            # ranks 0 .. sampler-1 train
+    rows = args.prompts * args.group * trainers
+    ahead = deque()                     # (answers, log-probs, version) sampled ahead
+    version, waited, sampled = 0, 0.0, 0
+
+    def make(j):                        # batch j, every trainer's prompts, this version
+        _, prompts, seeds = batch_prompts(args, enc, train_probs, j, 0, args.prompts * trainers)
+        answers, lps = engine_sample(engine, prompts[::args.group], args.group,
+                                     args.temperature, args.max_new, seeds, nl)
+        return answers, lps, version
+    for step in range(args.steps):
+        if not ahead:
+            ahead.append(make(step))
+        answers, lps, v = ahead.popleft()
+        rl_sync.broadcast_batch(roles, rows, args.max_new, answers, lps, v)
+        sampled += sum(map(len, answers))
+        while len(ahead) < args.max_offpolicy_steps and step + 1 + len(ahead) < args.steps:
+            ahead.append(make(step + 1 + len(ahead)))    # overlaps the trainers' step
+        with StepTimer(rt.device) as t:                  # idle: waiting for the weights
+            rl_sync.broadcast_weights(roles, engine.model, names, True, args.engine_weights)
+        waited += t.seconds
+        engine.reset_prefix_cache()
+        version += 1
+    stats = engine.stats
+    print(f"sampler rank {rt.rank}: {sampled} tokens for {trainers} trainer rank(s) | "
+          f"prefix-cache hits {stats['cached_tokens'] / max(stats['prompt_tokens'], 1):.0%} "
+          f"of prompt tokens | waited {waited:.1f} s for weights", flush=True)
 
 
 def held_besides_policy(ref, teacher, critic, m):
@@ -710,6 +765,8 @@ def chosen_algos(args):
         if other:
             raise UserError(f"--rollout engine and --lora-rank train grpo or drgrpo, not "
                             f"{', '.join(other)}")
+    if args.rollout_rank and len(algos) > 1:      # the sampler rank serves one run
+        raise UserError("--rollout-rank trains one algorithm: give --algo, not compare")
     return algos
 
 
@@ -722,7 +779,7 @@ def task_problems(args):
     return train_probs, list(dict.fromkeys(drawn))     # distinct held-out problems
 
 
-def run_algorithms(algos, policy, teacher, enc, args, rt, train_probs, test_probs):
+def run_algorithms(algos, policy, teacher, enc, args, rt, train_probs, test_probs, roles=None):
     """Each algorithm from a copy of the same SFT'd policy. -> (train()'s measurements per
     algorithm, distillation rows for rl_ledger, {algo: trained weights})."""
     rows = []
@@ -748,14 +805,14 @@ def run_algorithms(algos, policy, teacher, enc, args, rt, train_probs, test_prob
         ref = copy.deepcopy(policy).requires_grad_(False) if algo in RL_ALGOS else None
         algo_teacher = teacher if algo in DISTILL_ALGOS else None
         rows.append(train(algo, model, enc, args, rt, train_probs, test_probs, ref,
-                          algo_teacher))
+                          algo_teacher, roles))
         if algo in DISTILL_ALGOS:
             r = rows[-1]
             metrics = distill_metrics(model, teacher, enc, test_probs, args.max_new)
             d_rows.append((algo, *rl_ledger.DISTILL_ROW[algo], r["trained"], r["sampled"],
                            r["end"]["greedy"], metrics))
         saved[algo] = {k: v.detach().cpu() for k, v in model.state_dict().items()}  # --save
-        if rt.world_size > 1:
+        if rt.world_size > 1 or roles is not None:
             print0(comm.report(f"data-parallel communication, {algo} (this rank)"))
     return rows, d_rows, saved
 
@@ -811,6 +868,8 @@ ROLLOUT_KNOBS = [
          "per row (a quantized checkpoint)", choices=rl_sync.SAMPLER_WEIGHTS),
     knob("--engine-block", 2, "the engine's KV block (tokens): only full blocks are shared, "
          "and the task's prompts are a few tokens"),
+    knob("--rollout-rank", False, "under torchrun: the last rank runs the engine and samples, "
+         "the others train; weights and batches go by broadcast"),
     knob("--lora-rank", 0, "train a LoRA adapter of this rank only, the base frozen "
          "(0 = full fine-tuning); the sync then sends the adapter alone"),
 ]
@@ -878,6 +937,8 @@ def check_rollout_args(args):
     engine_only = dict(max_offpolicy_steps=0, tis_cap=0.0, engine_kv="fp32",
                        engine_weights="fp32")
     changed = [k for k, v in engine_only.items() if getattr(args, k) != v]
+    if args.rollout_rank:
+        changed.append("rollout_rank")
     if args.rollout != "engine" and changed:
         raise UserError(f"--{changed[0].replace('_', '-')} needs --rollout engine (generate "
                         f"samples with the trainer's own weights)")
@@ -892,19 +953,25 @@ def main(argv=None):
     with setup_runtime(args.device) as rt:
         torch.set_num_threads(args.threads)
         algos = chosen_algos(args)
+        roles = rl_sync.make_roles(rt.world_size) if args.rollout_rank else None
         t0 = time.perf_counter()
         models = build_models(args, rt, any(a in DISTILL_ALGOS for a in algos), sft)
         enc = models["enc"]
         policy = models["policy"]
         teacher = models.get("teacher")
         train_probs, test_probs = task_problems(args)
+        if roles is not None and rt.rank == roles.sampler:   # this rank samples for the rest
+            sample_for_trainers(policy, enc, args, rt, roles, train_probs)
+            return [], []
+        if roles is not None:           # from here on, the world is the ranks that train
+            rt = dataclasses.replace(rt, world_size=roles.sampler)
         print0(f"models ready in {time.perf_counter() - t0:.0f} s | {models['desc']} | "
                f"{args.digits}-digit '{args.ops}', {len(test_probs)} held-out problems | "
                f"{args.steps} steps × "
                f"{args.prompts * rt.world_size} prompts × G={args.group}, {rt.world_size} rank(s)")
         with TimingConditions() as conditions:     # the load around the ledger's seconds
             rows, d_rows, saved = run_algorithms(algos, policy, teacher, enc, args, rt,
-                                                 train_probs, test_probs)
+                                                 train_probs, test_probs, roles)
         cmd = " ".join(["python rl.py", *(sys.argv[1:] if argv is None else argv)])
         print0(f"\nledger ({cmd}; {rt.world_size} rank(s), {rt.device}; times are wall "
                f"seconds: compare ratios, not absolutes):")

@@ -12,6 +12,7 @@ import rl
 from core import data
 from core.errors import UserError
 from model import GPT, get_config
+from tests.harness import python_cmd, run_together, torchrun_cmd
 from training import rl_sync
 
 BYTES = data.make_encoding({bytes([i]): i for i in range(256)})
@@ -122,7 +123,7 @@ def test_tis_weight_uses_the_samplers_logprobs():
     stale = tiny(seed=1)                        # a sampler that is not the trainer
     answers, mu = rl.sample(stale, PROMPTS, 2, 1.0, 6, [1, 2, 3], NL)
     seq, mask, mu_grid = rl.pack(rows, answers, "cpu", mu)
-    b = dict(seq=seq, mask=mask, old_logp=mu_grid.clone())
+    b = dict(seq=seq, mask=mask, old_logp=mu_grid.clone(), group=None)
     m = rl.new_metrics()
     rl.correct_off_policy(b, model, engine_args("--tis-cap", "2"), m, 1.0)
     with torch.no_grad():
@@ -177,12 +178,33 @@ def test_engine_runs_sync_each_step_and_lora_sends_only_the_adapter():
     assert max(lora["mismatch"]) < 1e-9
 
 
+def test_a_sampler_rank_and_a_trainer_rank_equal_one_process(tmp_path):
+    """torchrun --rollout-rank: rank 1 runs the engine and broadcasts each batch, rank 0
+    trains and broadcasts its weights back; with the sampler one step ahead (K = 1) and
+    truncated IS, the trained weights are one process's, bit for bit (same prompts, seeds,
+    weights at each version: the topology changes who computes, not what)."""
+    args = [*RUN, "--rollout", "engine", "--steps", "3", "--max-offpolicy-steps", "1",
+            "--tis-cap", "2"]
+    one, two = run_together([
+        python_cmd("rl.py", *args, "--save", tmp_path / "one.pt"),
+        torchrun_cmd(2, "rl.py", *args, "--rollout-rank", "--save", tmp_path / "two.pt")],
+        timeout=240)
+    assert one.returncode == 0, one.output
+    assert two.returncode == 0, two.output
+    assert "sampler rank 1:" in two.output and "broadcast" in two.output
+    a, b = torch.load(tmp_path / "one.pt")["grpo"], torch.load(tmp_path / "two.pt")["grpo"]
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--max-offpolicy-steps", "2"], "needs --rollout engine"),
     (["--engine-kv", "int8"], "needs --rollout engine"),
     (["--rollout", "engine", "--tis-cap", "0.5"], "--tis-cap must be"),
     (["--rollout", "engine", "--max-offpolicy-steps", "-1"], "must be >= 0"),
     (["--rollout", "engine", "--algo", "ppo"], "train grpo or drgrpo"),
+    (["--rollout-rank"], "needs --rollout engine"),
+    (["--rollout", "engine", "--rollout-rank", "--steps", "1"], "at least 2 ranks"),
 ])
 def test_bad_rollout_flags_are_one_line(argv, message):
     with pytest.raises(UserError, match=message):

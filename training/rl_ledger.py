@@ -103,12 +103,13 @@ def print_engine_line(r, steps):
     sampled tokens per second of generation, generation's share of the step, the prompt
     tokens the prefix cache served (a group's G answers share one prompt), the weight sync
     per step, the sampler/trainer mismatch KL(μ‖π_old) and the mean staleness."""
-    stats = r["engine"]
-    hits = stats["cached_tokens"] / max(stats["prompt_tokens"], 1)
+    stats = r["engine"]                 # None: the engine is another rank's (it prints them)
+    hits = (f"{stats['cached_tokens'] / max(stats['prompt_tokens'], 1):.0%}" if stats
+            else "(on the sampler rank)")
     share = r["gen"] / step_seconds(r)
     mismatch = sum(r["mismatch"]) / max(len(r["mismatch"]), 1)
     print0(f"{r['algo']} engine rollouts: {r['sampled'] / r['gen']:.0f} tok/s sampled | "
-           f"generation {share:.0%} of the time | prefix-cache hits {hits:.0%} of prompt "
+           f"generation {share:.0%} of the time | prefix-cache hits {hits} of prompt "
            f"tokens | sync {fmt_bytes(r['sync_bytes'] / steps)} in "
            f"{1e3 * r['sync_s'] / steps:.2f} ms per step | mismatch KL(μ‖π_old) "
            f"{mismatch:.2e}/token | staleness {sum(r['staleness']) / steps:.2f} steps")

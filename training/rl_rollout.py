@@ -1,10 +1,12 @@
 """
 training/rl_rollout.py -- how rl.py's answers are produced and judged without a serving
-engine: sample (G answers per prompt with a plain KV cache, each token's log-prob kept,
-Gumbel-max noise drawn per PROMPT so a prompt's answers do not depend on its rank or
-batch), pack (prompt + answer rows on the loss's grid), token_logprobs (what the trainer
-recomputes), evaluate (held-out greedy and sampled exact match) and distill_metrics (how
-close a distilled student came to its teacher, and its exposure bias).
+engine: batch_prompts (which prompts, and each one's sampling seed, make batch j; and
+prompt_room, the longest, which an engine is sized for), sample (G answers per prompt with
+a plain KV cache, each token's log-prob kept, Gumbel-max noise drawn per PROMPT so a
+prompt's answers do not depend on its rank or batch), pack (prompt + answer rows on the
+loss's grid), token_logprobs (what the trainer recomputes), evaluate (held-out greedy and
+sampled exact match) and distill_metrics (how close a distilled student came to its
+teacher, and its exposure bias).
 
 `sample` is the reference rollout (rl.py --rollout generate): the policy samples with its
 own weights, one process, in lock-step with training. rl.py's engine path
@@ -13,12 +15,36 @@ and tests/test_rl.py holds the two equal where they must be (greedy: the same to
 Costs: each prompt's prefill is computed G times (a plain cache shares no prefix between
 rows), and done rows keep decoding until the whole bucket is done.
 """
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from core import data
 from core import scores
 from model import KVCache
+
+
+def batch_prompts(args, enc, train_probs, step, first, count):
+    """Prompts first .. first+count-1 of step's global batch, each G times, and a sampling
+    seed per prompt. -> (problems, prompt token lists, seeds)."""
+    # The global batch: P·W prompt indices from (seed, step), the same list on every rank,
+    # with replacement; rank r takes P of them. Each prompt G times: rows j·G .. j·G+G-1.
+    gidx = np.random.default_rng([args.seed, step]).integers(0, len(train_probs),
+                                                             first + count)
+    local = range(first, first + count)
+    probs = [train_probs[gidx[j]] for j in local for _ in range(args.group)]
+    prompts = [enc.encode_ordinary(p.prompt) for p in probs]
+    # a sampling seed per GLOBAL prompt index j (SeedSequence mixes (seed, step, j) into
+    # well-spread 32-bit seeds): prompt j gets the same answers at any world size
+    seeds = [int(np.random.SeedSequence([args.seed, step, j]).generate_state(1)[0])
+             for j in local]
+    return probs, prompts, seeds
+
+
+def prompt_room(enc, train_probs):
+    """The longest prompt of the task, in tokens: what the engine's pool is sized for."""
+    return max(len(enc.encode_ordinary(p.prompt)) for p in train_probs)
+
 
 
 def sample(model, prompts, n, temperature, max_new, seeds, stop_id):

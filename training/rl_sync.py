@@ -28,12 +28,24 @@ things follow, one function each below:
     k3 estimator r - 1 - log r with r = π_old/μ (Schulman 2020; unbiased, never negative),
     which is exactly 0 where sampler and trainer compute the same numbers.
 
+Under torchrun with --rollout-rank the two are separate processes, as at scale: the last
+rank runs the engine and samples for the others, which train (data parallel among
+themselves). Each step the sampler broadcasts the batch it made (tokens, μ, the policy
+version that made it) and trainer 0 broadcasts the new weights to the sampler over a group
+of the two (one flat buffer: one call's latency). What a process group costs at nano scale
+is what it costs at scale: bytes on the wire, a trainer idle while the sampler generates
+(K = 0), a sampler idle while the trainers learn (unless K > 0 lets it run ahead).
+
 The part imports no topic (rl.py builds the engine and calls these); it reads plain modules
 and tensors.
 """
-import torch
+from dataclasses import dataclass
 
-from core.meters import StepTimer, tensor_bytes
+import torch
+import torch.distributed as dist
+
+from core.errors import UserError
+from core.meters import comm, StepTimer, tensor_bytes
 from core.quant_format import dequantize, rtn, target_linears
 
 # Weight formats a sampler can run (--engine-weights): the trainer's fp32 as they are, or
@@ -95,3 +107,68 @@ def mismatch_kl(sampler_logp, trainer_logp, mask):
     log_r = (trainer_logp.double() - sampler_logp.double()) * mask
     k3 = (torch.expm1(log_r) - log_r) * mask
     return k3.sum().item(), mask.sum().item()
+
+
+# ----------------------------------------------------------------------------------------
+# Separate roles under torchrun (--rollout-rank): the last rank samples, the others train.
+
+@dataclass
+class Roles:
+    sampler: int        # the sampler's global rank: the last one
+    trainers: object    # the trainers' process group: gradient averages, global sums
+    link: object        # {trainer 0, sampler}: the weight sync's broadcast
+
+
+def make_roles(world_size):
+    """Every rank must create both groups, in the same order (torch.distributed's rule for
+    new_group), even those not in them."""
+    if world_size < 2:
+        raise UserError("--rollout-rank needs torchrun with at least 2 ranks: the last "
+                        "samples, the others train")
+    sampler = world_size - 1
+    trainers = dist.new_group(list(range(sampler)))
+    link = dist.new_group([0, sampler])
+    return Roles(sampler, trainers, link)
+
+
+def broadcast_batch(roles, rows, max_new, answers=None, logps=None, version=0):
+    """The sampler's batch to every trainer: answers (rows of at most max_new tokens) as one
+    (rows, max_new) int64 tensor padded with -1, their log-probs as one fp32 tensor, and the
+    policy version that sampled them. The sampler passes its lists; a trainer passes None and
+    gets them back. -> (answers, logps, version), the whole global batch on every rank."""
+    tokens = torch.full((rows, max_new), -1, dtype=torch.int64)
+    lp = torch.zeros(rows, max_new)
+    head = torch.tensor([version], dtype=torch.int64)
+    if answers is not None:             # the sampler: its lists into the padded tensors
+        for i, (a, l) in enumerate(zip(answers, logps)):
+            tokens[i, :len(a)] = torch.tensor(a, dtype=torch.int64)
+            lp[i, :len(l)] = torch.tensor(l)
+    for t in (head, tokens, lp):        # a broadcast to all: a scatter would send each trainer
+        comm.broadcast(t, src=roles.sampler)   # only its slice (rows/trainers of them)
+    lengths = (tokens >= 0).sum(1).tolist()
+    answers = [row[:n] for row, n in zip(tokens.tolist(), lengths)]
+    logps = [row[:n] for row, n in zip(lp.tolist(), lengths)]
+    return answers, logps, int(head[0])
+
+
+def trainable_names(model):
+    """The names of a model's trainable parameters, in order: what a sync sends."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def broadcast_weights(roles, model, names, receive, fmt="fp32"):
+    """Trainer 0's trainable weights (`names`: trainable_names of the trainer's policy, the
+    same list on both sides) to the sampler, in ONE broadcast of their concatenation over
+    the two-rank link; the sampler (receive=True) copies them into its same-named
+    Parameters in place and rounds them to its format. Called by those two ranks only.
+    -> (bytes, seconds)."""
+    by_name = dict(model.named_parameters())
+    params = [by_name[n] for n in names]
+    with StepTimer(params[0].device) as t, torch.no_grad():
+        flat = torch.cat([p.reshape(-1) for p in params])
+        comm.broadcast(flat, src=0, group=roles.link)
+        if receive:
+            for p, part in zip(params, flat.split([p.numel() for p in params])):
+                p.copy_(part.view_as(p))
+            rounded_weights(model, fmt)
+    return tensor_bytes(params), t.seconds
