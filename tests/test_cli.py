@@ -27,7 +27,7 @@ COMMANDS = [
     "-m scripts.mla_bench", "streaming.py measure", "streaming.py generate",
     "disagg.py run", "disagg.py bench", "kv_router.py bench",
     "-m scripts.train_bench", "-m scripts.lora_estimate", "-m training.fp8",
-    "-m serving.multi_lora", "-m serving.structured",
+    "-m serving.multi_lora", "-m serving.structured", "-m parallelism.cost_model",
     "labs.py list", "labs.py run", "labs.py check",
 ]
 # Modules that are read, not run: --help says so and names the command that runs them.
