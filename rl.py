@@ -6,6 +6,7 @@ samples and costs (the ledger `compare` prints: training/rl_ledger.py).
 Run:  python rl.py --algo grpo          # SFT'd `draft` policy (cached in out/rl/), 40 GRPO steps
       python rl.py compare              # all 7 algorithms, same budget, two tables (~4 min)
       torchrun --standalone --nproc_per_node=2 rl.py --algo grpo    # data parallel
+      python rl.py --algo grpo --rollout engine --max-offpolicy-steps 2 --tis-cap 2
 
 Task: core/data.py's 2-digit a+b, reward 1 for the exact answer then "\n". A fresh `draft` learns
 it by SFT (cached) and stops mid-way, 68% held-out greedy / 48% sampled: room for RL, and
@@ -38,6 +39,16 @@ policy that sampled (its log-probs kept), π_ref: the frozen start, ρ = π_θ/�
    mass-covering (cover all the teacher finds plausible); sequence-level KD (Kim & Rush
    2016), cross-entropy on teacher samples. Both learn only from prefixes someone else
    wrote: exposure bias, measured as continuing from its own right start vs the data's.
+ - Rollouts from a serving engine (--rollout engine), as RL for reasoning models runs now
+   (verl, OpenRLHF, torchtitan's RL): serve.py's engine samples on its own copy of the
+   weights (paged KV; a group's G answers share its prompt's blocks), the trainer learns,
+   and after each step the new weights are synced in place (its cached K/V dropped). The
+   engine may run K steps ahead (--max-offpolicy-steps): each batch carries the version
+   that sampled it, the clip's ratio uses the sampler's log-probs μ, and --tis-cap C
+   weighs each token by min(π_old/μ, C) (truncated IS, training/rl_sync.py). Costs: a
+   second copy of the weights, the sync's bytes (an adapter's alone with --lora-rank), the
+   mismatch KL(μ‖π_old) it measures (0 in fp32; int8 KV or weights, or staleness, are
+   not); --rollout-rank puts the engine on its own torchrun rank, as at scale.
 Measured (compare, 2 shared CPU cores): a PPO step costs 1.15-1.5x a GRPO step, REINFORCE
 0.55-0.8x (one epoch, not two); the reference/teacher adds 5.7 MB of weights to the policy's
 22.7 MB state, the critic 14.3 MB. Generation is a small part here (3-token answers).
@@ -52,7 +63,6 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -720,33 +730,11 @@ def new_metrics():
 
 
 # ----------------------------------------------------------------------------------------
-# The models the runs start from: an SFT'd policy (the distillation student too) and a
-# teacher, each trained once by sft() and cached (training/rl_models.py). π_ref is a copy
-# of the policy, PPO's critic is make_critic's (the loop, above).
-
-def sft(model, enc, problems, steps, lr=1e-3, batch=32, seed=0, label="sft"):
-    """Supervised fine-tuning on "a+b=" -> "c\\n", loss on the answer tokens only."""
-    pairs = [(enc.encode_ordinary(p.prompt), enc.encode_ordinary(p.answer + data.TERMINATOR))
-             for p in problems]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    # a stream of its own: the SFT'd weights depend only on what cached()'s key records
-    rng = np.random.default_rng([seed, 1234])
-    progress = Progress(label, steps)      # a first run builds its caches for minutes
-    for step in range(steps):
-        progress.update(step)
-        rows = [pairs[i] for i in rng.integers(0, len(pairs), batch)]
-        seq, mask = pack([p for p, _ in rows], [a for _, a in rows], model.output.weight.device)
-        opt.zero_grad(set_to_none=True)
-        # -token mean of log π over the answer tokens = the answer-only cross-entropy
-        (-aggregate(token_logprobs(model, seq), mask, "bnpo")).backward()
-        opt.step()
-    progress.update(steps)
-    return model
-
-
-# ----------------------------------------------------------------------------------------
-# The runs and their ledger: training/rl_rollout.distill_metrics measures the distilled
-# students; training/rl_ledger.py lays out the tables of what train() measured.
+# The runs and their ledger. The models they start from: an SFT'd policy (the distillation
+# student too) and a teacher, each trained once by supervised fine-tuning and cached
+# (training/rl_models.py); π_ref is a copy of the policy, PPO's critic make_critic's (the
+# loop, above). training/rl_rollout.distill_metrics measures the distilled students;
+# training/rl_ledger.py lays out the tables of what train() measured.
 
 def chosen_algos(args):
     """The algorithms this run trains, each checked before minutes of model building."""
@@ -955,7 +943,7 @@ def main(argv=None):
         algos = chosen_algos(args)
         roles = rl_sync.make_roles(rt.world_size) if args.rollout_rank else None
         t0 = time.perf_counter()
-        models = build_models(args, rt, any(a in DISTILL_ALGOS for a in algos), sft)
+        models = build_models(args, rt, any(a in DISTILL_ALGOS for a in algos))
         enc = models["enc"]
         policy = models["policy"]
         teacher = models.get("teacher")
