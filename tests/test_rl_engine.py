@@ -155,6 +155,10 @@ def test_weight_sync_leaves_engine_equal_to_trainer_and_drops_the_cache():
     assert m["sync_bytes"] == 4 * model.num_params()
     assert not engine.alloc.block_of and engine.alloc.num_free == engine.alloc.num_blocks
     engine.alloc.check()
+    seq = engine.add_request(PROMPTS[0])              # in flight: its K/V would be stale too
+    with pytest.raises(UserError, match="in flight"):
+        engine.reset_prefix_cache()
+    engine.abort(seq.id)
 
 
 def test_engine_runs_sync_each_step_and_lora_sends_only_the_adapter():
