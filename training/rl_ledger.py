@@ -102,14 +102,19 @@ def print_engine_line(r, steps):
     """What rollouts through the serving engine cost and gave (rl.py --rollout engine): the
     sampled tokens per second of generation, generation's share of the step, the prompt
     tokens the prefix cache served (a group's G answers share one prompt), the weight sync
-    per step, the sampler/trainer mismatch KL(μ‖π_old) and the mean staleness."""
-    stats = r["engine"]                 # None: the engine is another rank's (it prints them)
-    hits = (f"{stats['cached_tokens'] / max(stats['prompt_tokens'], 1):.0%}" if stats
-            else "(on the sampler rank)")
+    per step, the sampler/trainer mismatch KL(μ‖π_old) and the mean staleness. With a
+    sampler rank (--rollout-rank) the trainers only WAIT for batches: that wait is shown,
+    and the sampler rank prints its own tokens and prefix hits."""
+    stats = r["engine"]                 # None: the engine is another rank's
     share = r["gen"] / step_seconds(r)
+    if stats is not None:
+        hits = stats["cached_tokens"] / max(stats["prompt_tokens"], 1)
+        source = (f"{r['sampled'] / r['gen']:.0f} tok/s sampled | generation {share:.0%} of "
+                  f"the time | prefix-cache hits {hits:.0%} of prompt tokens")
+    else:
+        source = f"waited {r['gen']:.1f} s for the sampler rank's batches ({share:.0%} of the time)"
     mismatch = sum(r["mismatch"]) / max(len(r["mismatch"]), 1)
-    print0(f"{r['algo']} engine rollouts: {r['sampled'] / r['gen']:.0f} tok/s sampled | "
-           f"generation {share:.0%} of the time | prefix-cache hits {hits} of prompt "
-           f"tokens | sync {fmt_bytes(r['sync_bytes'] / steps)} in "
-           f"{1e3 * r['sync_s'] / steps:.2f} ms per step | mismatch KL(μ‖π_old) "
-           f"{mismatch:.2e}/token | staleness {sum(r['staleness']) / steps:.2f} steps")
+    print0(f"{r['algo']} engine rollouts: {source} | sync "
+           f"{fmt_bytes(r['sync_bytes'] / steps)} in {1e3 * r['sync_s'] / steps:.2f} ms per "
+           f"step | mismatch KL(μ‖π_old) {mismatch:.2e}/token | staleness "
+           f"{sum(r['staleness']) / steps:.2f} steps")

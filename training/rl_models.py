@@ -22,8 +22,11 @@ from core.runtime import Progress
 from model import GPT, get_config
 from training.rl_rollout import pack, token_logprobs
 
+
 def sft(model, enc, problems, steps, lr=1e-3, batch=32, seed=0, label="sft"):
     """Supervised fine-tuning on "a+b=" -> "c\\n", loss on the answer tokens only."""
+    # (prompt, answer + terminator) as token lists: the answer ends with the stop token, so
+    # the policy learns to stop -- RL's rewards need the newline (core/data.py's score)
     pairs = [(enc.encode_ordinary(p.prompt), enc.encode_ordinary(p.answer + data.TERMINATOR))
              for p in problems]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -32,6 +35,7 @@ def sft(model, enc, problems, steps, lr=1e-3, batch=32, seed=0, label="sft"):
     progress = Progress(label, steps)      # a first run builds its caches for minutes
     for step in range(steps):
         progress.update(step)
+        # with replacement, `batch` problems a step; the prompt is context, not a target
         rows = [pairs[i] for i in rng.integers(0, len(pairs), batch)]
         seq, mask = pack([p for p, _ in rows], [a for _, a in rows], model.output.weight.device)
         opt.zero_grad(set_to_none=True)
