@@ -28,6 +28,7 @@ COMMANDS = [
     "disagg.py run", "disagg.py bench", "kv_router.py bench",
     "-m scripts.train_bench", "-m scripts.lora_estimate", "-m training.fp8",
     "-m serving.multi_lora", "-m serving.structured", "-m parallelism.cost_model",
+    "-m scripts.cost_check calibrate", "-m scripts.cost_check table",
     "labs.py list", "labs.py run", "labs.py check",
 ]
 # Modules that are read, not run: --help says so and names the command that runs them.
