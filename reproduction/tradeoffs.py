@@ -476,6 +476,20 @@ RUNS = [
                            "zero_var": 15}.items()},
          "critic": grab(r"PPO's critic: \+([\d.]+k parameters \(\d+% of the policy's\))"),
          "critic_state": grab(r"PPO's critic: .*, \+([\d.]+ [KMG]?B) state")}),
+    # The step-time and dollar model, from data sheets: the published runs' MFU, GPU-hours
+    # and dollars against what Meta and DeepSeek report; serving $/M tokens from the decode
+    # roofline. Arithmetic, seconds: quick is the same command.
+    Run("cost", "python parallel.py plan --published", "python parallel.py plan --published",
+        {"llama_mfu": grab(r"Llama 3 405B\s+as published\s+\S+\s+\S+\s+\S+ \|\s+(\d+%)"),
+         "llama_gpuh": grab(r"Llama 3 405B\s+as published[^|]*\|[^|]*\|\s+(\S+)"),
+         "llama_ratio": grab(r"Llama 3 405B\s+as published[^|]*\|[^|]*\|\s+\S+\s+\S+\s+(\S+)"),
+         "v3_gpuh": grab(r"DeepSeek-V3\s+as published[^|]*\|[^|]*\|\s+(\S+)"),
+         "v3_ratio": grab(r"DeepSeek-V3\s+as published[^|]*\|[^|]*\|\s+\S+\s+\S+\s+(\S+)"),
+         "v3_cost": grab(r"DeepSeek-V3\s+as published[^|]*\|[^|]*\|[^|]*\|\s+(\S+)")}),
+    Run("cost_serving", "python -m parallelism.cost_model", "python -m parallelism.cost_model",
+        {f"{name}_{batch}": grab(rf"{label}\s+{batch}\s+\d+\s+\d+\s+\S+ GB(?:\s+\S+){{3}}\s+(\S+)")
+         for name, label in (("b7", "Llama-2 7B"), ("b70", "Llama-3 70B"))
+         for batch in (1, 256)}),
     # GRPO with its rollouts through serve.py's engine on a synced copy of the policy:
     # rollout tok/s, generation's share of the step, the group prompts' prefix-cache hits,
     # the weight sync per step, the sampler/trainer mismatch; then the engine two steps
@@ -874,6 +888,15 @@ ROWS = [
      "teacher forward (full-vocabulary KL) / teacher generation: {rl.softkd_vs_grpo}× / "
      "{rl.seqkd_vs_grpo}× GRPO's step",
      "exposure bias; held-out {rl.softkd_held_out} / {rl.seqkd_held_out}"),
+    # Hockney's α–β links, 6Ψ FLOPs at 0.75 of peak, the bubble, what overlaps
+    # the published figures: Llama 3 (Dubey et al. 2024), DeepSeek-V3 (2024)
+    ("step time and dollars from data sheets (`{cost.cmd}`; serving: `{cost_serving.cmd}`)",
+     "—", "arithmetic: the planner's bytes priced by α–β links, its FLOPs at 0.75 of peak",
+     "Llama 3 405B: MFU {cost.llama_mfu} predicted vs 41% published, {cost.llama_gpuh} "
+     "GPU-hours (×{cost.llama_ratio} the published); DeepSeek-V3: {cost.v3_gpuh} H800-hours, "
+     "${cost.v3_cost} (×{cost.v3_ratio}); decode on an H100 at $2/h: 7B ${cost_serving.b7_1} / "
+     "${cost_serving.b7_256} per M tokens at batch 1 / 256, 70B ${cost_serving.b70_1} / "
+     "${cost_serving.b70_256}"),
     # the sampler a serving engine on its own copy (verl, OpenRLHF, torchtitan's RL): the
     # prompt shared by a group's G answers is computed once; K = 2 trades staleness for overlap
     ("GRPO rollouts through the serving engine (`{rl_engine.cmd}`; K = 2: `{rl_offpolicy.cmd}`)",
