@@ -333,11 +333,12 @@ class ServeShape:
 
 # Llama 2 7B (Touvron et al. 2023: 32 layers, 4096 wide, 32 heads, full MHA), Llama 3 70B
 # (Llama 3 paper, Table 3: 80 layers, 8192 wide, 64 heads, 8 KV heads, ffn 28672, vocab
-# 128256), and the demo model (model.py's "small" preset: tested equal).
+# 128256), and the demo model (model.py's "small" preset: tested equal), served in fp32
+# as serve.py runs it on a CPU: 4 bytes per weight and per cached K/V value.
 SERVE_SHAPES = {
     "7B": ServeShape("Llama-2 7B", 32, 4096, 32, 32, 11008, 32000),
     "70B": ServeShape("Llama-3 70B", 80, 8192, 64, 8, 28672, 128256),
-    "demo": ServeShape("demo (small)", 6, 192, 6, 2, 512, 4096),
+    "demo": ServeShape("demo (small)", 6, 192, 6, 2, 512, 4096, weight_bytes=4, kv_bytes=4),
 }
 
 
