@@ -933,6 +933,9 @@ def check_rollout_args(args):
     if args.max_offpolicy_steps < 0 or args.lora_rank < 0 or args.engine_block < 1:
         raise UserError("--max-offpolicy-steps and --lora-rank must be >= 0, --engine-block "
                         ">= 1")
+    if args.lora_rank and args.engine_weights != "fp32":   # LoRA's frozen base: not rounded
+        raise UserError("--engine-weights int8 rounds plain linears; with --lora-rank the "
+                        "adapted layers' base would stay fp32: use one or the other")
     if args.tis_cap and args.tis_cap < 1:
         raise UserError(f"--tis-cap must be 0 (off) or >= 1, got {args.tis_cap}")
 

@@ -208,6 +208,7 @@ def test_a_sampler_rank_and_a_trainer_rank_equal_one_process(tmp_path):
     (["--rollout", "engine", "--max-offpolicy-steps", "-1"], "must be >= 0"),
     (["--rollout", "engine", "--algo", "ppo"], "train grpo or drgrpo"),
     (["--rollout-rank"], "needs --rollout engine"),
+    (["--rollout", "engine", "--lora-rank", "1", "--engine-weights", "int8"], "one or the other"),
     (["--rollout", "engine", "--rollout-rank", "--steps", "1"], "at least 2 ranks"),
 ])
 def test_bad_rollout_flags_are_one_line(argv, message):
