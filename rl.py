@@ -376,7 +376,8 @@ def rollout(algo, policy, teacher, enc, args, rt, train_probs, step, temp, rewar
         answers = [enc.encode_ordinary(p.answer + data.TERMINATOR) for p in probs]
         old = [[0.0] * len(a) for a in answers]
     elif roles is not None:              # the sampler rank's batch: this trainer's rows
-        everyone, lps, version = rl_sync.broadcast_batch(roles, P * G * W, args.max_new)
+        everyone, lps, version = rl_sync.broadcast_batch(roles, P * G * W, args.max_new,
+                                                         device=rt.device)
         mine = slice(rt.rank * P * G, (rt.rank + 1) * P * G)
         answers, old = everyone[mine], lps[mine]
     elif source is not None:             # old: the ENGINE's log-probs, μ
@@ -691,7 +692,7 @@ def sample_for_trainers(policy, enc, args, rt, roles, train_probs):
         if not ahead:
             ahead.append(make(step))
         answers, lps, v = ahead.popleft()
-        rl_sync.broadcast_batch(roles, rows, args.max_new, answers, lps, v)
+        rl_sync.broadcast_batch(roles, rows, args.max_new, answers, lps, v, rt.device)
         sampled += sum(map(len, answers))
         while len(ahead) < args.max_offpolicy_steps and step + 1 + len(ahead) < args.steps:
             ahead.append(make(step + 1 + len(ahead)))    # overlaps the trainers' step

@@ -131,11 +131,12 @@ def make_roles(world_size):
     return Roles(sampler, trainers, link)
 
 
-def broadcast_batch(roles, rows, max_new, answers=None, logps=None, version=0):
+def broadcast_batch(roles, rows, max_new, answers=None, logps=None, version=0, device="cpu"):
     """The sampler's batch to every trainer: answers (rows of at most max_new tokens) as one
     (rows, max_new) int64 tensor padded with -1, their log-probs as one fp32 tensor, and the
     policy version that sampled them. The sampler passes its lists; a trainer passes None and
-    gets them back. -> (answers, logps, version), the whole global batch on every rank."""
+    gets them back. -> (answers, logps, version), the whole global batch on every rank.
+    device: the ranks' device (NCCL broadcasts CUDA tensors only)."""
     tokens = torch.full((rows, max_new), -1, dtype=torch.int64)
     lp = torch.zeros(rows, max_new)
     head = torch.tensor([version], dtype=torch.int64)
@@ -143,8 +144,10 @@ def broadcast_batch(roles, rows, max_new, answers=None, logps=None, version=0):
         for i, (a, l) in enumerate(zip(answers, logps)):
             tokens[i, :len(a)] = torch.tensor(a, dtype=torch.int64)
             lp[i, :len(l)] = torch.tensor(l)
+    head, tokens, lp = (t.to(device) for t in (head, tokens, lp))
     for t in (head, tokens, lp):        # a broadcast to all: a scatter would send each trainer
         comm.broadcast(t, src=roles.sampler)   # only its slice (rows/trainers of them)
+    head, tokens, lp = (t.cpu() for t in (head, tokens, lp))
     lengths = (tokens >= 0).sum(1).tolist()
     answers = [row[:n] for row, n in zip(tokens.tolist(), lengths)]
     logps = [row[:n] for row, n in zip(lp.tolist(), lengths)]
