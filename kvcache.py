@@ -150,13 +150,17 @@ class BlockAllocator:
                 self.tier.put(self.hash_of[block], self.tokens_of[block], block)
             # unregister before the caller writes new K/V into it: a lookup must never
             # find a block whose contents are no longer that prefix
-            del self.block_of[self.hash_of[block]]
-            self.hash_of[block] = self.tokens_of[block] = None
+            self._unregister(block)
             self.evictions += 1
         else:
             raise RuntimeError("KV block pool exhausted (the scheduler should have checked)")
         self.refcount[block] = 1
         return block
+
+    def _unregister(self, block):
+        """Its prefix no longer findable: the hash and tokens it was registered with gone."""
+        del self.block_of[self.hash_of[block]]
+        self.hash_of[block] = self.tokens_of[block] = None
 
     def acquire(self, block):
         """One more block table points at `block` (a prefix-cache hit)."""
@@ -187,8 +191,7 @@ class BlockAllocator:
             raise RuntimeError("drop_cached with blocks in use: finish the sequences first")
         dropped = list(self.evictable)
         for block in dropped:
-            del self.block_of[self.hash_of[block]]
-            self.hash_of[block] = self.tokens_of[block] = None
+            self._unregister(block)
             self.free.append(block)
         self.evictable.clear()
         if self.tier is not None:           # the second tier holds old K/V too

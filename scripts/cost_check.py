@@ -59,6 +59,7 @@ from core.meters import comm
 from core.runtime import run_cli, TimingConditions
 from model import GPT, get_config
 from parallelism import cost_model, pipeline
+from reproduction.readers import number    # a printed "15.7 MB" read back as 15.7e6
 from training import data_parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -542,7 +543,6 @@ def run_argv(mode, n, size, steps):
     return argv
 
 
-UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 SIZE = r"[\d.]+ [KMGT]?B"
 # train.py:    step    4 | loss 8.0844 | lr 4.00e-04 | 5.2k tok/s | 786 ms | state ...
 TRAIN_STEP = re.compile(r"^step\s+(\d+) \| loss \S+ \| lr \S+ \| \S+ tok/s \| (\d+) ms \|")
@@ -555,12 +555,6 @@ PARALLEL_STEP = re.compile(r"^step\s+(\d+) \| loss \S+ \| grad norm \S+ \| lr \S
 PARALLEL_LEDGER = re.compile(rf"^  (\S+)\s+(\S+)\s+(\d+)\s+({SIZE})\s+(?:{SIZE}|-)"
                              rf"\s+({SIZE})$")
 BUBBLE = re.compile(r"^mean bubble ([\d.]+)% measured vs ([\d.]+)% theory")
-
-
-def parse_bytes(text):
-    """'15.7 MB' -> 15.7e6: core/cli.py's fmt_bytes read back (decimal units)."""
-    number, unit = text.split()
-    return float(number) * UNITS[unit]
 
 
 @dataclass
@@ -591,7 +585,7 @@ def parse_run(script, output):
                 got.seconds.append(int(m[2]) / 1e3)
             m = TRAIN_LEDGER.match(line)
             if m:
-                got.sent.append(parse_bytes(m[5]))
+                got.sent.append(number(m[5]))
             continue
         m = PARALLEL_STEP.match(line)
         if m:
@@ -601,7 +595,7 @@ def parse_run(script, output):
         in_ledger = in_ledger or line.startswith("ledger (")
         m = PARALLEL_LEDGER.match(line) if in_ledger else None
         if m:
-            calls, payload, wire = int(m[3]), parse_bytes(m[4]), parse_bytes(m[5])
+            calls, payload, wire = int(m[3]), number(m[4]), number(m[5])
             got.ledger.append((m[2], m[1], calls, payload, wire))
         m = BUBBLE.match(line)
         if m:

@@ -67,25 +67,37 @@ def rounded_weights(sampler, fmt):
             w.copy_(dequantize(stored, w.shape, 8, w.shape[1]).to(w.dtype))
 
 
+def trainable_names(model):
+    """The names of a model's trainable parameters, in order: what a sync sends."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def load_weights(model, names, tensors, fmt="fp32"):
+    """The sampler's end of a sync: `tensors` into `model`'s Parameters of those `names`, in
+    place (the engine's modules keep pointing at the same tensors), then rounded to its
+    format. A name it lacks: two different models, a RuntimeError."""
+    params = dict(model.named_parameters())
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise RuntimeError(f"the sampler lacks {len(missing)} of the trainer's trainable "
+                           f"parameters ({missing[0]}, ...)")
+    with torch.no_grad():
+        for name, t in zip(names, tensors):
+            params[name].copy_(t.view_as(params[name]))
+        rounded_weights(model, fmt)
+
+
 def sync_weights(trainer, sampler, fmt="fp32"):
     """Copy every TRAINABLE parameter of the trainer into the sampler's same-named one, in
-    place, then round it to the sampler's format. Frozen parameters (a LoRA run's base, the
-    embedding of a frozen run) are equal since the sampler was copied from the trainer and
-    are never sent. -> (bytes moved, seconds)."""
-    device = next(trainer.parameters()).device
-    trained = {n: p for n, p in trainer.named_parameters() if p.requires_grad}
-    with StepTimer(device) as t, torch.no_grad():
-        moved = []
-        for name, p in sampler.named_parameters():
-            if name in trained:
-                # in place: the engine's modules keep pointing at the same tensors
-                p.copy_(trained[name])
-                moved.append(trained[name])
-        if len(moved) != len(trained):     # names that differ: two different models
-            raise RuntimeError(f"sampler lacks {len(trained) - len(moved)} of the trainer's "
-                               f"trainable parameters")
-        rounded_weights(sampler, fmt)
-    return tensor_bytes(moved), t.seconds
+    place, then round it to the sampler's format. Frozen parameters (a LoRA run's base) are
+    equal since the sampler was copied from the trainer and are never sent.
+    -> (bytes moved, seconds)."""
+    names = trainable_names(trainer)
+    params = dict(trainer.named_parameters())
+    sent = [params[n] for n in names]
+    with StepTimer(sent[0].device) as t:
+        load_weights(sampler, names, sent, fmt)
+    return tensor_bytes(sent), t.seconds
 
 
 def truncated_is_weight(old_logp, sampler_logp, cap):
@@ -154,24 +166,16 @@ def broadcast_batch(roles, rows, max_new, answers=None, logps=None, version=0, d
     return answers, logps, int(head[0])
 
 
-def trainable_names(model):
-    """The names of a model's trainable parameters, in order: what a sync sends."""
-    return [n for n, p in model.named_parameters() if p.requires_grad]
-
-
 def broadcast_weights(roles, model, names, receive, fmt="fp32"):
     """Trainer 0's trainable weights (`names`: trainable_names of the trainer's policy, the
     same list on both sides) to the sampler, in ONE broadcast of their concatenation over
-    the two-rank link; the sampler (receive=True) copies them into its same-named
-    Parameters in place and rounds them to its format. Called by those two ranks only.
-    -> (bytes, seconds)."""
+    the two-rank link; the sampler (receive=True) loads them (load_weights) in place and
+    rounds them to its format. Called by those two ranks only. -> (bytes, seconds)."""
     by_name = dict(model.named_parameters())
     params = [by_name[n] for n in names]
     with StepTimer(params[0].device) as t, torch.no_grad():
         flat = torch.cat([p.reshape(-1) for p in params])
         comm.broadcast(flat, src=0, group=roles.link)
         if receive:
-            for p, part in zip(params, flat.split([p.numel() for p in params])):
-                p.copy_(part.view_as(p))
-            rounded_weights(model, fmt)
+            load_weights(model, names, flat.split([p.numel() for p in params]), fmt)
     return tensor_bytes(params), t.seconds
